@@ -1,0 +1,44 @@
+# Two commands: `make run` (set-up + every notebook through papermill into reports/)
+# and `make test` (set-up + pytest). Both are idempotent: set-up runs again only when
+# pyproject.toml or constraints.txt change.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
+# Keep every cache out of the user's home folder.
+export MPLCONFIGDIR            := $(CURDIR)/$(VENV)/cache/matplotlib
+export IPYTHONDIR              := $(CURDIR)/$(VENV)/cache/ipython
+export JUPYTER_CONFIG_DIR      := $(CURDIR)/$(VENV)/cache/jupyter_config
+export JUPYTER_RUNTIME_DIR     := $(CURDIR)/$(VENV)/cache/jupyter_runtime
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/cache/inductor
+export TRITON_CACHE_DIR        := $(CURDIR)/$(VENV)/cache/triton
+export MPLBACKEND              := Agg
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+
+.PHONY: setup run test lab lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch==2.13.0 (CPU) first, then lora_lab with all extras into $(VENV) ..."
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[notebooks,diffusion,kernels,dev]'
+	$(PY) -m ipykernel install --sys-prefix --name lora-lab --display-name "Python (lora-lab)" >/dev/null
+	@touch $(STAMP)
+
+run: setup
+	$(PY) -m lora_lab.notebook --out reports
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadfile -q
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ServerApp.kernel_spec_manager_class=jupyter_client.kernelspec.KernelSpecManager
+
+lint: setup
+	$(VENV)/bin/ruff check lora_lab tests benchmarks data
+
+clean:
+	rm -rf reports .pytest_cache

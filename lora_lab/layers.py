@@ -1,0 +1,74 @@
+"""One Linear layer whose weight is either frozen or trainable: the seeds' `Linear<T>` over Tensor/Var.
+
+    y = x W^T + b
+
+Frozen weights are buffers: they are not in `parameters()`, never get `.grad`, and no optimizer
+built from `model.parameters()` can step them. Trainable weights are `nn.Parameter`s. The forward
+is the same code for both, so identical weights give identical outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .params import var_from_tensor
+
+Frozen = Literal["frozen"]
+Trainable = Literal["trainable"]
+Kind = TypeVar("Kind", Frozen, Trainable)
+
+
+class Linear(nn.Module, Generic[Kind]):
+    """`Linear[Frozen]` holds buffers, `Linear[Trainable]` holds parameters; build with the two constructors."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, trainable: bool):
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"Linear weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+        if bias is not None and bias.shape != (weight.shape[0],):
+            raise ValueError(f"Linear bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        self.out_features, self.in_features = weight.shape
+        if trainable:
+            self.weight = var_from_tensor(weight)
+            self.bias = var_from_tensor(bias) if bias is not None else None
+        else:
+            self.register_buffer("weight", weight.detach())
+            self.register_buffer("bias", bias.detach() if bias is not None else None)
+
+    @classmethod
+    def frozen(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear[Frozen]":
+        """A layer whose weight and bias are buffers (shared with the tensors given, not copied)."""
+        return cls(weight, bias, trainable=False)
+
+    @classmethod
+    def trainable(
+        cls,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> "Linear[Trainable]":
+        """A layer of fresh parameters, initialised as the seeds do: weight ~ N(0, 0.02^2), bias = 0."""
+        w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
+        b = torch.zeros(out_features, device=device, dtype=dtype) if bias else None
+        return cls(w, b, trainable=True)
+
+    @property
+    def is_frozen(self) -> bool:
+        return not isinstance(self.weight, nn.Parameter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        kind = "frozen" if self.is_frozen else "trainable"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"

@@ -1,0 +1,95 @@
+"""Frozen vs trainable weights: fresh leaf parameters, memory-mapped frozen loading, counting.
+
+The seeds' Candle fork needed `make_var()` because `Var::from_tensor` failed on CUDA for tensors
+that carried graph history. In PyTorch the same need is: a fresh leaf `nn.Parameter` with its own
+contiguous storage, cut from any graph, whatever the source tensor was (a view, an expanded
+tensor, an activation in the middle of a graph).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class LoraLabError(Exception):
+    """Base class of every error lora_lab raises on purpose."""
+
+
+class WeightFileError(LoraLabError):
+    """A weights file that is missing, not a safetensors file, or damaged."""
+
+
+def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
+    """A fresh, trainable leaf `nn.Parameter` with its own contiguous storage (the seeds' `make_var`).
+
+    Works from a leaf, a non-leaf with grad history, a non-contiguous view or an expanded tensor,
+    on any device. Writing to the result never changes `t`, and `t`'s graph is not kept alive.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"var_from_tensor expects a torch.Tensor, got {type(t).__name__}")
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(
+            f"var_from_tensor needs a floating-point tensor (only those can have gradients), got {t.dtype}"
+        )
+    # detach() drops the graph; clone(contiguous_format) gives new, dense storage even for
+    # expanded tensors (stride 0), whose elements would otherwise alias each other.
+    fresh = t.detach().clone(memory_format=torch.contiguous_format)
+    return nn.Parameter(fresh, requires_grad=True)
+
+
+def load_frozen(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into frozen tensors (requires_grad=False).
+
+    On the CPU with the stored dtype the tensors are memory-mapped: no copy is made, pages are
+    read when touched. A missing, truncated or non-safetensors file raises `WeightFileError`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise WeightFileError(f"{path}: no such weights file")
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                    t = t.to(dtype)
+                out[key] = t.requires_grad_(False)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise WeightFileError(f"{path}: not a readable safetensors file ({e})") from e
+    return out
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) element counts.
+
+    Trainable: parameters with requires_grad. Frozen: parameters without it, plus the weights that
+    `lora_lab.Linear.frozen` keeps as buffers (other buffers, such as norm statistics, are not
+    weights and are not counted).
+    """
+    from .layers import Linear
+
+    trainable = frozen = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    for m in model.modules():
+        if isinstance(m, Linear) and m.is_frozen:
+            for b in (m.weight, m.bias):
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    frozen += b.numel()
+    return trainable, frozen
