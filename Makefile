@@ -18,7 +18,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
 .PHONY: setup run test lab lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VENV)/cache
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -e '.[notebooks,diffusion,kernels,dev]'
 	$(PY) -m ipykernel install --sys-prefix --name lora-lab --display-name "Python (lora-lab)" >/dev/null
 	@touch $(STAMP)
+
+$(VENV)/cache:
+	@mkdir -p $(MPLCONFIGDIR) $(IPYTHONDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_RUNTIME_DIR) $(TORCHINDUCTOR_CACHE_DIR) $(TRITON_CACHE_DIR)
 
 run: setup
 	$(PY) -m lora_lab.notebook --out reports

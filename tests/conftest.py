@@ -1,0 +1,43 @@
+"""Shared fixtures: a seed for every test, and `run_notebook` to execute a notebook with papermill."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from lora_lab.notebook import NOTEBOOKS, isolate_caches, run_notebook as _run
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def run_notebook(tmp_path):
+    """run_notebook(name, **params) -> the recorded JSON of notebooks/<name>.ipynb run with `params`.
+
+    The executed copy, figures and JSON go to a temporary folder; the JSON is returned whether or
+    not the claims held, so a test can say which one failed.
+    """
+    isolate_caches(tmp_path / "cache")
+
+    def run(name: str, **params):
+        path = NOTEBOOKS / f"{name}.ipynb"
+        assert path.exists(), f"no notebook {path}"
+        data = _run(path, tmp_path / "reports", parameters=params, timeout=600)
+        failed = [k for k, c in data.get("claims", {}).items() if not c["held"]]
+        print(json.dumps({"numbers": data.get("numbers"), "failed": failed, "error": data.get("error")}, indent=1))
+        return data
+
+    old = os.environ.get("LORA_LAB_REPORTS")
+    yield run
+    if old is None:
+        os.environ.pop("LORA_LAB_REPORTS", None)
+    else:
+        os.environ["LORA_LAB_REPORTS"] = old
