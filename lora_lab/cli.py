@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
+from pathlib import Path
+
+from .params import LoraLabError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,8 +16,99 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lora-lab",
         description="Adapter (LoRA/DoRA) training on frozen models: LoRA files, merging, diffusion training.",
     )
-    ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    add_train_parser(sub)
+    add_sample_parser(sub)
     return ap
+
+
+# ----------------------------------------------------------------------------- lora-lab train
+
+
+def add_train_parser(sub) -> argparse.ArgumentParser:
+    """`lora-lab train`: one --flag per TrainConfig field (same name, dashes), with its help and default."""
+    from .diffusion.train import TrainConfig
+
+    p = sub.add_parser(
+        "train",
+        help="train a LoRA/DoRA on a diffusion model (sd15 | sdxl | sd3 | flux)",
+        description="Train a LoRA on a diffusion model. Example: lora-lab train --model sdxl --dataset DIR "
+        "--output DIR --rank 32 --steps 1000. Runs data-parallel under torchrun.",
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        helptext = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+        elif f.name == "sample_prompts":
+            p.add_argument(flag, nargs="+", default=None, metavar="PROMPT", help=helptext)
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+            p.add_argument(flag, type=base, default=f.default, help=helptext)
+    p.set_defaults(func=_run_train)
+    return p
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .diffusion.train import TrainConfig, train
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    result = train(config)
+    if result.is_main:
+        print(f"wrote {', '.join(str(p) for p in result.outputs.values())}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- lora-lab sample
+
+
+def _lora_spec(text: str) -> tuple[Path, float]:
+    """FILE[:STRENGTH] -> (path, strength); strength defaults to 1.0."""
+    path, sep, strength = text.rpartition(":")
+    if not sep or not path:
+        return Path(text), 1.0
+    try:
+        return Path(path), float(strength)
+    except ValueError:
+        return Path(text), 1.0  # a ':' inside the path, no strength
+
+
+def add_sample_parser(sub) -> argparse.ArgumentParser:
+    """`lora-lab sample`: images from a base model with and without LoRA files at given strengths."""
+    p = sub.add_parser(
+        "sample",
+        help="make images with a diffusion model, with and without LoRAs",
+        description="Make images from one prompt and seed with the base model, and with the base plus the "
+        "given LoRA files (FILE:STRENGTH, kohya/ComfyUI or diffusers format) applied at run time.",
+    )
+    p.add_argument("--model", required=True, choices=["sd15", "sdxl", "sd3", "flux"], help="model family")
+    p.add_argument("--base", default=None, help="local diffusers folder or single file (default: tiny base in data/)")
+    p.add_argument("--lora", action="append", default=[], type=_lora_spec, metavar="FILE[:STRENGTH]",
+                   help="a LoRA file and its strength (repeat to stack several)")
+    p.add_argument("--prompt", required=True, help="the prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: 0)")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps (default: 20)")
+    p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
+    p.add_argument("--output", default="sample.png", help="PNG to write: [base | base+LoRAs] side by side")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.set_defaults(func=_run_sample)
+    return p
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    from .diffusion.train import sample_with_without
+
+    for path, _ in args.lora:
+        if not path.is_file():
+            raise LoraLabError(f"--lora {path}: no such file")
+    out = sample_with_without(
+        model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
+        steps=args.steps, guidance=args.guidance, device=args.device, path=Path(args.output),
+    )
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except LoraLabError as e:
+        print(f"lora-lab: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

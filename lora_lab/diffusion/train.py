@@ -1,0 +1,595 @@
+"""LoRA/DoRA training of a diffusion model's denoiser: `TrainConfig` and `train(config)`.
+
+One optimizer step, with per-process batch b, accumulation a and world size w (global batch G = b*a*w):
+
+    x0, text  <- G examples in the order of this epoch's permutation (cached VAE latents, text embeddings)
+    noise, t  <- drawn for all G examples from a generator seeded by (seed, step): every rank draws the same
+    loss      =  mean over the G examples of objective(denoiser + LoRA, x0, text, noise, t)
+    grad      <- all-reduce mean over ranks of (sum over the a micro-batches of grad(loss_micro) / a)
+    LoRA      <- optimizer(grad, lr(step))      lr(step): linear warm-up, then constant | linear | cosine
+
+Because the batch order, the noise and the timesteps are functions of (seed, epoch, step) alone, a run
+resumed from a checkpoint (which also holds the optimizer, scaler and the torch/numpy/python RNG states)
+continues exactly, and w processes with batch b compute the same step as one process with batch w*b.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..params import LoraLabError
+
+MODELS = ("sd15", "sdxl", "sd3", "flux")
+OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
+SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("no", "bf16", "fp16")
+LORA_FORMATS = ("kohya", "diffusers")
+
+
+class TrainConfigError(LoraLabError, ValueError):
+    """A training configuration that cannot run: a value out of range, a missing path, a bad combination."""
+
+
+class NonFiniteLossError(LoraLabError, FloatingPointError):
+    """The loss became NaN or infinite; training stopped and the last good checkpoint was kept."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; the CLI (`lora-lab train --rank 32 ...`) and the notebook build it.
+
+    Each field's `help` is the CLI's help text; `None` means "the default described there".
+    """
+
+    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux"})
+    dataset: str | None = field(
+        default=None, metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"}
+    )
+    output: str = field(default="lora_output", metadata={"help": "output folder"})
+    base: str | None = field(
+        default=None, metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"}
+    )
+    resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the base's)"})
+    # the adapter
+    rank: int = field(default=16, metadata={"help": "LoRA rank r"})
+    alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
+    dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
+    conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
+    # the optimization
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=1, metadata={"help": "examples per micro-batch per process"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches accumulated per optimizer step"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
+    schedule: str = field(default="constant", metadata={"help": "after warm-up: constant | linear | cosine"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from lr/warmup to lr"})
+    optimizer: str = field(
+        default="adamw", metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"}
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
+    # memory features
+    mixed_precision: str = field(default="no", metadata={"help": "autocast dtype: no | bf16 | fp16"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    # bookkeeping
+    seed: int = field(default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"})
+    save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps (0: only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in the output folder"})
+    sample_prompts: list[str] | None = field(
+        default=None, metadata={"help": "prompts of the with/without sample grid (default: from the dataset)"}
+    )
+    sample_steps: int = field(default=20, metadata={"help": "denoising steps of the sample grid (0: no grid)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    progress: bool = field(default=True, metadata={"help": "show a tqdm progress bar"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise TrainConfigError naming the first field whose value cannot run."""
+
+        def bad(name: str, why: str) -> None:
+            raise TrainConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name, allowed in [
+            ("model", MODELS),
+            ("optimizer", OPTIMIZERS),
+            ("schedule", SCHEDULES),
+            ("mixed_precision", PRECISIONS),
+        ]:
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {', '.join(allowed)}")
+        for name in ("rank", "steps", "batch_size", "grad_accum", "keep_checkpoints"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        for name in ("warmup_steps", "save_every", "sample_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            bad("lr", "must be a finite number > 0")
+        if self.alpha is not None and not self.alpha > 0:
+            bad("alpha", "must be > 0")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
+        if self.warmup_steps > self.steps:
+            bad("warmup_steps", f"is longer than the run (steps={self.steps})")
+        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
+            bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
+        if self.dataset is not None and not Path(self.dataset).is_dir():
+            bad("dataset", "is not a folder")
+        if self.base is not None and not Path(self.base).exists():
+            bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "TrainConfig":
+        """The config a run wrote as config.json (unknown keys are an error, not silently dropped)."""
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainConfigError(f"{path}: unknown TrainConfig field(s) {unknown}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------- pieces of the loop
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """lr(step) / lr for the optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)  # in [0, 1)
+    if config.schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW in fp32 (torch), lora_lab's block-wise 8-bit AdamW, or bitsandbytes' 8-bit AdamW."""
+    kw = dict(lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kw)
+    if config.optimizer == "adamw8bit":
+        from ..optim import AdamW8bit
+
+        return AdamW8bit(params, **kw)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise TrainConfigError("TrainConfig.optimizer='bnb-adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from e
+    return bnb.optim.AdamW8bit(params, **kw)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states that anything in the step may draw from (dropout, augmentation)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator of step `step`'s noise and timesteps: a function of (seed, step) only."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) % (2**63))
+    return g
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The data order of epoch `epoch`: a permutation of range(n), a function of (seed, epoch) only."""
+    g = torch.Generator().manual_seed((seed * 7_919 + epoch) % (2**63))
+    return torch.randperm(n, generator=g)
+
+
+def global_batch_indices(seed: int, step: int, global_batch: int, n: int) -> torch.Tensor:
+    """Dataset indices of optimizer step `step`: consecutive slots of the concatenated epoch orders."""
+    slots = torch.arange(step * global_batch, (step + 1) * global_batch)
+    epochs = slots // n
+    out = torch.empty(global_batch, dtype=torch.long)
+    for e in epochs.unique().tolist():
+        mask = epochs == e
+        out[mask] = epoch_order(seed, e, n)[slots[mask] % n]
+    return out
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp file in the same folder, fsync, then os.replace: a kill never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_path(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"step_{step:07d}.pt"
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    """The checkpoint with the highest step in <output>/checkpoints, or None."""
+    found = sorted((output / "checkpoints").glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+@dataclass
+class DistEnv:
+    """This process's place in a torchrun job (rank 0 of 1 when not launched by torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environ(cls, device_type: str) -> "DistEnv":
+        """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+    def all_reduce_mean(self, tensors: list[torch.Tensor]) -> None:
+        """In place: every tensor becomes the mean of that tensor over the ranks (one flat all-reduce)."""
+        if self.world_size == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(v.view_as(t))
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# ----------------------------------------------------------------------------- what gets adapted
+
+# Attention projections of every diffusers attention block: self- and cross-attention (UNets), and the
+# text stream's projections of SD3's and Flux's joint attention. Suffixes of module names (LoRAConfig).
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# The UNets' ResNet convolutions (LoCon), with --conv.
+CONV_TARGETS = ("conv1", "conv2")
+
+
+def checkpoint_blocks(kind: str) -> tuple[type, ...]:
+    """The block classes whose activations gradient checkpointing recomputes, per model family."""
+    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    return {
+        "sd15": (BasicTransformerBlock, ResnetBlock2D),
+        "sdxl": (BasicTransformerBlock, ResnetBlock2D),
+        "sd3": (JointTransformerBlock,),
+        "flux": (FluxTransformerBlock, FluxSingleTransformerBlock),
+    }[kind]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TrainConfigError(f"TrainConfig.device={name!r}: no CUDA device here")
+    return torch.device(name)
+
+
+def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
+    return {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: output files by kind, the per-step losses, and where this process stood."""
+
+    outputs: dict[str, Path]
+    losses: list[float]
+    steps: int
+    seconds: float
+    is_main: bool = True
+    adapted: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
+
+    Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
+                    config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
+    Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
+    """
+    from ..lora import LoRAConfig, add_lora, lora_modules
+    from .models import build_pipeline, denoiser, encode_images, encode_prompts, predict, shipped_base
+    from .objectives import diffusion_loss, objective_for
+
+    t_start = time.perf_counter()
+    config.validate()
+    device = resolve_device(config.device)
+    env = DistEnv.from_environ(device.type)
+    if device.type == "cuda" and config.device in ("auto", "cuda"):
+        device = torch.device("cuda", env.local_rank)
+    out = Path(config.output)
+    resume_from = _resume_checkpoint(config, out)
+    if env.main:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    env.barrier()
+
+    # 1. the frozen base, and the examples as cached latents and text embeddings
+    base = config.base if config.base is not None else shipped_base(config.model)
+    pipe = build_pipeline(config.model, base)
+    pipe.to(device)
+    model = denoiser(pipe)
+    resolution = config.resolution or _default_resolution(pipe, model)
+    latents, embeds, n_examples = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
+    objective = objective_for(pipe)
+    resolved = _resolved(config, base, resolution)
+
+    # 2. the adapter: every process builds the same one from the seed
+    model.requires_grad_(False)
+    if config.conv and config.model in ("sd3", "flux"):
+        raise TrainConfigError(f"TrainConfig.conv=True: the {config.model} transformer has no conv layers to adapt")
+    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
+    torch.manual_seed(config.seed)
+    adapted = add_lora(
+        model,
+        LoRAConfig(rank=config.rank, alpha=resolved.alpha, targets=targets, use_dora=config.dora, conv=config.conv),
+    )
+    model.to(device)  # the new adapter weights, too
+    if config.gradient_checkpointing:
+        from ..checkpoint import enable_checkpointing
+
+        enable_checkpointing(model, checkpoint_blocks(config.model))
+    model.train()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = make_optimizer(params, config)
+    amp_dtype = autocast_dtype(config)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.mixed_precision == "fp16")
+
+    # 3. resume: adapter, optimizer, scaler, RNG states; the data order and noise follow from the step
+    step, losses = 0, []
+    if resume_from is not None:
+        state = torch.load(resume_from, map_location="cpu", weights_only=False)
+        _check_resumable(state, resolved, n_examples, resume_from)
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state["adapter"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        step, losses = state["step"], list(state["losses"])
+    log_path = out / "loss.jsonl"
+    if env.main:
+        _truncate_log(log_path, step)
+        (out / "config.json").write_text(json.dumps(asdict(resolved), indent=2) + "\n")
+
+    # 4. the loop
+    per_process = config.batch_size * config.grad_accum
+    global_batch = per_process * env.world_size
+    last_good = resume_from
+    bar = _progress(config, env, step)
+    while step < config.steps:
+        t0 = time.perf_counter()
+        lr = config.lr * lr_factor(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        idx = global_batch_indices(config.seed, step, global_batch, n_examples)  # (G,)
+        g = step_generator(config.seed, step, torch.device("cpu"))
+        noise = torch.randn((global_batch, *latents.shape[1:]), generator=g)  # (G, C, h, w)
+        t = objective.sample_timesteps(global_batch, generator=g)  # (G,)
+        mine = slice(env.rank * per_process, (env.rank + 1) * per_process)  # this process's share
+        idx, noise, t = idx[mine], noise[mine], t[mine]
+
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for m in range(config.grad_accum):
+            mb = slice(m * config.batch_size, (m + 1) * config.batch_size)
+            x0 = latents[idx[mb]].to(device)
+            eps, tm = noise[mb].to(device), t[mb].to(device)
+            cond = {k: v[idx[mb]].to(device) for k, v in embeds.items()}
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                pred = predict(config.model, model, objective.noisy(x0, eps, tm), tm, cond,
+                               vae_scale_factor=pipe.vae_scale_factor)
+            loss = diffusion_loss(pred, objective.target(x0, eps, tm))
+            scaler.scale(loss / config.grad_accum).backward()
+            step_loss += loss.detach().double().cpu() / config.grad_accum
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        env.all_reduce_mean(grads + [step_loss])
+        step_loss = step_loss.item()
+        if not math.isfinite(step_loss):
+            bar.close()
+            raise NonFiniteLossError(
+                f"loss is {step_loss} at step {step + 1} of {config.steps} (lr {lr:.3g}); training stopped. "
+                f"The last good checkpoint is {last_good or 'none (no checkpoint was written yet)'}; "
+                "try a lower --lr, --mixed-precision no, or --max-grad-norm"
+            )
+        for p, gr in zip(params, grads):
+            p.grad = gr
+        scaler.unscale_(optimizer)
+        if config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(step_loss)
+
+        dt = time.perf_counter() - t0
+        if env.main:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": step_loss, "lr": lr, "seconds": round(dt, 4)}) + "\n")
+        bar.set_postfix(loss=f"{step_loss:.4f}", s_per_step=f"{dt:.3f}")
+        bar.update(1)
+        if (config.save_every and step % config.save_every == 0) or step == config.steps:
+            last_good = _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env)
+    bar.close()
+
+    # 5. the results: LoRA files (kohya/ComfyUI and diffusers), samples with and without the LoRA
+    outputs = {"config": out / "config.json", "loss_log": log_path, "checkpoint": last_good}
+    if env.main:
+        outputs.update(_save_lora_files(out, pipe, config.model))
+        if config.sample_steps:
+            prompts = config.sample_prompts or _default_prompts(config)
+            outputs["samples"] = _sample_grid(pipe, config.model, prompts, config.seed, config.sample_steps,
+                                              out / "samples.png")
+    env.barrier()
+    return TrainResult(outputs=outputs, losses=losses, steps=step, seconds=time.perf_counter() - t_start,
+                       is_main=env.main, adapted=adapted)
+
+
+# ----------------------------------------------------------------------------- helpers of train()
+
+
+def _resume_checkpoint(config: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run); refuse to mix a fresh run into an old one."""
+    latest = latest_checkpoint(out)
+    if config.resume and latest is None:
+        raise TrainConfigError(f"TrainConfig.resume=True but {out / 'checkpoints'} holds no checkpoint")
+    if not config.resume and latest is not None:
+        raise TrainConfigError(
+            f"{out} already holds checkpoints of a run ({latest.name}); pass --resume to continue it, "
+            "or choose another --output"
+        )
+    return latest if config.resume else None
+
+
+def _resolved(config: TrainConfig, base: Path | str | None, resolution: int) -> TrainConfig:
+    """The config with every default made explicit: what config.json records and a resume must match."""
+    from dataclasses import replace
+
+    return replace(
+        config,
+        base=None if base is None else str(base),
+        resolution=resolution,
+        alpha=float(config.rank if config.alpha is None else config.alpha),
+        dataset=str(_dataset_dir(config)),
+    )
+
+
+# What may differ between a run and its resumption: where and how it runs, not what it computes.
+_RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps"}
+
+
+def _check_resumable(state: dict, resolved: TrainConfig, n_examples: int, path: Path) -> None:
+    saved, now = state["config"], asdict(resolved)
+    changed = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise TrainConfigError(f"cannot resume from {path}: the config changed ({detail})")
+    if state["n_examples"] != n_examples:
+        raise TrainConfigError(
+            f"cannot resume from {path}: the dataset had {state['n_examples']} examples, now {n_examples}"
+        )
+
+
+def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env) -> Path:
+    """Write checkpoints/step_NNNNNNN.pt atomically (rank 0), keep the newest `keep_checkpoints`."""
+    path = checkpoint_path(out, step)
+    if env.main:
+        atomic_save(
+            {
+                "step": step,
+                "adapter": {n: p.detach().cpu().clone() for n, p in named},
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": rng_state(),
+                "losses": list(losses),
+                "config": asdict(resolved),
+                "n_examples": n_examples,
+            },
+            path,
+        )
+        for old in sorted((out / "checkpoints").glob("step_*.pt"))[: -config.keep_checkpoints]:
+            old.unlink()
+    env.barrier()
+    return path
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the loss log's lines of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _progress(config: TrainConfig, env: DistEnv, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, initial=start, desc=f"train {config.model}", unit="step",
+                disable=not (config.progress and env.main), dynamic_ncols=True)
+
+
+def _default_resolution(pipe, model) -> int:
+    """The base's native image side: the denoiser's latent sample size times the VAE's downsampling."""
+    size = getattr(model.config, "sample_size", None)
+    if size is None:  # Flux keeps no sample size: its pipeline's default is 128 latent pixels
+        size = 128 if pipe.vae_scale_factor >= 8 else 16
+    return int(size) * pipe.vae_scale_factor
+
+
+def _dataset_dir(config: TrainConfig) -> Path:
+    from .data import DEFAULT_DATASET
+
+    return Path(config.dataset) if config.dataset is not None else DEFAULT_DATASET
+
+
+def _encode_dataset(config: TrainConfig, pipe, resolution: int, encode_images, encode_prompts):
+    """Every example once through the frozen VAE and text encoders: latents (N, C, h, w), embeddings (N, ...).
+
+    The VAE posterior is sampled with a generator seeded by the config's seed, so every process (and a
+    resumed run) caches the same latents.
+    """
+    from .data import load_dataset
+
+    images, captions = load_dataset(_dataset_dir(config), resolution)  # (N, 3, H, W) in [-1, 1], N strings
+    g = torch.Generator(device=pipe.vae.device).manual_seed(config.seed)
+    latents = encode_images(pipe, images, generator=g).float().cpu()
+    embeds = encode_prompts(pipe, captions)
+    return latents, embeds, len(captions)
+
+
+def _save_lora_files(out: Path, pipe, kind: str) -> dict[str, Path]:
+    """The trained adapter as a kohya/ComfyUI file and as a diffusers/PEFT file (`load_lora_weights(out)`)."""
+    from ..formats import save_lora
+    from .models import denoiser
+
+    model = denoiser(pipe)
+    return {
+        "lora_kohya": save_lora(out / "lora.safetensors", model, format="kohya", base=kind),
+        "lora_diffusers": save_lora(out / "pytorch_lora_weights.safetensors", model, format="peft", base=kind),
+    }
