@@ -262,11 +262,24 @@ class DistEnv:
         """In place: every tensor becomes the mean of that tensor over the ranks (one flat all-reduce)."""
         if self.world_size == 1 or not tensors:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        device = tensors[0].device  # NCCL reduces CUDA tensors only: gather everything on the grads' device
+        flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
         dist.all_reduce(flat)
         flat /= self.world_size
         for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(v.view_as(t))
+
+    def check_identical(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Raise if any rank's tensors differ from rank 0's (they must: every rank applies the same update)."""
+        if self.world_size == 1:
+            return
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        ref = flat.clone()
+        dist.broadcast(ref, src=0)
+        diff = (flat - ref).abs().max().reshape(1)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        if diff.item() != 0:
+            raise LoraLabError(f"data-parallel training diverged: {what} differ across ranks by up to {diff.item():.3g}")
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -455,6 +468,7 @@ def train(config: TrainConfig) -> TrainResult:
         if (config.save_every and step % config.save_every == 0) or step == config.steps:
             last_good = _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env)
     bar.close()
+    env.check_identical(params, "the adapter weights")
 
     # 5. the results: LoRA files (kohya/ComfyUI and diffusers), samples with and without the LoRA
     outputs = {"config": out / "config.json", "loss_log": log_path, "checkpoint": last_good}

@@ -1,0 +1,158 @@
+"""diffusion/train.py: config checks, the lr schedule, exact resume after a real kill, NaN handling,
+the memory features, and the saved LoRA loading into diffusers with the same image as lora_lab's sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from lora_lab.cli import main as cli_main  # noqa: E402
+from lora_lab.diffusion.train import (  # noqa: E402
+    NonFiniteLossError,
+    TrainConfig,
+    TrainConfigError,
+    global_batch_indices,
+    lr_factor,
+    train,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = 5
+N_IMAGES = 6  # a small dataset: 6 digits, 32 x 32
+DIGITS = "zero one two three four five six seven eight nine".split()
+FAST = dict(rank=4, lr=1e-3, batch_size=2, sample_steps=0, progress=False, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """Six scikit-learn digits, white on black, upscaled to 32 x 32, captioned 'a digit <name>'."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    folder = tmp_path_factory.mktemp("digits")
+    d = load_digits()
+    for i in range(N_IMAGES):
+        img = (d.images[i] * 16).clip(0, 255).astype(np.uint8)
+        Image.fromarray(img).resize((32, 32), Image.BILINEAR).convert("RGB").save(folder / f"{i:02d}.png")
+        (folder / f"{i:02d}.txt").write_text(f"a digit {DIGITS[d.target[i]]}")
+    return folder
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- config and schedule
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("model", "sd2"), ("rank", 0), ("optimizer", "sgd"), ("mixed_precision", "fp8"), ("lr", -1.0),
+     ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step")],
+)
+def test_bad_config_is_a_clear_error(field, value):
+    with pytest.raises(TrainConfigError, match=f"TrainConfig.{field}="):
+        TrainConfig(**{field: value})
+
+
+def test_cli_bad_value_exits_2(capsys, tmp_path):
+    assert cli_main(["train", "--model", "sdxl", "--dataset", str(tmp_path / "none"), "--output", str(tmp_path)]) == 2
+    assert "lora-lab: error: TrainConfig.dataset=" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli_main(["train", "--rank", "many"])
+    assert e.value.code == 2
+
+
+def test_lr_schedule_warmup_then_cosine_and_linear():
+    cfg = TrainConfig(steps=10, warmup_steps=2, schedule="cosine")
+    got = [lr_factor(s, cfg) for s in range(10)]
+    want = [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+    assert got == pytest.approx(want)
+    lin = TrainConfig(steps=4, schedule="linear")
+    assert [lr_factor(s, lin) for s in range(4)] == pytest.approx([1.0, 0.75, 0.5, 0.25])
+
+
+def test_data_order_is_a_permutation_per_epoch():
+    n, g = 7, 3
+    seen = torch.cat([global_batch_indices(SEED, s, g, n) for s in range(7)])  # 21 slots = 3 epochs
+    for e in range(3):
+        assert sorted(seen[e * n:(e + 1) * n].tolist()) == list(range(n))
+    assert not torch.equal(seen[:n], seen[n:2 * n])  # a new order each epoch
+
+
+# ----------------------------------------------------------------------------- resume, NaN
+
+
+def test_killed_run_resumed_ends_bit_for_bit_like_an_uninterrupted_one(dataset, tmp_path):
+    """SIGKILL a CLI run after its first checkpoint, resume it, compare with a run that was never stopped."""
+    steps, every = 12, 4
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "lora_lab.cli", "train", "--model", "flux", "--dataset", str(dataset),
+           "--output", str(killed), "--steps", str(steps), "--save-every", str(every), "--rank", "4",
+           "--lr", "1e-3", "--batch-size", "2", "--seed", str(SEED), "--sample-steps", "0", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = killed / "checkpoints" / f"step_{every:07d}.pt"
+    deadline = time.time() + 240
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0].decode()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{out[-2000:]}"
+    assert not (killed / "lora.safetensors").exists()
+    done_before_kill = sorted(p.name for p in (killed / "checkpoints").glob("step_*.pt"))
+    assert done_before_kill and done_before_kill[-1] != f"step_{steps:07d}.pt"
+
+    base = dict(model="flux", dataset=str(dataset), steps=steps, save_every=every, **FAST)
+    resumed = train(TrainConfig(output=str(killed), resume=True, **base))
+    whole = train(TrainConfig(output=str(tmp_path / "whole"), **base))
+    assert resumed.steps == whole.steps == steps
+    assert resumed.losses == whole.losses  # the whole history, the killed part included
+    for key in ("lora_kohya", "lora_diffusers"):
+        assert _same_bits(_tensors(resumed.outputs[key]), _tensors(whole.outputs[key])), key
+    log = [json.loads(line) for line in (killed / "loss.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, steps + 1))  # no duplicated steps after the resume
+
+
+def test_fresh_run_into_a_used_folder_and_resume_without_checkpoint_are_errors(dataset, tmp_path):
+    with pytest.raises(TrainConfigError, match="holds no checkpoint"):
+        train(TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path), resume=True, steps=1, **FAST))
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset, tmp_path, monkeypatch):
+    from lora_lab.diffusion import objectives
+
+    real, calls = objectives.diffusion_loss, []
+
+    def loss_nan_at_step_4(pred, target):
+        calls.append(1)
+        loss = real(pred, target)
+        return loss * float("nan") if len(calls) == 4 else loss
+
+    monkeypatch.setattr(objectives, "diffusion_loss", loss_nan_at_step_4)
+    out = tmp_path / "nan"
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 4 .*step_0000002\.pt"):
+        train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2, **FAST))
+    kept = sorted(p.name for p in (out / "checkpoints").glob("*.pt"))
+    assert kept == ["step_0000002.pt"]
+    state = torch.load(out / "checkpoints" / kept[0], weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["adapter"].values())
+    assert not (out / "lora.safetensors").exists()
