@@ -156,3 +156,27 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
     state = torch.load(out / "checkpoints" / kept[0], weights_only=False)
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
     assert not (out / "lora.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- the files in diffusers
+
+
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
+def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_path, model):
+    """pipe.load_lora_weights(file) on a fresh pipeline samples the same image as the trained pipeline."""
+    from lora_lab.diffusion.models import build_pipeline, shipped_base
+    from lora_lab.diffusion.sampling import sample
+
+    result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4, lr=2e-2,
+                               batch_size=2, seed=SEED, sample_steps=0, progress=False))
+    prompt, steps = "a digit three", 4
+    ours = sample(result.pipe, prompt, seed=SEED, steps=steps)  # (1, 3, H, W) in [0, 1]
+    formats = ["lora_diffusers", "lora_kohya"] if model in ("sd15", "sdxl") else ["lora_diffusers"]
+    for key in formats:
+        pipe = build_pipeline(model, shipped_base(model))
+        plain = sample(pipe, prompt, seed=SEED, steps=steps)
+        pipe.load_lora_weights(str(result.outputs[key]))
+        theirs = sample(pipe, prompt, seed=SEED, steps=steps)
+        effect = (ours - plain).abs().max().item()
+        assert effect > 0.02, f"the LoRA hardly changes the image ({effect:.3g}): the test would prove nothing"
+        torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0, msg=f"{model} {key}")

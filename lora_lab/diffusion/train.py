@@ -35,7 +35,9 @@ MODELS = ("sd15", "sdxl", "sd3", "flux")
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("no", "bf16", "fp16")
-LORA_FORMATS = ("kohya", "diffusers")
+DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
+ENCODE_BATCH = 16  # images per VAE call when caching latents
+SAMPLE_PROMPTS = 4  # default prompts of the sample grid: the first distinct captions of the dataset
 
 
 class TrainConfigError(LoraLabError, ValueError):
@@ -62,6 +64,9 @@ class TrainConfig:
         default=None, metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"}
     )
     resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the base's)"})
+    skip_bad_images: bool = field(
+        default=False, metadata={"help": "skip unreadable images and images without a caption, with a warning"}
+    )
     # the adapter
     rank: int = field(default=16, metadata={"help": "LoRA rank r"})
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
@@ -331,6 +336,7 @@ class TrainResult:
     seconds: float
     is_main: bool = True
     adapted: list[str] = field(default_factory=list)
+    pipe: Any = field(default=None, repr=False)  # the diffusers pipeline, its denoiser holding the trained adapter
 
 
 # ----------------------------------------------------------------------------- train
@@ -365,7 +371,8 @@ def train(config: TrainConfig) -> TrainResult:
     pipe.to(device)
     model = denoiser(pipe)
     resolution = config.resolution or _default_resolution(pipe, model)
-    latents, embeds, n_examples = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
+    latents, embeds, captions = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
+    n_examples = len(captions)
     objective = objective_for(pipe)
     resolved = _resolved(config, base, resolution)
 
@@ -475,12 +482,16 @@ def train(config: TrainConfig) -> TrainResult:
     if env.main:
         outputs.update(_save_lora_files(out, pipe, config.model))
         if config.sample_steps:
-            prompts = config.sample_prompts or _default_prompts(config)
-            outputs["samples"] = _sample_grid(pipe, config.model, prompts, config.seed, config.sample_steps,
-                                              out / "samples.png")
+            if config.gradient_checkpointing:
+                from ..checkpoint import disable_checkpointing
+
+                disable_checkpointing(model)
+            model.eval()
+            prompts = config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
+            outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps, out / "samples.png")
     env.barrier()
     return TrainResult(outputs=outputs, losses=losses, steps=step, seconds=time.perf_counter() - t_start,
-                       is_main=env.main, adapted=adapted)
+                       is_main=env.main, adapted=adapted, pipe=pipe)
 
 
 # ----------------------------------------------------------------------------- helpers of train()
@@ -569,32 +580,36 @@ def _progress(config: TrainConfig, env: DistEnv, start: int):
 
 
 def _default_resolution(pipe, model) -> int:
-    """The base's native image side: the denoiser's latent sample size times the VAE's downsampling."""
-    size = getattr(model.config, "sample_size", None)
-    if size is None:  # Flux keeps no sample size: its pipeline's default is 128 latent pixels
-        size = 128 if pipe.vae_scale_factor >= 8 else 16
-    return int(size) * pipe.vae_scale_factor
+    """The base's native image side: the tiny models' RESOLUTION, else latent sample size x VAE downsampling."""
+    from .models import RESOLUTION
+
+    if pipe.vae_scale_factor < 8:  # the tiny VAE (2x); real SD/SDXL/SD3/Flux VAEs downsample 8x
+        return RESOLUTION
+    return int(getattr(model.config, "sample_size", None) or 128) * pipe.vae_scale_factor  # Flux: 1024
 
 
 def _dataset_dir(config: TrainConfig) -> Path:
-    from .data import DEFAULT_DATASET
+    from .models import DATA_DIR
 
-    return Path(config.dataset) if config.dataset is not None else DEFAULT_DATASET
+    return Path(config.dataset) if config.dataset is not None else DATA_DIR / DEFAULT_DATASET
 
 
 def _encode_dataset(config: TrainConfig, pipe, resolution: int, encode_images, encode_prompts):
     """Every example once through the frozen VAE and text encoders: latents (N, C, h, w), embeddings (N, ...).
 
     The VAE posterior is sampled with a generator seeded by the config's seed, so every process (and a
-    resumed run) caches the same latents.
+    resumed run) caches the same latents. Images go through the VAE `ENCODE_BATCH` at a time.
     """
-    from .data import load_dataset
+    from .data import ImageCaptionDataset
 
-    images, captions = load_dataset(_dataset_dir(config), resolution)  # (N, 3, H, W) in [-1, 1], N strings
+    ds = ImageCaptionDataset(_dataset_dir(config), resolution, skip_bad=config.skip_bad_images)
     g = torch.Generator(device=pipe.vae.device).manual_seed(config.seed)
-    latents = encode_images(pipe, images, generator=g).float().cpu()
-    embeds = encode_prompts(pipe, captions)
-    return latents, embeds, len(captions)
+    latents = []
+    for start in range(0, len(ds), ENCODE_BATCH):
+        images = torch.stack([ds[i]["image"] for i in range(start, min(start + ENCODE_BATCH, len(ds)))])
+        latents.append(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
+    embeds = encode_prompts(pipe, ds.captions)
+    return torch.cat(latents), embeds, ds.captions
 
 
 def _save_lora_files(out: Path, pipe, kind: str) -> dict[str, Path]:
@@ -607,3 +622,48 @@ def _save_lora_files(out: Path, pipe, kind: str) -> dict[str, Path]:
         "lora_kohya": save_lora(out / "lora.safetensors", model, format="kohya", base=kind),
         "lora_diffusers": save_lora(out / "pytorch_lora_weights.safetensors", model, format="peft", base=kind),
     }
+
+
+# ----------------------------------------------------------------------------- samples with and without
+
+
+def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path, guidance: float | None = None) -> Path:
+    """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
+
+    Both rows use the same seed, so the initial noise is the same and only the adapter differs.
+    """
+    from ..lora import lora_disabled
+    from .models import denoiser
+    from .sampling import image_grid, sample
+
+    kw = {} if guidance is None else {"guidance": guidance}
+    with lora_disabled(denoiser(pipe)):
+        without = sample(pipe, prompts, seed=seed, steps=steps, **kw)  # (P, 3, H, W) in [0, 1]
+    with_lora = sample(pipe, prompts, seed=seed, steps=steps, **kw)
+    grid = image_grid(torch.cat([without, with_lora]), rows=2, scale=max(1, 128 // without.shape[-1]))
+    tmp = path.with_name(f".{path.name}.tmp")
+    grid.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path
+
+
+def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, float]], prompts: list[str],
+                        seed: int = 0, steps: int = 20, guidance: float | None = None, device: str = "auto",
+                        path: Path = Path("sample.png")) -> Path:
+    """`lora-lab sample`: the base model's images, and the same seed's images with LoRA files applied at
+    run time at their strengths (stacked when several), as a two-row grid PNG."""
+    from ..merge import apply_loras
+    from .models import build_pipeline, denoiser, shipped_base
+    from .sampling import image_grid, sample
+
+    pipe = build_pipeline(model, base if base is not None else shipped_base(model))
+    pipe.to(resolve_device(device))
+    kw = {} if guidance is None else {"guidance": guidance}
+    without = sample(pipe, prompts, seed=seed, steps=steps, **kw)
+    if loras:
+        apply_loras(denoiser(pipe), [(str(p), s) for p, s in loras], mode="runtime")
+    with_loras = sample(pipe, prompts, seed=seed, steps=steps, **kw)
+    grid = image_grid(torch.cat([without, with_loras]), rows=2, scale=max(1, 128 // without.shape[-1]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
