@@ -14,7 +14,7 @@ from lora_lab.diffusion.models import ModelLoadError
 
 SEED = 3
 PROMPTS = ["a digit three", "a handwritten digit seven"]
-SIZE = 32  # pixels; 16x16 latents
+SIZE = M.RESOLUTION  # pixels; latents are half as wide
 
 
 def _call(pipe, kind, embeds, steps=2, **kw):
@@ -66,7 +66,7 @@ def test_predict_matches_the_pipeline_denoiser_call(kind):
         expected = unpack_latents(seen["out"], h, w)
     with torch.no_grad():
         got = M.predict(kind, den, x, t, embeds)
-    assert got.shape == (2, 4, 16, 16)
+    assert got.shape == (2, 4, SIZE // 2, SIZE // 2)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -76,7 +76,7 @@ def test_sdxl_uses_both_text_encoders_and_time_ids():
     assert e["prompt_embeds"].shape == (2, M.TEXT_LEN, 64)  # 32 (CLIP-L-like) + 32 (CLIP-G-like)
     assert e["pooled_prompt_embeds"].shape == (2, 32)
     assert not torch.equal(e["prompt_embeds"][0], e["prompt_embeds"][1])
-    x, t = torch.randn(2, 4, 16, 16), torch.tensor([500, 500])
+    x, t = torch.randn(2, 4, SIZE // 2, SIZE // 2), torch.tensor([500, 500])
     with torch.no_grad():
         a = M.predict("sdxl", pipe.unet, x, t, e)
         b = M.predict("sdxl", pipe.unet, x, t, {**e, "time_ids": M.sdxl_time_ids(2, 64, 64)})

@@ -39,6 +39,7 @@ from ..params import LoraLabError
 
 KINDS = ("sd15", "sdxl", "sd3", "flux")
 TEXT_LEN = 16  # tokens per prompt; the tiny CLIP encoders have this many positions
+RESOLUTION = 16  # pixels of the tiny models' images (sklearn's 8x8 digits, upscaled 2x); latents are 8x8
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
 # The caption vocabulary: every word here is one token for both tokenizers; other words fall back
@@ -59,12 +60,12 @@ _CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "nu
 _T5 = {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_heads": 4,
        "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32,
        "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0}
-# One VAE for every kind: 3 -> 4 channels, 2x down (32x32 images <-> 16x16 latents).
+# One VAE for every kind: 3 -> 4 channels, 2x down (16x16 images <-> 8x8 latents).
 _VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [32, 64],
         "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
-        "layers_per_block": 1, "norm_num_groups": 32, "sample_size": 32,
+        "layers_per_block": 1, "norm_num_groups": 32, "sample_size": RESOLUTION,
         "scaling_factor": 1.0, "shift_factor": 0.0}
-_UNET = {"sample_size": 16, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+_UNET = {"sample_size": RESOLUTION // 2, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
          "block_out_channels": [32, 64], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
          "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 32}
 _DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
@@ -91,9 +92,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
     "sd3": {
         # joint_attention_dim = T5 d_model (CLIP states, 32 + 32, are zero-padded to it);
         # pooled_projection_dim = 32 + 32 (both CLIP projections).
-        "transformer": {"sample_size": 16, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
+        "transformer": {"sample_size": RESOLUTION // 2, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
                         "attention_head_dim": 8, "num_attention_heads": 4, "caption_projection_dim": 32,
-                        "joint_attention_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": 32},
+                        "joint_attention_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": 16},
         "vae": _VAE,
         "text_encoder": _CLIP,
         "text_encoder_2": _CLIP,
@@ -324,7 +325,7 @@ def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Images in [-1, 1], (B, 3, H, W) -> latents (B, 4, H/2, W/2) in the denoiser's units:
+    """Images in [-1, 1], (B, 3, H, W) -> latents (B, 4, H/2, W/2) (tiny VAE) in the denoiser's units:
     (z - shift_factor) * scaling_factor, z sampled from the VAE posterior with `generator`."""
     vae = pipe.vae
     z = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator)
