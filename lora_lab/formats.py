@@ -451,6 +451,13 @@ def save_lora(
             if m.dora_scale is not None:
                 shape = (-1,) if m.down.dim() == 2 else (1, -1, 1, 1)
                 tensors[f"{name}.lora_magnitude_vector"] = m.dora_scale.reshape(shape)
+    alphas = sorted({m.alpha for m in lf.modules.values()})
+    if format == "kohya" and len(alphas) > 1:
+        warnings.warn(
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' kohya reader "
+            "(0.42) gives attention projections the most common alpha: save format='peft' for diffusers",
+            stacklevel=2,
+        )
     meta = _metadata(lf, format, base)
     meta.update(metadata or {})
     path = Path(path)
