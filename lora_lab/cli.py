@@ -8,7 +8,6 @@ from pathlib import Path
 
 from .params import LoraLabError
 
-
 # ----------------------------------------------------------------------------- LoRA files (issue 4)
 
 

@@ -321,7 +321,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
             tensors = {}
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 try:
                     tensors[key] = f.get_tensor(key)
                 except (SafetensorError, TypeError, ValueError, RuntimeError) as e:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lora_lab.diffusion.models import build_components, build_pipeline
 from lora_lab.formats import (
     COMPONENTS,
     LoraFile,
@@ -28,13 +29,12 @@ from lora_lab.formats import (
     match_modules,
     save_lora,
 )
+from lora_lab.lora import LoRAConfig, add_lora, lora_modules
+from lora_lab.merge import apply_loras
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from lora_lab.diffusion.models import build_components, build_pipeline  # noqa: E402
-from lora_lab.lora import LoRAConfig, add_lora, lora_modules  # noqa: E402
-from lora_lab.merge import apply_loras  # noqa: E402
 
 RANK = 4
 ALPHA = 2.0  # != RANK: a reader that drops alpha gets twice the change
