@@ -44,3 +44,33 @@ def test_image_grid_places_images_row_major():
     assert px[1, 1 + 5] == (255, 255, 255)             # image 3 starts row 2
     assert px[1 + 14, 1 + 5] == (128, 128, 128)        # the empty sixth cell stays grey padding
     assert px[0, 0] == (128, 128, 128)
+
+
+def test_sample_with_a_lora_file_and_strengths(tmp_path):
+    """A LoRA file at strength 1 gives the images of the model that carries that adapter; strength 0
+    gives the base's; after the call the denoiser is the base again (same modules, same images)."""
+    from lora_lab.formats import save_lora
+    from lora_lab.lora import LoRAConfig, add_lora, lora_modules
+
+    pipe = M.build_pipeline("sd15", seed=SEED)
+    base = sample(pipe, PROMPTS, seed=4, steps=3)
+    modules_before = [type(m) for m in pipe.unet.modules()]
+
+    trained = M.build_pipeline("sd15", seed=SEED)
+    add_lora(trained.unet, LoRAConfig(rank=4, alpha=4.0, targets=r".*attn[12]\.to_(q|k|v|out\.0)"))
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for _, m in lora_modules(trained.unet):
+            m.up.copy_(torch.randn(m.up.shape, generator=g) * 0.3)  # as if trained: a visible change
+    path = save_lora(tmp_path / "lora.safetensors", trained.unet, format="kohya", base="sd15")
+    want = sample(trained, PROMPTS, seed=4, steps=3)
+    assert (want - base).abs().max() > 0.01
+
+    torch.testing.assert_close(sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 1.0)]), want,
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 0.0)]), base,
+                               rtol=1e-5, atol=1e-5)
+    half = sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 0.5)])
+    assert 0 < (half - base).abs().mean() < (want - base).abs().mean()
+    assert [type(m) for m in pipe.unet.modules()] == modules_before
+    assert torch.equal(sample(pipe, PROMPTS, seed=4, steps=3), base)
