@@ -2,6 +2,16 @@
 
 __version__ = "0.1.0"
 
+from .diffusion import (
+    DatasetError,
+    ImageCaptionDataset,
+    ModelLoadError,
+    ObjectiveError,
+    build_pipeline,
+    encode_prompts,
+    objective_for,
+    sample,
+)
 from .formats import (
     LoraFile,
     LoraFormatError,
@@ -81,4 +91,13 @@ __all__ = [
     "merge_loras",
     "save_lora",
     "save_merged",
+    # diffusion/ models, objectives, data, sampling (issue 7, dcore)
+    "DatasetError",
+    "ImageCaptionDataset",
+    "ModelLoadError",
+    "ObjectiveError",
+    "build_pipeline",
+    "encode_prompts",
+    "objective_for",
+    "sample",
 ]
