@@ -2,6 +2,26 @@
 
 __version__ = "0.1.0"
 
+from .diffusion import (
+    DatasetError,
+    ImageCaptionDataset,
+    ModelLoadError,
+    ObjectiveError,
+    build_pipeline,
+    encode_prompts,
+    objective_for,
+    sample,
+)
+from .formats import (
+    LoraFile,
+    LoraFormatError,
+    LoraModule,
+    convert_lora,
+    diffusers_name,
+    kohya_name,
+    load_lora,
+    save_lora,
+)
 from .layers import Frozen, Linear, Trainable
 from .lora import (
     LoRAConfig,
@@ -20,6 +40,7 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
+from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
 from .params import (
     LoraLabError,
     TensorKindError,
@@ -55,4 +76,28 @@ __all__ = [
     "remove_lora",
     "set_lora_strength",
     "unmerge_lora",
+    # formats.py / merge.py (issue 4)
+    "AppliedLoras",
+    "LoRAStack",
+    "LoraFile",
+    "LoraFormatError",
+    "LoraModule",
+    "apply_loras",
+    "convert_lora",
+    "diffusers_name",
+    "kohya_name",
+    "load_lora",
+    "load_merged",
+    "merge_loras",
+    "save_lora",
+    "save_merged",
+    # diffusion/ models, objectives, data, sampling (issue 7, dcore)
+    "DatasetError",
+    "ImageCaptionDataset",
+    "ModelLoadError",
+    "ObjectiveError",
+    "build_pipeline",
+    "encode_prompts",
+    "objective_for",
+    "sample",
 ]

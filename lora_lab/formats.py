@@ -196,8 +196,11 @@ def kohya_name(module: str, base: str | None = None) -> str:
     return prefix + path.replace(".", "_")
 
 
-def diffusers_name(kohya: str) -> str:
+def diffusers_name(kohya: str, base: str | None = None) -> str:
     """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
+
+    `lora_unet_` is the UNet for base sd15/sdxl, the transformer for sd3/flux; with no base, the
+    transformer unless the name starts with one of the UNet's top-level modules.
 
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
     `lora_prior_`, Flux files with the original BFL names `double_blocks` / `single_blocks`).
@@ -221,18 +224,18 @@ def diffusers_name(kohya: str) -> str:
             i += 1
     path = ".".join(segments)
     if comp == "unet":
-        comp = _unet_or_transformer(kohya, segments[0])
+        comp = _unet_or_transformer(kohya, segments[0], base)
     return f"{comp}.{path}"
 
 
-def _unet_or_transformer(kohya: str, first: str) -> str:
-    if first in _UNET_TOP:
-        return "unet"
+def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
     if first in ("double", "single", "joint", "input", "middle", "output"):
         raise LoraFormatError(
             f"{kohya!r}: kohya name in the original (BFL / SAI / LDM) layout, not diffusers' module names; "
             "lora_lab reads kohya files whose names follow diffusers' modules"
         )
+    if base in ("sd15", "sdxl") or (base is None and first in _UNET_TOP):
+        return "unet"
     return "transformer"
 
 
@@ -263,6 +266,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
                 f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
             )
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
+    base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
     modules: dict[str, LoraModule] = {}
     for key, p in parts.items():
         where = f"{path}: module {key!r}"
@@ -273,7 +277,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             if "down" not in p and "up" not in p:
                 raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no lora weights")
             raise LoraFormatError(f"{where}: has {have} but no {miss}")
-        name = diffusers_name(key) if fmt == "kohya" else key
+        name = diffusers_name(key, base) if fmt == "kohya" else key
         if fmt == "kohya":
             alpha_t = p.get("alpha")
             alpha = float(alpha_t.item()) if alpha_t is not None else None
@@ -317,7 +321,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
             tensors = {}
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 try:
                     tensors[key] = f.get_tensor(key)
                 except (SafetensorError, TypeError, ValueError, RuntimeError) as e:
@@ -451,10 +455,17 @@ def save_lora(
             if m.dora_scale is not None:
                 shape = (-1,) if m.down.dim() == 2 else (1, -1, 1, 1)
                 tensors[f"{name}.lora_magnitude_vector"] = m.dora_scale.reshape(shape)
+    alphas = sorted({m.alpha for m in lf.modules.values()})
+    if format == "kohya" and len(alphas) > 1:
+        warnings.warn(
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' kohya reader "
+            "(0.42) gives attention projections the most common alpha: save format='peft' for diffusers",
+            stacklevel=2,
+        )
     meta = _metadata(lf, format, base)
     meta.update(metadata or {})
     path = Path(path)
-    _atomic_save(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    atomic_save(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
     return path
 
 
@@ -502,8 +513,8 @@ def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
     return meta
 
 
-def _atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors to a temp file in the same folder, fsync, then rename over `path`."""
+def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file atomically: a temp file in the same folder, fsync, then rename over `path`."""
     from safetensors.torch import save
 
     data = save(tensors, metadata={"format": "pt", **metadata})

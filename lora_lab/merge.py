@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .formats import LoraFile, LoraFormatError, LoraModule, load_lora, match_modules
+from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
@@ -127,6 +128,13 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
         for name, t in model.state_dict(keep_vars=True).items():
             t.copy_(merged.get(name))
     return model
+
+
+def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write every weight of `merged` (base dtype) to a safetensors file, atomically."""
+    path = Path(path)
+    atomic_save(path, {k: merged[k].contiguous() for k in merged}, metadata or {})
+    return path
 
 
 @dataclass

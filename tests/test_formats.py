@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lora_lab.diffusion.models import build_components, build_pipeline
 from lora_lab.formats import (
     COMPONENTS,
     LoraFile,
@@ -28,13 +29,12 @@ from lora_lab.formats import (
     match_modules,
     save_lora,
 )
+from lora_lab.lora import LoRAConfig, add_lora, lora_modules
+from lora_lab.merge import apply_loras
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from lora_lab.diffusion.models import build_components, build_pipeline  # noqa: E402
-from lora_lab.lora import LoRAConfig, add_lora, lora_state_dict  # noqa: E402
-from lora_lab.merge import apply_loras  # noqa: E402
 
 RANK = 4
 ALPHA = 2.0  # != RANK: a reader that drops alpha gets twice the change
@@ -298,8 +298,12 @@ def test_lora_lab_kohya_file_loads_in_diffusers_with_the_same_output(tmp_path, k
 
 
 def test_lora_lab_peft_file_loads_in_diffusers_with_the_same_output(tmp_path):
+    """PEFT files carry per-module alphas (and ranks) in lora_adapter_metadata; diffusers honours them."""
     models = lora_lab_lora("sd15", seed=5)
+    for i, (_, a) in enumerate(lora_modules(models["unet"])):
+        a.alpha = (1.0, 2.0, 3.0)[i % 3]
     path = save_lora(tmp_path / "p.safetensors", models, format="peft")
+    assert len({m.alpha for m in load_lora(path).modules.values()}) == 3
     pipe = build_pipeline("sd15")
     args, kw = unet_inputs(pipe, "sd15")
     pipe.load_lora_weights(str(path))
@@ -370,4 +374,4 @@ def test_rslora_scale_survives_the_file(tmp_path):
     unet = build_components("sd15")["unet"]
     add_lora(unet, LoRAConfig(rank=4, alpha=2.0, use_rslora=True, targets=UNET_TARGETS))
     lf = load_lora(save_lora(tmp_path / "rs.safetensors", unet))
-    assert {m.scale for m in lf.modules.values()} == {pytest.approx(2.0 / math.sqrt(4))}
+    assert [m.scale for m in lf.modules.values()] == pytest.approx([2.0 / math.sqrt(4)] * len(lf.modules))

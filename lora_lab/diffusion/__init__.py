@@ -3,6 +3,7 @@
     from lora_lab.diffusion import build_pipeline, encode_prompts, objective_for, predict
 """
 
+from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
 from .models import (
     KINDS,
     ModelLoadError,
@@ -18,23 +19,32 @@ from .models import (
     shipped_base,
 )
 from .objectives import DDPM, FlowMatching, ObjectiveError, diffusion_loss, objective_for
+from .sampling import image_grid, loras_applied, sample
 
 __all__ = [
     "DDPM",
     "KINDS",
+    "BucketBatchSampler",
+    "DatasetError",
     "FlowMatching",
+    "ImageCaptionDataset",
     "ModelLoadError",
     "ObjectiveError",
+    "aspect_buckets",
     "build_components",
     "build_pipeline",
     "build_tokenizer",
+    "collate",
     "decode_latents",
     "denoiser",
     "diffusion_loss",
     "encode_images",
     "encode_prompts",
+    "image_grid",
     "kind_of",
+    "loras_applied",
     "objective_for",
     "predict",
+    "sample",
     "shipped_base",
 ]
