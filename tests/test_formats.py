@@ -142,7 +142,8 @@ def test_save_load_round_trip_is_exact(tmp_path, fmt):
 def test_kohya_file_layout_and_metadata(tmp_path):
     from safetensors import safe_open
 
-    path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
+    with pytest.warns(UserWarning, match=r"different alphas \[1.5, 2.0\].*diffusers"):
+        path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
     with safe_open(str(path), "pt") as f:
         keys, meta = set(f.keys()), f.metadata()
         alpha = f.get_tensor("lora_unet_down_blocks_0_resnets_0_conv1.alpha")
@@ -212,6 +213,8 @@ BAD = {
              "lora_unet_conv_in.lora_up.weight": torch.tensor([[1.0, float("nan")]] * 4)}, "lora_unet_conv_in.*NaN"),
     "inf": ({"lora_unet_conv_in.lora_down.weight": torch.full((2, 4), float("inf")),
              "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2)}, "lora_unet_conv_in.*Inf"),
+    "alpha_not_scalar": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2),
+                          "lora_unet_conv_in.alpha": torch.ones(2)}, "lora_unet_conv_in.*alpha must be one real number"),
     "unknown_key": ({"lora_unet_conv_in.hada_w1_a": torch.ones(2, 4)}, "lora_unet_conv_in.hada_w1_a"),
     "mixed": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "model.x": torch.ones(1)}, "model.x"),
 }
