@@ -268,29 +268,34 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
     base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
     modules: dict[str, LoraModule] = {}
+    spelled = {"down": "lora_down", "up": "lora_up"} if fmt == "kohya" else {"down": "lora_A", "up": "lora_B"}
     for key, p in parts.items():
         where = f"{path}: module {key!r}"
-        if "down" not in p or "up" not in p:
-            have, miss = ("lora_down", "lora_up") if "down" in p else ("lora_up", "lora_down")
-            if fmt == "peft":
-                have, miss = have.replace("_down", "_A").replace("_up", "_B"), miss.replace("_down", "_A").replace("_up", "_B")
-            if "down" not in p and "up" not in p:
-                raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no lora weights")
-            raise LoraFormatError(f"{where}: has {have} but no {miss}")
-        name = diffusers_name(key, base) if fmt == "kohya" else key
+        missing = [spelled[r] for r in ("down", "up") if r not in p]
+        if len(missing) == 2:
+            raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no LoRA weights")
+        if missing:
+            present = spelled["up" if missing[0] == spelled["down"] else "down"]
+            raise LoraFormatError(f"{where}: has {present} but no {missing[0]}")
+        down, up, dora = p["down"], p["up"], p.get("dora")
         if fmt == "kohya":
-            alpha_t = p.get("alpha")
-            alpha = float(alpha_t.item()) if alpha_t is not None else None
+            name = diffusers_name(key, base)
+            alpha = _scalar(where, p["alpha"]) if "alpha" in p else None
         else:
-            alpha = alpha_of(key)
-        down, up = p["down"], p["up"]
+            name, alpha = key, alpha_of(key)
+            if dora is not None:  # PEFT: (out,) linear, (1, out, 1, 1) conv
+                dora = dora.reshape(-1, *[1] * (down.dim() - 1))
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
-        dora = p.get("dora")
-        if dora is not None and fmt == "peft":  # PEFT: (out,) linear, (1, out, 1, 1) conv
-            dora = dora.reshape(-1, *[1] * (down.dim() - 1))
         modules[name] = _checked_module(where, down, up, alpha, dora, key)
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
+
+
+def _scalar(where: str, t: torch.Tensor) -> float:
+    """A kohya alpha: one number, of any real dtype (tools write fp16, fp32, bf16 and int64 alphas)."""
+    if t.numel() != 1 or t.is_complex() or t.dtype == torch.bool:
+        raise LoraFormatError(f"{where}: alpha must be one real number, got shape {tuple(t.shape)} {t.dtype}")
+    return float(t.item())
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

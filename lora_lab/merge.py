@@ -28,6 +28,7 @@ from torch import nn
 
 from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
+from .params import load_frozen
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
@@ -115,8 +116,6 @@ def merge_loras(
     that component that match no weight raise LoraFormatError (strict=False: warn and skip them).
     """
     if not isinstance(base_state, Mapping):
-        from .params import load_frozen
-
         base_state = load_frozen(base_state)
     return MergedState(base_state, _patches(base_state, loras, component, strict))
 
@@ -126,7 +125,10 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
     LoRA VarBuilder"): only one merged weight exists beside the model at any moment."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
-            t.copy_(merged.get(name))
+            w = merged.get(name)
+            if w is None:
+                raise LoraFormatError(f"the merged weights have no {name!r}, which the {type(model).__name__} needs")
+            t.copy_(w)
     return model
 
 

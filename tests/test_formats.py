@@ -142,7 +142,8 @@ def test_save_load_round_trip_is_exact(tmp_path, fmt):
 def test_kohya_file_layout_and_metadata(tmp_path):
     from safetensors import safe_open
 
-    path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
+    with pytest.warns(UserWarning, match=r"different alphas \[1.5, 2.0\].*diffusers"):
+        path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
     with safe_open(str(path), "pt") as f:
         keys, meta = set(f.keys()), f.metadata()
         alpha = f.get_tensor("lora_unet_down_blocks_0_resnets_0_conv1.alpha")
@@ -212,6 +213,8 @@ BAD = {
              "lora_unet_conv_in.lora_up.weight": torch.tensor([[1.0, float("nan")]] * 4)}, "lora_unet_conv_in.*NaN"),
     "inf": ({"lora_unet_conv_in.lora_down.weight": torch.full((2, 4), float("inf")),
              "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2)}, "lora_unet_conv_in.*Inf"),
+    "alpha_not_scalar": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2),
+                          "lora_unet_conv_in.alpha": torch.ones(2)}, "lora_unet_conv_in.*alpha must be one real number"),
     "unknown_key": ({"lora_unet_conv_in.hada_w1_a": torch.ones(2, 4)}, "lora_unet_conv_in.hada_w1_a"),
     "mixed": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "model.x": torch.ones(1)}, "model.x"),
 }
@@ -308,6 +311,46 @@ def test_lora_lab_peft_file_loads_in_diffusers_with_the_same_output(tmp_path):
     args, kw = unet_inputs(pipe, "sd15")
     pipe.load_lora_weights(str(path))
     torch.testing.assert_close(unet_out(models["unet"], args, kw), unet_out(pipe.unet, args, kw), atol=TOL, rtol=TOL)
+
+
+def test_lora_lab_dora_peft_file_loads_in_diffusers_with_the_same_output(tmp_path):
+    """DoRA (linear and conv) as PEFT's lora_magnitude_vector: diffusers/PEFT compute what lora_lab does."""
+    unet = build_components("sd15")["unet"]
+    add_lora(unet, LoRAConfig(rank=RANK, alpha=ALPHA, use_dora=True, targets=r".*attn1\.to_(q|k|v)|.*resnets\.0\.conv1"))
+    randomize(unet, 7)
+    with torch.no_grad():
+        for _, a in lora_modules(unet):
+            a.magnitude.mul_(1.2)  # m != ||W + s B A||
+    path = save_lora(tmp_path / "dora.safetensors", unet, format="peft")
+    pipe = build_pipeline("sd15")
+    args, kw = unet_inputs(pipe, "sd15")
+    pipe.load_lora_weights(str(path))
+    ref = unet_out(pipe.unet, args, kw)
+    torch.testing.assert_close(unet_out(unet, args, kw), ref, atol=TOL, rtol=TOL)
+    ours = build_components("sd15")["unet"]
+    apply_loras(ours, [(path, 1.0)], mode="merge")
+    torch.testing.assert_close(unet_out(ours, args, kw), ref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_transformer_peft_file_loads_in_diffusers_with_the_same_output(tmp_path, kind):
+    from lora_lab.diffusion.models import encode_prompts, predict
+
+    model = build_components(kind)["transformer"]
+    add_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=r".*attn\.(to_q|to_k|to_v|add_q_proj|to_out\.0)|.*proj_mlp"))
+    randomize(model, 8)
+    path = save_lora(tmp_path / f"{kind}.safetensors", model, format="peft")
+    assert load_lora(path).base == kind and all(n.startswith("transformer.") for n in load_lora(path).modules)
+    pipe = build_pipeline(kind)
+    pipe.load_lora_weights(str(path))
+    embeds = encode_prompts(pipe, ["a photo of the digit seven"])
+    latents, t = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    with torch.no_grad():
+        ref = predict(kind, pipe.transformer, latents, t, embeds)
+        torch.testing.assert_close(predict(kind, model, latents, t, embeds), ref, atol=TOL, rtol=TOL)
+        ours = build_components(kind)["transformer"]
+        apply_loras(ours, [(path, 1.0)], mode="merge")
+        torch.testing.assert_close(predict(kind, ours, latents, t, embeds), ref, atol=TOL, rtol=TOL)
 
 
 def test_file_saved_by_diffusers_loads_in_lora_lab_as_in_diffusers(tmp_path):

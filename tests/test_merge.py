@@ -186,3 +186,12 @@ def test_unmatched_modules_and_bad_arguments():
         merge_loras(base, (a, 1.0))
     with pytest.raises(LoraFormatError, match="mode"):
         apply_loras(nn.Linear(2, 2), [], mode="fused")
+
+
+def test_notebook_04_lora_files(run_notebook):
+    data = run_notebook("04_lora_files", STEPS=2, SWEEP=[0.0, 1.0])
+    assert data["passed"], data.get("error") or data["claims"]
+    n = data["numbers"]
+    assert n["modules_style"] == 32 and n["modules_detail"] == 48 and n["locon_modules"] == 16
+    assert n["max_abs_merged_vs_runtime"] < 1e-5 and n["max_abs_diffusers_vs_lora_lab"] < 1e-4
+    assert n["sweep_relative_change"][1] > n["sweep_relative_change"][0]
