@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from lora_lab.cli import main as cli_main  # noqa: E402
-from lora_lab.diffusion.train import (  # noqa: E402
+from lora_lab.cli import main as cli_main
+from lora_lab.diffusion.train import (
     NonFiniteLossError,
     TrainConfig,
     TrainConfigError,
@@ -33,8 +33,8 @@ from lora_lab.diffusion.train import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SEED = 5
 N_IMAGES = 6  # a small dataset: 6 digits, 32 x 32
-DIGITS = "zero one two three four five six seven eight nine".split()
-FAST = dict(rank=4, lr=1e-3, batch_size=2, sample_steps=0, progress=False, seed=SEED)
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
 
 
 @pytest.fixture(scope="module")

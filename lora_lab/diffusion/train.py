@@ -15,7 +15,6 @@ continues exactly, and w processes with batch b compute the same step as one pro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -140,7 +139,7 @@ class TrainConfig:
             bad("device", "must be auto, cpu, cuda or cuda:N")
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "TrainConfig":
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
         """The config a run wrote as config.json (unknown keys are an error, not silently dropped)."""
         data = json.loads(Path(path).read_text())
         known = {f.name for f in fields(cls)}
@@ -167,7 +166,7 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW in fp32 (torch), lora_lab's block-wise 8-bit AdamW, or bitsandbytes' 8-bit AdamW."""
-    kw = dict(lr=config.lr, weight_decay=config.weight_decay)
+    kw = {"lr": config.lr, "weight_decay": config.weight_decay}
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw)
     if config.optimizer == "adamw8bit":
@@ -254,14 +253,14 @@ class DistEnv:
         return self.rank == 0
 
     @classmethod
-    def from_environ(cls, device_type: str) -> "DistEnv":
+    def from_environ(cls, device_type: str) -> DistEnv:
         """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
     def all_reduce_mean(self, tensors: list[torch.Tensor]) -> None:
         """In place: every tensor becomes the mean of that tensor over the ranks (one flat all-reduce)."""
@@ -304,7 +303,10 @@ def checkpoint_blocks(kind: str) -> tuple[type, ...]:
     """The block classes whose activations gradient checkpointing recomputes, per model family."""
     from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+    from diffusers.models.transformers.transformer_flux import (
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
 
     return {
         "sd15": (BasicTransformerBlock, ResnetBlock2D),
@@ -342,6 +344,37 @@ class TrainResult:
 # ----------------------------------------------------------------------------- train
 
 
+def add_adapter(model: torch.nn.Module, config: TrainConfig) -> list[str]:
+    """Freeze the denoiser and wrap its attention projections (and, with config.conv, its ResNet convs)
+    in LoRA/DoRA adapters initialised from config.seed; returns the wrapped module names."""
+    from ..lora import LoRAConfig, add_lora
+
+    if config.conv and config.model in ("sd3", "flux"):
+        raise TrainConfigError(f"TrainConfig.conv=True: the {config.model} transformer has no conv layers to adapt")
+    model.requires_grad_(False)
+    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
+    alpha = float(config.rank if config.alpha is None else config.alpha)
+    torch.manual_seed(config.seed)
+    return add_lora(model, LoRAConfig(rank=config.rank, alpha=alpha, targets=targets, use_dora=config.dora,
+                                      conv=config.conv))
+
+
+def denoising_loss(config: TrainConfig, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
+    """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
+    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t). fp32 scalar."""
+    from .models import denoiser, predict
+    from .objectives import diffusion_loss
+
+    model = denoiser(pipe)
+    amp = autocast_dtype(config)
+    with torch.autocast(x0.device.type, dtype=amp, enabled=amp is not None):
+        pred = predict(config.model, model, objective.noisy(x0, noise, t), t, cond,
+                       vae_scale_factor=pipe.vae_scale_factor)
+    return diffusion_loss(pred, objective.target(x0, noise, t))
+
+
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
@@ -349,9 +382,8 @@ def train(config: TrainConfig) -> TrainResult:
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     """
-    from ..lora import LoRAConfig, add_lora, lora_modules
-    from .models import build_pipeline, denoiser, encode_images, encode_prompts, predict, shipped_base
-    from .objectives import diffusion_loss, objective_for
+    from .models import build_pipeline, denoiser, encode_images, encode_prompts, shipped_base
+    from .objectives import objective_for
 
     t_start = time.perf_counter()
     config.validate()
@@ -377,15 +409,7 @@ def train(config: TrainConfig) -> TrainResult:
     resolved = _resolved(config, base, resolution)
 
     # 2. the adapter: every process builds the same one from the seed
-    model.requires_grad_(False)
-    if config.conv and config.model in ("sd3", "flux"):
-        raise TrainConfigError(f"TrainConfig.conv=True: the {config.model} transformer has no conv layers to adapt")
-    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
-    torch.manual_seed(config.seed)
-    adapted = add_lora(
-        model,
-        LoRAConfig(rank=config.rank, alpha=resolved.alpha, targets=targets, use_dora=config.dora, conv=config.conv),
-    )
+    adapted = add_adapter(model, config)
     model.to(device)  # the new adapter weights, too
     if config.gradient_checkpointing:
         from ..checkpoint import enable_checkpointing
@@ -395,7 +419,6 @@ def train(config: TrainConfig) -> TrainResult:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     optimizer = make_optimizer(params, config)
-    amp_dtype = autocast_dtype(config)
     scaler = torch.amp.GradScaler(device.type, enabled=config.mixed_precision == "fp16")
 
     # 3. resume: adapter, optimizer, scaler, RNG states; the data order and noise follow from the step
@@ -438,10 +461,7 @@ def train(config: TrainConfig) -> TrainResult:
             x0 = latents[idx[mb]].to(device)
             eps, tm = noise[mb].to(device), t[mb].to(device)
             cond = {k: v[idx[mb]].to(device) for k, v in embeds.items()}
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                pred = predict(config.model, model, objective.noisy(x0, eps, tm), tm, cond,
-                               vae_scale_factor=pipe.vae_scale_factor)
-            loss = diffusion_loss(pred, objective.target(x0, eps, tm))
+            loss = denoising_loss(config, pipe, objective, x0, eps, tm, cond)
             scaler.scale(loss / config.grad_accum).backward()
             step_loss += loss.detach().double().cpu() / config.grad_accum
 
