@@ -180,3 +180,19 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
         effect = (ours - plain).abs().max().item()
         assert effect > 0.02, f"the LoRA hardly changes the image ({effect:.3g}): the test would prove nothing"
         torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0, msg=f"{model} {key}")
+
+
+# ----------------------------------------------------------------------------- notebook 07
+
+
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
+def test_notebook_07_runs_for_each_model(run_notebook, model):
+    """Small parameters: the mechanics claims must hold (the effect claim needs the full run, `make run`)."""
+    data = run_notebook("07_diffusion_lora", MODEL=model, STEPS=8, BATCH_SIZE=8, SAMPLE_STEPS=2, EVAL_SEEDS=1,
+                        MIN_EFFECT=0.0)
+    assert data["passed"], data.get("error") or data["claims"]
+    n = data["numbers"]
+    assert n["adapted_modules"] > 0 and 0 < n["trainable_fraction"] < 0.2
+    assert n["strength0_vs_base_max_abs_diff"] < 1e-5
+    assert n["diffusers_vs_lora_lab_max_abs_diff"] < 2e-3
+    assert set(n["inverted_rate_by_strength"]) == {"0.0", "0.25", "0.5", "0.75", "1.0", "1.25", "1.5"}

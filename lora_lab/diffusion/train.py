@@ -83,6 +83,11 @@ class TrainConfig:
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
+    noise_offset: float = field(
+        default=0.0,
+        metadata={"help": "sd15/sdxl: add this times per-channel N(0,1) constants to the noise, so the model "
+                  "can change an image's overall brightness (kohya's --noise_offset)"},
+    )
     # memory features
     mixed_precision: str = field(default="no", metadata={"help": "autocast dtype: no | bf16 | fp16"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
@@ -125,6 +130,8 @@ class TrainConfig:
             bad("lr", "must be a finite number > 0")
         if self.alpha is not None and not self.alpha > 0:
             bad("alpha", "must be > 0")
+        if self.noise_offset < 0 or (self.noise_offset > 0 and self.model in ("sd3", "flux")):
+            bad("noise_offset", "must be >= 0, and 0 for the flow-matching models sd3 and flux")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
         if self.warmup_steps > self.steps:
@@ -451,6 +458,8 @@ def train(config: TrainConfig) -> TrainResult:
         idx = global_batch_indices(config.seed, step, global_batch, n_examples)  # (G,)
         g = step_generator(config.seed, step, torch.device("cpu"))
         noise = torch.randn((global_batch, *latents.shape[1:]), generator=g)  # (G, C, h, w)
+        if config.noise_offset:  # a constant per (example, channel): shifts the mean the model must remove
+            noise = noise + config.noise_offset * torch.randn((global_batch, latents.shape[1], 1, 1), generator=g)
         t = objective.sample_timesteps(global_batch, generator=g)  # (G,)
         mine = slice(env.rank * per_process, (env.rank + 1) * per_process)  # this process's share
         idx, noise, t = idx[mine], noise[mine], t[mine]
