@@ -16,6 +16,7 @@ API (stable; `diffusion/train.py` and the CLI build on it):
     encode_prompts(pipe, prompts)      -> {"prompt_embeds": (B, T, D), "pooled_prompt_embeds": (B, P)?}
                                           (keys are the pipeline's own __call__ keywords, so cached
                                           embeddings go straight back into `pipe(**embeds)`)
+    t5_length(pipe)                    -> T5 tokens per prompt (sd3: min(256, tokenizer), flux: min(512, tokenizer))
     encode_images(pipe, images, generator=None) -> latents (B, C, h, w), already shifted and scaled
     decode_latents(pipe, latents)      -> images in [-1, 1], (B, 3, H, W)
     predict(pipe_or_kind, model, latents, t, embeds, guidance=1.0)
@@ -296,6 +297,14 @@ def kind_of(pipe) -> str:
 
 # ----------------------------------------------------------------------------- encoding
 
+def t5_length(pipe) -> int:
+    """T5 tokens per prompt for sd3/flux: the pipeline's default (256 / 512) capped by its tokenizer's
+    length (TEXT_LEN for the tiny tokenizer), so tiny and real pipelines both get their own."""
+    kind = kind_of(pipe)
+    tok = pipe.tokenizer_3 if kind == "sd3" else pipe.tokenizer_2
+    return min(256 if kind == "sd3" else 512, tok.model_max_length)
+
+
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
     """Text embeddings exactly as the pipeline computes them, keyed by its __call__ keywords.
@@ -315,10 +324,10 @@ def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
         out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
     elif kind == "sd3":
         embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
-                                                  do_classifier_free_guidance=False, max_sequence_length=TEXT_LEN)
+                                                  do_classifier_free_guidance=False, max_sequence_length=t5_length(pipe))
         out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
     else:
-        embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device, max_sequence_length=TEXT_LEN)
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device, max_sequence_length=t5_length(pipe))
         out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
     return {k: v.float().cpu() for k, v in out.items()}
 

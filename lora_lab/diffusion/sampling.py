@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .models import RESOLUTION, TEXT_LEN, denoiser, encode_prompts, kind_of
+from .models import RESOLUTION, denoiser, encode_prompts, kind_of, t5_length
 
 
 @contextlib.contextmanager
@@ -61,7 +61,7 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     width = width or RESOLUTION
     embeds = encode_prompts(pipe, prompts)
     embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
-    kwargs = {"max_sequence_length": TEXT_LEN} if kind in ("sd3", "flux") else {}
+    kwargs = {"max_sequence_length": t5_length(pipe)} if kind in ("sd3", "flux") else {}
     with loras_applied(pipe, loras):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
                    generator=torch.Generator().manual_seed(seed), output_type="pt", **kwargs)
