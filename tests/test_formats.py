@@ -228,6 +228,14 @@ def test_bad_tensors_name_the_file_and_the_key(tmp_path, case):
         load_lora(path)
 
 
+def test_a_file_without_alpha_reads_at_scale_one(tmp_path):
+    """As diffusers and ComfyUI read it: no alpha means alpha = rank."""
+    path = write_raw(tmp_path / "noalpha.safetensors", {"lora_unet_conv_in.lora_down.weight": torch.ones(3, 4, 3, 3),
+                                                        "lora_unet_conv_in.lora_up.weight": torch.ones(32, 3, 1, 1)})
+    m = load_lora(path).modules["unet.conv_in"]
+    assert m.alpha == 3.0 and m.scale == 1.0
+
+
 def test_not_safetensors_truncated_and_garbage_header(tmp_path):
     txt = tmp_path / "notes.safetensors"
     txt.write_text("this is a text file, not weights\n")
