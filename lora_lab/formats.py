@@ -82,6 +82,40 @@ _UNET_TOP = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "ti
              "add_embedding", "encoder_hid_proj", "class_embedding")
 
 
+# Flux LoRAs from kohya's sd-scripts name Black Forest Labs' own modules, some of which diffusers splits in
+# several: a fused projection's LoRA splits exactly by output rows (the down is shared, each diffusers module
+# gets its rows of the up). BFL name after "lora_unet_" -> diffusers module(s) of the transformer.
+_FLUX_DOUBLE = {  # double_blocks_{i}_<name> -> transformer_blocks.{i}.<module>
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+_FLUX_SINGLE = {  # single_blocks_{i}_<name> -> single_transformer_blocks.{i}.<module>; linear1 = [q; k; v; mlp (4x)]
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+_FLUX_OTHER = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer_linear": "proj_out",
+    "final_layer_adaLN_modulation_1": "norm_out.linear",  # BFL (shift, scale) rows, diffusers (scale, shift)
+}
+
+
 class LoraFormatError(LoraLabError, ValueError):
     """A LoRA file (or state dict) that is not what it should be; says which file and which key."""
 
@@ -231,8 +265,8 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
 def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
     if first in ("double", "single", "joint", "input", "middle", "output"):
         raise LoraFormatError(
-            f"{kohya!r}: kohya name in the original (BFL / SAI / LDM) layout, not diffusers' module names; "
-            "lora_lab reads kohya files whose names follow diffusers' modules"
+            f"{kohya!r}: kohya name in the original (BFL / SAI / LDM) layout, not one diffusers module; "
+            "load_lora splits Flux's (BFL) modules, other original layouts are not read"
         )
     if base in ("sd15", "sdxl") or (base is None and first in _UNET_TOP):
         return "unet"
@@ -279,15 +313,18 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             raise LoraFormatError(f"{where}: has {present} but no {missing[0]}")
         down, up, dora = p["down"], p["up"], p.get("dora")
         if fmt == "kohya":
-            name = diffusers_name(key, base)
             alpha = _scalar(where, p["alpha"]) if "alpha" in p else None
         else:
-            name, alpha = key, alpha_of(key)
+            alpha = alpha_of(key)
             if dora is not None:  # PEFT: (out,) linear, (1, out, 1, 1) conv
                 dora = dora.reshape(-1, *[1] * (down.dim() - 1))
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
-        modules[name] = _checked_module(where, down, up, alpha, dora, key)
+        m = _checked_module(where, down, up, alpha, dora, key)
+        if fmt == "peft":
+            modules[key] = m
+        else:  # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
+            modules.update(_flux_bfl(where, key, m) or {diffusers_name(key, base): m})
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
 
 
@@ -409,11 +446,48 @@ def _checked_module(where: str, down, up, alpha, dora, key: str) -> LoraModule:
 
 def _base_from_kohya_metadata(metadata: Mapping[str, str]) -> str | None:
     v = metadata.get("ss_base_model_version", "")
-    if v.startswith("sdxl"):
-        return "sdxl"
-    if v.startswith("sd_v1"):
-        return "sd15"
+    for prefix, base in (("sdxl", "sdxl"), ("sd_v1", "sd15"), ("sd3", "sd3"), ("flux", "flux")):
+        if v.startswith(prefix):
+            return base
     return None
+
+
+def _flux_bfl(where: str, key: str, m: LoraModule) -> dict[str, LoraModule] | None:
+    """A kohya Flux module in BFL's layout -> {diffusers transformer module: LoraModule}; None if not one."""
+    if not key.startswith("lora_unet_"):
+        return None
+    name = key.removeprefix("lora_unet_")
+    if name in _FLUX_OTHER:
+        targets, prefix = (_FLUX_OTHER[name],), ""
+    elif (hit := re.fullmatch(r"(double|single)_blocks_(\d+)_(\w+)", name)) and hit[3] in (
+        _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+    ):
+        table = _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+        targets = table[hit[3]]
+        prefix = f"{'transformer_blocks' if hit[1] == 'double' else 'single_transformer_blocks'}.{hit[2]}."
+    else:
+        return None
+    out = m.up.shape[0]
+    if len(targets) == 3:  # q, k, v of equal size
+        rows = [out // 3] * 3
+    elif len(targets) == 4:  # q, k, v of size d and the 4d MLP input
+        rows = [out // 7] * 3 + [4 * (out // 7)]
+    else:
+        rows = [out]
+    if sum(rows) != out:
+        raise LoraFormatError(f"{where}: a fused Flux projection with {out} outputs cannot split into {targets}")
+    up, dora = m.up, m.dora_scale
+    if name == "final_layer_adaLN_modulation_1":
+        up, dora = _swap_halves(up), None if dora is None else _swap_halves(dora)
+    ups = torch.split(up, rows)
+    doras = torch.split(dora, rows) if dora is not None else [None] * len(rows)
+    return {f"transformer.{prefix}{t}": LoraModule(m.down, u.contiguous(), m.alpha, None if d is None else d.contiguous(), key)
+            for t, u, d in zip(targets, ups, doras)}
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a])
 
 
 # ----------------------------------------------------------------------------- writing

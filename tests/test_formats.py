@@ -108,8 +108,8 @@ def test_kohya_names_are_the_ones_comfyui_and_diffusers_use():
     assert kohya_name("text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj") == "lora_te2_text_model_encoder_layers_0_self_attn_q_proj"
     assert kohya_name("transformer.single_transformer_blocks.0.proj_mlp") == "lora_transformer_single_transformer_blocks_0_proj_mlp"
     assert diffusers_name("lora_unet_transformer_blocks_0_attn_add_q_proj") == "transformer.transformer_blocks.0.attn.add_q_proj"
-    with pytest.raises(LoraFormatError, match="double_blocks"):
-        diffusers_name("lora_unet_double_blocks_0_img_attn_qkv")
+    with pytest.raises(LoraFormatError, match="double_blocks.*not one diffusers module"):
+        diffusers_name("lora_unet_double_blocks_0_img_attn_qkv")  # load_lora splits it (tests below)
 
 
 # ----------------------------------------------------------------------------- save / load / convert
@@ -426,3 +426,62 @@ def test_rslora_scale_survives_the_file(tmp_path):
     add_lora(unet, LoRAConfig(rank=4, alpha=2.0, use_rslora=True, targets=UNET_TARGETS))
     lf = load_lora(save_lora(tmp_path / "rs.safetensors", unet))
     assert [m.scale for m in lf.modules.values()] == pytest.approx([2.0 / math.sqrt(4)] * len(lf.modules))
+
+
+def flux_bfl_file(path, names: dict[str, tuple[int, int]], seed: int = 11):
+    """A kohya sd-scripts Flux file (BFL module names), random, alpha 2 at rank 4."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (out, inp) in names.items():
+        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(RANK, inp, generator=g) * 0.2
+        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out, RANK, generator=g) * 0.2
+        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(ALPHA)
+    return write_raw(path, tensors, metadata={"ss_base_model_version": "flux1"}), tensors
+
+
+def test_flux_kohya_file_in_bfl_layout_loads_as_diffusers_loads_it(tmp_path):
+    """kohya's Flux LoRAs name BFL's fused modules (img_attn_qkv, ...); diffusers' own converter is the reference."""
+    from lora_lab.diffusion.models import encode_prompts, predict
+
+    d = 32  # the tiny Flux's hidden size
+    path, _ = flux_bfl_file(tmp_path / "flux_bfl.safetensors", {
+        "double_blocks_0_img_attn_qkv": (3 * d, d), "double_blocks_0_txt_attn_proj": (d, d),
+        "double_blocks_0_img_mlp_0": (4 * d, d), "double_blocks_0_txt_mod_lin": (6 * d, d),
+        "single_blocks_1_linear2": (d, 5 * d)})
+    lf = load_lora(path)
+    assert lf.base == "flux" and "transformer.transformer_blocks.0.attn.to_k" in lf.modules
+    pipe = build_pipeline("flux")
+    pipe.load_lora_weights(str(path))
+    embeds = encode_prompts(pipe, ["a photo of the digit two"])
+    latents, t = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    ours = build_components("flux")["transformer"]
+    assert len(apply_loras(ours, [(path, 1.0)]).weights) == 7
+    with torch.no_grad():
+        ref = predict("flux", pipe.transformer, latents, t, embeds)
+        torch.testing.assert_close(predict("flux", ours, latents, t, embeds), ref, atol=TOL, rtol=TOL)
+
+
+def test_flux_bfl_fused_linear1_and_final_modulation_split_by_rows(tmp_path):
+    """single_blocks linear1 = [q; k; v; mlp], final_layer adaLN (shift, scale) and img_in, checked by hand
+    (diffusers' converter hard-codes the full-size Flux's widths for linear1, and drops img_in: its
+    converted name lacks the "transformer." prefix, so 0.42 never applies it)."""
+    d = 32
+    path, raw = flux_bfl_file(tmp_path / "flux_bfl2.safetensors", {
+        "single_blocks_0_linear1": (7 * d, d), "final_layer_adaLN_modulation_1": (2 * d, d), "img_in": (d, 16)})
+    ours = build_components("flux")["transformer"]
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    apply_loras(ours, [(path, 1.0)])
+    after = ours.state_dict()
+
+    def fused(name):
+        return ALPHA / RANK * raw[f"lora_unet_{name}.lora_up.weight"] @ raw[f"lora_unet_{name}.lora_down.weight"]
+
+    w1 = fused("single_blocks_0_linear1")
+    blk = "single_transformer_blocks.0."
+    for part, rows in (("attn.to_q", slice(0, d)), ("attn.to_k", slice(d, 2 * d)), ("attn.to_v", slice(2 * d, 3 * d)),
+                       ("proj_mlp", slice(3 * d, 7 * d))):
+        torch.testing.assert_close(after[blk + part + ".weight"] - before[blk + part + ".weight"], w1[rows])
+    shift_scale = fused("final_layer_adaLN_modulation_1")
+    torch.testing.assert_close(after["norm_out.linear.weight"] - before["norm_out.linear.weight"],
+                               torch.cat([shift_scale[d:], shift_scale[:d]]))
+    torch.testing.assert_close(after["x_embedder.weight"] - before["x_embedder.weight"], fused("img_in"))
