@@ -13,7 +13,9 @@ On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders,
-                      lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI)
+                      lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
+                      read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
+                      whose fused projections split exactly into diffusers' modules by output rows
     PEFT / diffusers  unet.<path>.lora_A.weight  .lora_B.weight  .lora_magnitude_vector (out,)
                       with the alphas in metadata["lora_adapter_metadata"] (JSON, "unet.lora_alpha", ...)
                       as diffusers' `save_lora_weights` writes it: without it diffusers takes alpha = rank.
