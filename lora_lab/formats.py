@@ -236,17 +236,32 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
     """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
 
     `lora_unet_` is the UNet for base sd15/sdxl, the transformer for sd3/flux; with no base, the
-    transformer unless the name starts with one of the UNet's top-level modules.
+    transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
+    original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
+    mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
 
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
-    `lora_prior_`, Flux files with the original BFL names `double_blocks` / `single_blocks`).
+    `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
     """
     for prefix, comp in _KOHYA_PREFIXES.items():
         if kohya.startswith(prefix):
             break
     else:
         raise LoraFormatError(f"{kohya!r}: not a kohya LoRA name (known prefixes: {list(_KOHYA_PREFIXES)})")
-    tokens = kohya[len(prefix):].split("_")
+    rest = kohya[len(prefix):]
+    if comp == "unet":
+        ldm = _ldm_unet_path(rest)
+        if ldm is not None:
+            return f"unet.{ldm}"
+    segments = _segments(rest)
+    if comp == "unet":
+        comp = _unet_or_transformer(kohya, segments[0], base)
+    return f"{comp}.{'.'.join(segments)}"
+
+
+def _segments(name: str) -> list[str]:
+    """Split an underscored kohya name back into module-path segments (longest known compound first)."""
+    tokens = name.split("_")
     segments, i = [], 0
     while i < len(tokens):
         for compound in _COMPOUND_SEGMENTS:
@@ -258,17 +273,55 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
         else:
             segments.append(tokens[i])
             i += 1
-    path = ".".join(segments)
-    if comp == "unet":
-        comp = _unet_or_transformer(kohya, segments[0], base)
-    return f"{comp}.{path}"
+    return segments
+
+
+LDM_LAYERS_PER_BLOCK = 2  # resnets per down block in SD1.5's and SDXL's LDM/sgm UNet (one more per up block)
+_LDM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
+            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
+            "label_emb_0_2": "add_embedding.linear_2"}
+_LDM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}
+
+
+def _ldm_unet_path(name: str) -> str | None:
+    """An LDM/sgm UNet module name (underscored) -> diffusers' path, or None if it is not one.
+
+    input_blocks.i (i >= 1) is down block (i-1) // (L+1), item (i-1) % (L+1): a resnet (.0) and its
+    attention (.1), or the downsampler (item L, `.0.op`); output_blocks.i is up block i // (L+1), item
+    i % (L+1), with the upsampler last (`.1.conv` or `.2.conv`); middle_block.0/1/2 = resnet, attention, resnet.
+    """
+    if name in _LDM_TOP:
+        return _LDM_TOP[name]
+    lpb = LDM_LAYERS_PER_BLOCK
+    if hit := re.fullmatch(r"input_blocks_(\d+)_(\d)_(.+)", name):
+        i, j, rest = int(hit[1]) - 1, int(hit[2]), hit[3]
+        block, item = divmod(i, lpb + 1)
+        where = f"down_blocks.{block}."
+        if item == lpb:
+            return where + "downsamplers.0.conv" if rest == "op" else None
+    elif hit := re.fullmatch(r"output_blocks_(\d+)_(\d)_(.+)", name):
+        block, item = divmod(int(hit[1]), lpb + 1)
+        j, rest = int(hit[2]), hit[3]
+        where = f"up_blocks.{block}."
+        if j > 0 and rest == "conv":
+            return where + "upsamplers.0.conv"
+    elif hit := re.fullmatch(r"middle_block_(\d)_(.+)", name):
+        j, rest = int(hit[1]), hit[2]
+        item, j = (0, 0) if j == 0 else (0, 1) if j == 1 else (1, 0)
+        where = "mid_block."
+    else:
+        return None
+    if j == 0:
+        return where + f"resnets.{item}." + _LDM_RESNET.get(rest, ".".join(_segments(rest)))
+    return where + f"attentions.{item}." + ".".join(_segments(rest))
 
 
 def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
-    if first in ("double", "single", "joint", "input", "middle", "output"):
+    if first in ("double", "single", "joint"):
         raise LoraFormatError(
-            f"{kohya!r}: kohya name in the original (BFL / SAI / LDM) layout, not one diffusers module; "
-            "load_lora splits Flux's (BFL) modules, other original layouts are not read"
+            f"{kohya!r}: kohya name in the original (BFL / SAI) layout, not one diffusers module; "
+            "load_lora splits Flux's (BFL) modules, SD3's (SAI) are not read"
         )
     if base in ("sd15", "sdxl") or (base is None and first in _UNET_TOP):
         return "unet"

@@ -485,3 +485,56 @@ def test_flux_bfl_fused_linear1_and_final_modulation_split_by_rows(tmp_path):
     torch.testing.assert_close(after["norm_out.linear.weight"] - before["norm_out.linear.weight"],
                                torch.cat([shift_scale[d:], shift_scale[:d]]))
     torch.testing.assert_close(after["x_embedder.weight"] - before["x_embedder.weight"], fused("img_in"))
+
+
+# kohya's SDXL LoRAs name the LDM/sgm UNet's modules; the diffusers module each is, in a 2-resnet-per-block
+# SDXL-like UNet (down: DownBlock2D, CrossAttnDownBlock2D; up: CrossAttnUpBlock2D, UpBlock2D).
+SGM = {
+    "input_blocks_0_0": "conv_in",
+    "input_blocks_1_0_in_layers_2": "down_blocks.0.resnets.0.conv1",
+    "input_blocks_3_0_op": "down_blocks.0.downsamplers.0.conv",
+    "input_blocks_4_0_skip_connection": "down_blocks.1.resnets.0.conv_shortcut",
+    "input_blocks_4_1_proj_in": "down_blocks.1.attentions.0.proj_in",
+    "input_blocks_5_1_transformer_blocks_1_attn2_to_k": "down_blocks.1.attentions.1.transformer_blocks.1.attn2.to_k",
+    "middle_block_1_transformer_blocks_0_attn1_to_out_0": "mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0",
+    "middle_block_2_emb_layers_1": "mid_block.resnets.1.time_emb_proj",
+    "output_blocks_1_1_transformer_blocks_0_ff_net_2": "up_blocks.0.attentions.1.transformer_blocks.0.ff.net.2",
+    "output_blocks_2_2_conv": "up_blocks.0.upsamplers.0.conv",
+    "output_blocks_5_0_out_layers_3": "up_blocks.1.resnets.2.conv2",
+    "time_embed_0": "time_embedding.linear_1",
+    "label_emb_0_2": "add_embedding.linear_2",
+    "out_2": "conv_out",
+}
+
+
+def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    from lora_lab.diffusion.models import CONFIGS, pipeline_class
+
+    def unet():
+        torch.manual_seed(0)
+        return UNet2DConditionModel(**{**CONFIGS["sdxl"]["unet"], "layers_per_block": 2}).eval()
+
+    shapes = {k[: -len(".weight")]: v.shape for k, v in unet().state_dict().items()}
+    g = torch.Generator().manual_seed(12)
+    tensors = {}
+    for sgm, module in SGM.items():
+        assert diffusers_name(f"lora_unet_{sgm}", "sdxl") == f"unet.{module}"
+        s = shapes[module]
+        tensors[f"lora_unet_{sgm}.lora_down.weight"] = torch.randn(RANK, *s[1:], generator=g) * 0.2
+        tensors[f"lora_unet_{sgm}.lora_up.weight"] = torch.randn(s[0], RANK, *[1] * (len(s) - 2), generator=g) * 0.2
+        tensors[f"lora_unet_{sgm}.alpha"] = torch.tensor(ALPHA)
+    path = write_raw(tmp_path / "sgm.safetensors", tensors)
+
+    comps = build_components("sdxl")
+    comps["unet"] = unet()
+    pipe = pipeline_class("sdxl")(**comps)
+    args, kw = unet_inputs(pipe, "sdxl")
+    before = unet_out(pipe.unet, args, kw)
+    pipe.load_lora_weights(str(path))  # diffusers maps sgm blocks with the UNet's config
+    ours = unet()
+    assert len(apply_loras(ours, [(path, 1.0)]).weights) == len(SGM)
+    ref = unet_out(pipe.unet, args, kw)
+    assert (ref - before).abs().max() > 100 * TOL
+    torch.testing.assert_close(unet_out(ours, args, kw), ref, atol=TOL, rtol=TOL)
