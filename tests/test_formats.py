@@ -420,6 +420,19 @@ def test_hand_written_kohya_locon_with_alpha_not_rank(tmp_path):
     torch.testing.assert_close(unet_out(pipe.unet, args, kw), want, atol=TOL, rtol=TOL)
 
 
+def test_loaded_file_gives_back_lora_state_dict(tmp_path):
+    """load_lora(save_lora(model)).state_dict("unet") is the model's lora_state_dict, bit for bit (DoRA included)."""
+    from lora_lab.lora import lora_state_dict
+
+    unet = build_components("sd15")["unet"]
+    add_lora(unet, LoRAConfig(rank=RANK, alpha=ALPHA, use_dora=True, targets=UNET_TARGETS))
+    randomize(unet, 3)
+    want = lora_state_dict(unet)
+    for fmt in ("kohya", "peft"):
+        got = load_lora(save_lora(tmp_path / f"{fmt}.safetensors", unet, format=fmt)).state_dict("unet")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), fmt
+
+
 def test_rslora_scale_survives_the_file(tmp_path):
     """rsLoRA's scale alpha / sqrt(r) reaches the file as alpha' = alpha sqrt(r): readers compute alpha' / r."""
     unet = build_components("sd15")["unet"]
