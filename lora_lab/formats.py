@@ -751,7 +751,8 @@ def match_modules(
     its pipeline path, else by its kohya spelling compared with the model's (as ComfyUI does), so a
     kohya name this module cannot split back into dots still finds its weight. Modules of that
     component that match nothing raise LoraFormatError listing them (`strict=False`: a warning, skipped);
-    a weight whose shape differs from the module's always raises.
+    a weight whose shape differs from the module's always raises (a 1x1 conv and a linear layer of the
+    same size fit each other, as ComfyUI reshapes them).
     """
     shapes = {k: tuple(v.shape) for k, v in weights.items()} if isinstance(weights, Mapping) else None
     keys = set(shapes) if shapes is not None else set(weights)
@@ -780,7 +781,7 @@ def match_modules(
         if key is None:
             unmatched.append(m.key or name)
             continue
-        if shapes is not None and shapes[key] != m.weight_shape():
+        if shapes is not None and not _fits(shapes[key], m.weight_shape()):
             raise LoraFormatError(
                 f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
                 f"but the model's {key!r} is {shapes[key]}"
@@ -789,6 +790,11 @@ def match_modules(
     if unmatched:
         _unmatched(where, unmatched, strict, component, comps)
     return component, out
+
+
+def _fits(weight: tuple[int, ...], delta: tuple[int, ...]) -> bool:
+    """The delta fits the weight: the same shape, or a linear (out, in) and a 1x1 conv (out, in, 1, 1)."""
+    return weight == delta or (weight[:2] == delta[:2] and weight[2:] in ((), (1, 1)) and delta[2:] in ((), (1, 1)))
 
 
 def _unmatched(where, unmatched, strict, component, comps):
