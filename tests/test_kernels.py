@@ -1,0 +1,162 @@
+"""The Triton kernels against their PyTorch references; on the CPU under the Triton interpreter.
+
+TRITON_INTERPRET=1 must be set before a kernel module is imported (Triton decides per
+`@triton.jit` definition), so it is set here, at the top, before any import of them. The other
+lora_lab modules import the kernels lazily, so another test file run first in the same pytest
+worker cannot have imported them uninterpreted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from lora_lab.kernels import KernelInputError, resolve_backend  # noqa: E402
+from lora_lab.kernels.dora import (  # noqa: E402
+    dora_linear,
+    dora_weight_norm,
+    reference_dora_linear,
+    reference_dora_weight_norm,
+)
+from lora_lab.kernels.lora import lora_linear, reference_lora_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 0.75
+# Relative tolerance (max error / max |reference|) per input dtype. The references run in fp32 on
+# the same (rounded) inputs; the kernels accumulate in fp32 too, but round their output once to
+# the input dtype (2^-11 for fp16, 2^-8 for bf16), and on a GPU also the fp32 operands of the
+# thin products (xa, gB, the LoRA weights) to that dtype for the tensor cores.
+RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    assert actual.shape == expected.shape, what
+    err = (actual.float() - expected.float()).abs().max().item()
+    ref = expected.float().abs().max().item()
+    assert err <= rtol * ref + 1e-12, f"{what}: max error {err:.3g} > {rtol:g} * max |ref| {ref:.3g}"
+
+
+def lora_inputs(m: int, k: int, n: int, r: int, dtype: torch.dtype, bias: bool):
+    """x, W, b in `dtype`, A and B in fp32 (trainable adapter weights), all non-trivial."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n + r)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    a = (torch.randn(r, k, generator=gen) / k**0.5).to(DEVICE)
+    up = (torch.randn(n, r, generator=gen) * 0.5).to(DEVICE)  # non-zero, unlike LoRA's init
+    g = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
+    return x, w, b, a, up, g
+
+
+def grads_of(fn, x, w, b, a, up, g, *extra):
+    """(output, dx, dA, dB, d extra...) of fn(x, w, b, a, up, *extra) for the cotangent g."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, a, up, *extra)]
+    y = fn(leaves[0], w, b, leaves[1], leaves[2], *leaves[3:], SCALE)
+    y.backward(g)
+    return (y.detach(), *(t.grad for t in leaves))
+
+
+# ----------------------------------------------------------------------------- LoRA linear
+
+LORA_CASES = [  # (M tokens, K in, N out, rank, dtype, bias): odd sizes put edges inside the tiles
+    (9, 41, 341, 1, torch.float32, True),
+    (341, 9, 41, 4, torch.float16, False),
+    (41, 341, 9, 16, torch.bfloat16, True),
+    (341, 341, 341, 16, torch.float32, True),  # several tiles in every direction, the last partial
+]
+
+
+@pytest.mark.parametrize("m,k,n,r,dtype,bias", LORA_CASES)
+def test_lora_linear_forward_backward_match_reference(m, k, n, r, dtype, bias):
+    inputs = lora_inputs(m, k, n, r, dtype, bias)
+    got = grads_of(lora_linear, *inputs)
+    want = grads_of(reference_lora_linear, *inputs)
+    for name, a, e in zip(["y", "dx", "dA", "dB"], got, want):
+        assert a.dtype == e.dtype, name
+        assert_close(a, e, RTOL[dtype], f"{name} {m}x{k}->{n} r={r} {dtype}")
+
+
+def test_lora_linear_leading_dims_and_frozen_base():
+    x, w, b, a, up, _ = lora_inputs(2 * 7, 41, 9, 4, torch.float32, True)
+    x3 = x.view(2, 7, 41).requires_grad_()
+    y = lora_linear(x3, w, b, a, up, SCALE)
+    assert y.shape == (2, 7, 9)
+    assert_close(y, reference_lora_linear(x3, w, b, a, up, SCALE), RTOL[torch.float32], "3-D x")
+    y.sum().backward()
+    assert x3.grad.shape == x3.shape and w.grad is None  # W is frozen: no gradient is made for it
+
+
+def test_lora_linear_rejects_bad_inputs():
+    x, w, b, a, up, _ = lora_inputs(9, 41, 9, 4, torch.float32, True)
+    with pytest.raises(KernelInputError, match="shapes do not fit"):
+        lora_linear(x, w, b, a[:, :40], up, SCALE)
+    with pytest.raises(KernelInputError, match="must share"):
+        lora_linear(x, w.half(), b, a, up, SCALE)
+
+
+# ----------------------------------------------------------------------------- DoRA
+
+NORM_CASES = [  # (N out, K in, rank, dtype)
+    (341, 41, 16, torch.float32),
+    (9, 341, 1, torch.float16),
+    (41, 9, 4, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("n,k,r,dtype", NORM_CASES)
+def test_dora_weight_norm_factored_matches_formed(n, k, r, dtype):
+    _, w, _, a, up, _ = lora_inputs(3, k, n, r, dtype, False)
+    # the kernel norms from the same rounded W; 4x fp32 eps: a sum of three rounded terms
+    rtol = RTOL[dtype] if DEVICE == "cuda" else 4e-6
+    assert_close(dora_weight_norm(w, a, up, SCALE), reference_dora_weight_norm(w, a, up, SCALE), rtol, "norm")
+    # s = 0: just the row norms of W
+    assert_close(dora_weight_norm(w, a, up, 0.0), w.float().norm(dim=1), rtol, "norm s=0")
+
+
+DORA_CASES = [  # (M, K, N, rank, dtype)
+    (9, 41, 341, 4, torch.float32),
+    (341, 41, 9, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("m,k,n,r,dtype", DORA_CASES)
+def test_dora_linear_forward_backward_match_reference(m, k, n, r, dtype):
+    x, w, b, a, up, g = lora_inputs(m, k, n, r, dtype, True)
+    magnitude = reference_dora_weight_norm(w, a, up, SCALE) * (1 + 0.2 * torch.rand(n, device=DEVICE))
+    got = grads_of(dora_linear, x, w, b, a, up, g, magnitude)
+    want = grads_of(reference_dora_linear, x, w, b, a, up, g, magnitude)
+    for name, a_, e in zip(["y", "dx", "dA", "dB", "dm"], got, want):
+        assert_close(a_, e, RTOL[dtype], f"{name} {m}x{k}->{n} r={r} {dtype}")
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+def test_resolve_backend():
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("triton", "cpu") == "triton"
+    with pytest.raises(KernelInputError, match="backend must be one of"):
+        resolve_backend("cuda", "cpu")
+
+
+def test_kernel_import_without_interpreter_on_cpu_says_how_to_fix():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = (
+        "import lora_lab.kernels as k; assert k.resolve_backend('auto', 'cpu') == 'torch'\n"
+        "import lora_lab.kernels.lora"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "KernelBackendError" in proc.stderr and "Set TRITON_INTERPRET=1 before" in proc.stderr, proc.stderr
