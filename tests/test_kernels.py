@@ -8,6 +8,7 @@ worker cannot have imported them uninterpreted.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -123,18 +124,18 @@ def test_dora_weight_norm_factored_matches_formed(n, k, r, dtype):
     assert_close(dora_weight_norm(w, a, up, 0.0), w.float().norm(dim=1), rtol, "norm s=0")
 
 
-DORA_CASES = [  # (M, K, N, rank, dtype)
-    (9, 41, 341, 4, torch.float32),
-    (341, 41, 9, 16, torch.bfloat16),
+DORA_CASES = [  # (M, K, N, rank, dtype, strength)
+    (9, 41, 341, 4, torch.float32, 1.0),
+    (341, 41, 9, 16, torch.bfloat16, 0.6),
 ]
 
 
-@pytest.mark.parametrize("m,k,n,r,dtype", DORA_CASES)
-def test_dora_linear_forward_backward_match_reference(m, k, n, r, dtype):
+@pytest.mark.parametrize("m,k,n,r,dtype,strength", DORA_CASES)
+def test_dora_linear_forward_backward_match_formed_weight(m, k, n, r, dtype, strength):
     x, w, b, a, up, g = lora_inputs(m, k, n, r, dtype, True)
     magnitude = reference_dora_weight_norm(w, a, up, SCALE) * (1 + 0.2 * torch.rand(n, device=DEVICE))
-    got = grads_of(dora_linear, x, w, b, a, up, g, magnitude)
-    want = grads_of(reference_dora_linear, x, w, b, a, up, g, magnitude)
+    got = grads_of(functools.partial(dora_linear, strength=strength), x, w, b, a, up, g, magnitude)
+    want = grads_of(functools.partial(reference_dora_linear, strength=strength), x, w, b, a, up, g, magnitude)
     for name, a_, e in zip(["y", "dx", "dA", "dB", "dm"], got, want):
         assert_close(a_, e, RTOL[dtype], f"{name} {m}x{k}->{n} r={r} {dtype}")
 
@@ -160,3 +161,61 @@ def test_kernel_import_without_interpreter_on_cpu_says_how_to_fix():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "KernelBackendError" in proc.stderr and "Set TRITON_INTERPRET=1 before" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- the adapter layers
+
+
+def adapted_model(dtype: torch.dtype, use_dora: bool, backend: str):
+    """Linear(41 -> 341) -> GELU -> frozen lora_lab.Linear(341 -> 9), both adapted, with non-zero B."""
+    from lora_lab import Linear
+    from lora_lab.lora import LoRAConfig, add_lora, lora_modules
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(41, 341), torch.nn.GELU(), Linear.frozen(torch.randn(9, 341) / 341**0.5, torch.randn(9))
+    ).to(DEVICE, dtype)
+    add_lora(model, LoRAConfig(rank=4, alpha=6.0, use_dora=use_dora, targets=["0", "2"], backend=backend))
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.up.normal_(0, 0.3)
+            if use_dora:
+                m.magnitude.mul_(1 + 0.2 * torch.rand_like(m.magnitude))
+    return model
+
+
+@pytest.mark.parametrize("dtype,use_dora,strength", [
+    (torch.float32, False, 1.0),
+    (torch.bfloat16, False, 1.0),
+    (torch.float32, True, 0.7),
+    (torch.bfloat16, True, 0.7),
+])
+def test_adapter_layers_same_with_triton_and_torch_backend(dtype, use_dora, strength):
+    from lora_lab.lora import lora_modules, set_lora_strength
+
+    x = torch.randn(2, 9, 41, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    results = {}
+    for backend in ("torch", "triton"):
+        model = adapted_model(dtype, use_dora, backend)
+        set_lora_strength(model, strength)
+        y = model(x)
+        (y.float() ** 2).mean().backward()
+        grads = [p.grad for _, m in lora_modules(model) for p in m.adapter_parameters()]
+        assert all(m.uses_kernels(x) == (backend == "triton") for _, m in lora_modules(model))
+        results[backend] = [y, *grads]
+    for i, (a, e) in enumerate(zip(results["triton"], results["torch"])):
+        assert_close(a, e, RTOL[dtype], f"output/grad {i} {dtype} dora={use_dora}")
+
+
+def test_triton_backend_refuses_dropout_and_auto_falls_back():
+    from lora_lab.lora import LoRAConfig, LoRAConfigError, LoRALinear
+
+    with pytest.raises(LoRAConfigError, match="no dropout"):
+        LoRAConfig(backend="triton", dropout=0.1)
+    with pytest.raises(LoRAConfigError, match="backend must be one of"):
+        LoRAConfig(backend="cuda")
+    layer = LoRALinear(torch.nn.Linear(9, 9), LoRAConfig(rank=2, dropout=0.1)).to(DEVICE)
+    x = torch.randn(3, 9, device=DEVICE)
+    assert not layer.uses_kernels(x)  # "auto" in training with dropout: PyTorch
+    layer.eval()
+    assert layer.uses_kernels(x) == (DEVICE == "cuda")

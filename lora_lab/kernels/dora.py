@@ -1,21 +1,20 @@
-"""DoRA in Triton: the weight norm in factored form, and the DoRA linear forward/backward.
+"""DoRA in Triton: the weight norm in factored form, and the DoRA linear on the fused LoRA kernels.
 
 DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353) rescales each output row of the adapted
-weight W' = W + s B A to a learned magnitude m, with the norm detached (as PEFT and lora_lab's
-dora.py do):
+weight W + s B A to a learned magnitude m, with the norm detached (as PEFT and lora_lab's dora.py):
 
-    y = (m / ||W + s B A||) * (x W^T + s (x A^T) B^T) + b        norms per output row, (N,)
+    W' = W + t (m (W + s B A) / ||W + s B A|| - W)        norms per output row (N,), t the strength
 
 The norm is computed without forming B A (N, K):
 
     ||W_n + s (B A)_n||^2 = ||W_n||^2 + 2 s sum_j B[n, j] (W A^T)[n, j] + s^2 B_n (A A^T) B_n^T
 
-one pass over W gives ||W_n||^2 and W A^T together; A A^T (r, r) is a tiny PyTorch matmul.
+in one pass over W, which gives ||W_n||^2 and W A^T together; A A^T (r, r) is a tiny PyTorch
+matmul. With g = m / norm, the layer is y = x W'^T + b without forming W' either:
 
-The linear reuses the fused LoRA kernels of lora.py: the column scale c = m / norm sits in the
-GEMM's epilogue (which also keeps z = x W^T + s xa B^T), and the backward's pass over g scales g
-by c on load and accumulates dm = (g * z).sum(0) / norm on the way. The dx GEMM takes c * g,
-made by one PyTorch multiply.
+    y = (1 + t (g - 1)) * (x W^T) + (x A^T) (t g s B)^T + b
+
+which is the fused LoRA kernel of lora.py with a column scale c = 1 + t (g - 1) in its epilogue.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import KernelInputError, require_triton
-from .lora import FLOAT_DTYPES, _block_r, _dot_dtype, _mma, _precision, check_device, lora_backward, lora_forward
+from .lora import FLOAT_DTYPES, _block_r, _dot_dtype, _mma, _precision, check_device, lora_linear
 
 INTERPRETED = require_triton()
 
@@ -94,43 +93,27 @@ def reference_dora_weight_norm(weight, down, up, scale: float) -> torch.Tensor:
     return (weight.float() + scale * up.float() @ down.float()).norm(dim=1).detach()
 
 
-class DoRALinearFunction(torch.autograd.Function):
-    """y = (m / ||W + s B A||) * (x W^T + s (x A^T) B^T) + b on 2-D x, the norm detached."""
+def dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: float = 1.0) -> torch.Tensor:
+    """DoRA linear on x (..., K) -> (..., N) in x's dtype with the Triton kernels:
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, down, up, magnitude, scale: float):
-        norm = dora_weight_norm(weight, down, up, scale)
-        col_scale = (magnitude.detach().float() / norm).contiguous()
-        y, xa, z = lora_forward(x, weight, bias, down, up, scale, col_scale=col_scale, keep_z=True)
-        ctx.save_for_backward(x, weight, down, up, xa, z, col_scale, norm)
-        ctx.scale, ctx.magnitude_dtype = scale, magnitude.dtype
-        return y
+        g = m / ||W + s B A|| (norm detached),  y = (1 + t (g - 1)) * (x W^T) + (x A^T) (t g s B)^T + b
 
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, down, up, xa, z, col_scale, norm = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dx, da, db, dm = lora_backward(g, x, weight, down, up, xa, ctx.scale, col_scale=col_scale, z=z)
-        dm = dm / norm  # dL/dm = sum over rows of g * z / ||W + s B A||
-        # W and b are the frozen base: their gradients, if ever asked for, come from PyTorch
-        dweight = ((g.float() * col_scale).t() @ x.float()).to(weight.dtype) if need[1] else None
-        dbias = g.float().sum(0).to(weight.dtype) if need[2] else None
-        return (dx if need[0] else None, dweight, dbias, da.to(down.dtype) if need[3] else None,
-                db.to(up.dtype) if need[4] else None, dm.to(ctx.magnitude_dtype) if need[5] else None, None)
+    that is x W'^T + b for W' = W + t (m (W + s B A) / ||W + s B A|| - W), as lora_lab's dora.py.
+    The (N,)-sized factors are plain PyTorch, so autograd carries their gradients to m and B."""
+    norm = dora_weight_norm(weight, down, up, scale)  # (N,) fp32, detached
+    g = magnitude.float() / norm
+    col_scale = 1 + strength * (g - 1)  # (N,) on the base product
+    up_scaled = up * (strength * scale * g)[:, None]  # (N, r): t g s B
+    return lora_linear(x, weight, bias, down, up_scaled, 1.0, col_scale=col_scale)
 
 
-def dora_linear(x, weight, bias, down, up, magnitude, scale: float) -> torch.Tensor:
-    """DoRA linear on x (..., K) -> (..., N) in x's dtype, with the Triton kernels."""
-    lead = x.shape[:-1]
-    y = DoRALinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, down, up, magnitude, float(scale))
-    return y.reshape(*lead, y.shape[-1])
-
-
-def reference_dora_linear(x, weight, bias, down, up, magnitude, scale: float) -> torch.Tensor:
-    """The same in plain PyTorch (fp32, B A formed, the norm detached), returned in x's dtype."""
-    xf = x.float()
-    z = xf @ weight.float().T + scale * (xf @ down.float().T) @ up.float().T
-    y = (magnitude.float() / reference_dora_weight_norm(weight, down, up, scale)) * z
+def reference_dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: float = 1.0) -> torch.Tensor:
+    """The same in plain PyTorch: W' formed in fp32 (the norm detached), y = x W'^T + b in x's dtype."""
+    w = weight.float()
+    adapted = w + scale * up.float() @ down.float()  # W + s B A
+    norm = adapted.norm(dim=1, keepdim=True).detach()
+    w_merged = w + strength * (magnitude.float()[:, None] * adapted / norm - w)
+    y = x.float() @ w_merged.T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

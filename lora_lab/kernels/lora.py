@@ -5,15 +5,19 @@
     dA = s (g B)^T x
     dB = s g^T (x A^T)
 
+and DoRA's variant (dora.py) with a column scale c (N,) on the base product:
+y = c * (x W^T) + s (x A^T) B^T + b, dx = (c g) W + s (g B) A, dc = sum over rows of g * (x W^T).
+
 Four kernels, each one pass over its big operand (x, W or g), fp32 accumulation throughout:
 
     _down_kernel       xa = x A^T (M, r), kept in fp32 from the forward for dB (not recomputed)
-    _gemm_kernel       out = col_scale * (P Q + (s lo) up) + bias: the base GEMM with the LoRA
+    _gemm_kernel       out = c * (P Q) + (s lo) up + bias: the base GEMM with the LoRA
                        up-projection as one more rank-r slice of its reduction, and the bias (and
-                       DoRA's column scale) in its epilogue, so the LoRA branch never makes an
+                       DoRA's column scale c) in its epilogue, so the LoRA branch never makes an
                        (M, N) tensor of its own; used for y (P=x, Q=W^T, lo=xa, up=B^T) and for
-                       dx (P=g, Q=W, lo=gB, up=A)
+                       dx (P=g or c g, Q=W, lo=gB, up=A)
     _up_grad_kernel    one pass over g: gB = g B (M, r) and dB = s g^T xa (N, r) together
+                       (and DoRA's dc = sum over rows of g * (x W^T))
     _down_grad_kernel  one pass over x: dA = s (gB)^T x (r, K)
 
 Against the unfused PyTorch formula this saves, per step, a read of x (x A^T), a write and two
@@ -161,20 +165,19 @@ def _gemm_kernel(
         q = tl.load(Q + rk[:, None] * stride_qk + rn[None, :] * stride_qn,
                     mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
         acc = _mma(p, q, acc, DTYPE, PRECISION)
-    # out += (s * lo) @ up: the LoRA branch as one more rank-r slice of the reduction
+    out_offs = rm[:, None] * N + rn[None, :]
+    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if STORE_Z:  # DoRA keeps z = x W^T for the gradient of its column scale
+        tl.store(Z + out_offs, _cast(acc, Z.dtype.element_ty), mask=out_mask)
+    if HAS_COL_SCALE:  # c * (P Q), DoRA's 1 + t (m / ||W + s B A|| - 1)
+        acc = acc * tl.load(COL_SCALE + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    # + (s * lo) @ up: the LoRA branch as one more rank-r slice of the reduction
     rr = tl.arange(0, BLOCK_R)
     lo = tl.load(LO + rm[:, None] * stride_lm + rr[None, :] * stride_lr,
                  mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
     up = tl.load(UP + rr[:, None] * stride_ur + rn[None, :] * stride_un,
                  mask=(rr[:, None] < R) & (rn[None, :] < N), other=0.0)
     acc = _mma(lo * scale, up, acc, DTYPE, PRECISION)
-
-    out_offs = rm[:, None] * N + rn[None, :]
-    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if STORE_Z:  # DoRA keeps z = x W^T + s xa B^T for the gradient of its magnitude
-        tl.store(Z + out_offs, _cast(acc, Z.dtype.element_ty), mask=out_mask)
-    if HAS_COL_SCALE:  # out = col_scale * out (DoRA: magnitude / ||W + s B A||)
-        acc = acc * tl.load(COL_SCALE + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:  # out = out + b
         acc = acc + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + out_offs, _cast(acc, OUT.dtype.element_ty), mask=out_mask)
@@ -182,15 +185,14 @@ def _gemm_kernel(
 
 @triton.jit
 def _up_grad_kernel(
-    G, B, XA, COL_SCALE, Z, GB, DB, DM,  # G (M, N), B (N, r), XA (M, r) fp32, COL_SCALE (N,), Z (M, N); outs fp32: GB (M, r), DB (N, r), DM (N,)
+    G, B, XA, Z, GB, DB, DC,  # G (M, N), B (N, r), XA (M, r) fp32, Z (M, N); outs fp32: GB (M, r), DB (N, r), DC (N,)
     M, N, R, BLOCKS_PER_PROG, scale,
     stride_gm, stride_gn, stride_bn, stride_br,
-    HAS_COL_SCALE: tl.constexpr, HAS_DM: tl.constexpr,
+    HAS_DC: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # gB = g @ B and dB = s g.T @ xa from one read of g; with DoRA, g -> col_scale * g first,
-    # and dm_raw = (g * z).sum(0) (of the unscaled g) on the way
+    # gB = g @ B and dB = s g.T @ xa from one read of g; with DoRA also dc = (g * z).sum(0)
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rr = tl.arange(0, BLOCK_R)
     row_mask = rm[:, None] < M
@@ -202,12 +204,9 @@ def _up_grad_kernel(
         rn = ((first + i) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         g = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn,
                     mask=row_mask & (rn[None, :] < N), other=0.0)
-        if HAS_DM:
+        if HAS_DC:
             z = tl.load(Z + rm[:, None] * N + rn[None, :], mask=row_mask & (rn[None, :] < N), other=0.0)
-            dm = tl.sum(g.to(tl.float32) * z.to(tl.float32), axis=0)
-            tl.atomic_add(DM + rn, dm, mask=rn < N)
-        if HAS_COL_SCALE:
-            g = g.to(tl.float32) * tl.load(COL_SCALE + rn, mask=rn < N, other=0.0)[None, :]
+            tl.atomic_add(DC + rn, tl.sum(g.to(tl.float32) * z.to(tl.float32), axis=0), mask=rn < N)
         b = tl.load(B + rn[:, None] * stride_bn + rr[None, :] * stride_br,
                     mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
         gb = _mma(g, b, gb, DTYPE, PRECISION)
@@ -284,13 +283,16 @@ def lora_forward(
     up: torch.Tensor,
     scale: float,
     col_scale: torch.Tensor | None = None,
-    keep_z: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(y, xa, z) with y = col_scale * (x W^T + s xa B^T) + b, xa = x A^T (fp32), z the part in
-    brackets if keep_z (else None). x (M, K) 2-D; col_scale (N,) fp32 or None."""
+    """(y, xa, z): y = c * (x W^T) + s xa B^T + b and xa = x A^T (fp32); with a column scale c
+    (N,) also z = x W^T, which the gradient of c needs (else None). x is 2-D (M, K)."""
     _check(x, weight, bias, down, up)
     m, k = x.shape
     n, r = up.shape
+    if col_scale is not None and (col_scale.shape != (n,) or col_scale.dtype != torch.float32):
+        raise KernelInputError(
+            f"lora_lab.kernels.lora: col_scale must be fp32 of shape ({n},), got {col_scale.dtype} {tuple(col_scale.shape)}"
+        )
     dtype, prec, block_r = _dot_dtype(x.dtype), _precision(x.dtype), _block_r(r)
     xa = torch.empty((m, r), device=x.device, dtype=torch.float32)
     _down_kernel[(triton.cdiv(m, THIN_BLOCK),)](
@@ -299,15 +301,15 @@ def lora_forward(
         num_warps=THIN_WARPS,
     )
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    z = torch.empty_like(y) if keep_z else None
+    z = torch.empty_like(y) if col_scale is not None else None
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemm_kernel[grid](
         x, weight, xa, up,
-        bias if bias is not None else y, col_scale if col_scale is not None else y, z if keep_z else y, y,
+        bias if bias is not None else y, col_scale if col_scale is not None else y, z if z is not None else y, y,
         m, n, k, r, float(scale),
         x.stride(0), x.stride(1), weight.stride(1), weight.stride(0),  # Q = W^T
         xa.stride(0), xa.stride(1), up.stride(1), up.stride(0),  # UP = B^T
-        HAS_BIAS=bias is not None, HAS_COL_SCALE=col_scale is not None, STORE_Z=keep_z,
+        HAS_BIAS=bias is not None, HAS_COL_SCALE=col_scale is not None, STORE_Z=z is not None,
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r,
     )
     return y, xa, z
@@ -324,10 +326,10 @@ def lora_backward(
     col_scale: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx, dA, dB, dm_raw) for g = dL/dy (M, N); dA, dB, dm_raw in fp32.
+    """(dx, dA, dB, dc) for g = dL/dy (M, N); dA, dB, dc in fp32.
 
-    With col_scale c (DoRA): the gradient flows through y = c * z + b, so g -> c * g, and
-    dm_raw = (g * z).sum(0) if z is given (the magnitude's gradient times its norm)."""
+    With a column scale c (and z = x W^T from the forward): dx = (c g) W + s (g B) A and
+    dc = (g * z).sum(0); without one, dx = g W + s (g B) A and dc is None."""
     m, k = x.shape
     n, r = up.shape
     if g.shape != (m, n):
@@ -336,25 +338,23 @@ def lora_backward(
     dtype, prec, block_r = _dot_dtype(x.dtype), _precision(x.dtype), _block_r(r)
     f32 = dict(device=x.device, dtype=torch.float32)
     gb, db = torch.zeros((m, r), **f32), torch.zeros((n, r), **f32)
-    dm = torch.zeros((n,), **f32) if z is not None else None
+    dc = torch.zeros((n,), **f32) if col_scale is not None else None
     m_blocks, n_blocks, k_blocks = (triton.cdiv(v, THIN_BLOCK) for v in (m, n, k))
     per_prog = _split(n_blocks, m_blocks, x.device)
     _up_grad_kernel[(m_blocks, triton.cdiv(n_blocks, per_prog))](
-        g, up, xa, col_scale if col_scale is not None else db, z if z is not None else g, gb, db,
-        dm if dm is not None else db,
+        g, up, xa, z if dc is not None else g, gb, db, dc if dc is not None else db,
         m, n, r, per_prog, float(scale),
         g.stride(0), g.stride(1), up.stride(0), up.stride(1),
-        HAS_COL_SCALE=col_scale is not None, HAS_DM=z is not None,
+        HAS_DC=dc is not None,
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_N=THIN_BLOCK, num_warps=THIN_WARPS,
     )
-    if col_scale is not None:
-        g = (g * col_scale).to(x.dtype)  # dL/dz, the cotangent of the scaled part
+    p = (g * col_scale).to(x.dtype) if col_scale is not None else g  # the base product's cotangent c g
     dx = torch.empty_like(x)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)  # noqa: E731
     _gemm_kernel[grid](
-        g, weight, gb, down, dx, dx, dx, dx,
+        p, weight, gb, down, dx, dx, dx, dx,
         m, k, n, r, float(scale),
-        g.stride(0), g.stride(1), weight.stride(0), weight.stride(1),  # Q = W (N, K)
+        p.stride(0), p.stride(1), weight.stride(0), weight.stride(1),  # Q = W (N, K)
         gb.stride(0), gb.stride(1), down.stride(0), down.stride(1),  # UP = A (r, K)
         HAS_BIAS=False, HAS_COL_SCALE=False, STORE_Z=False,
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r,
@@ -365,46 +365,57 @@ def lora_backward(
         gb, x, da, m, k, r, per_prog, float(scale), x.stride(0), x.stride(1),
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_K=THIN_BLOCK, num_warps=THIN_WARPS,
     )
-    return dx, da, db, dm
+    return dx, da, db, dc
 
 
 # ----------------------------------------------------------------------------- autograd
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """y = x W^T + b + s (x A^T) B^T on 2-D x, with the Triton forward and backward above.
+    """y = c * (x W^T) + s (x A^T) B^T + b on 2-D x, with the Triton forward and backward above;
+    c is an optional (N,) column scale (DoRA's), None for plain LoRA.
 
     W and b are the frozen base: their gradients, if ever asked for, come from PyTorch."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, down, up, scale: float):
-        y, xa, _ = lora_forward(x, weight, bias, down, up, scale)
-        ctx.save_for_backward(x, weight, down, up, xa)
+    def forward(ctx, x, weight, bias, down, up, col_scale, scale: float):
+        y, xa, z = lora_forward(x, weight, bias, down, up, scale, col_scale)
+        ctx.save_for_backward(x, weight, down, up, xa, col_scale, z)
         ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, down, up, xa = ctx.saved_tensors
-        dx, da, db, _ = lora_backward(g.contiguous(), x, weight, down, up, xa, ctx.scale)
+        x, weight, down, up, xa, col_scale, z = ctx.saved_tensors
+        dx, da, db, dc = lora_backward(g, x, weight, down, up, xa, ctx.scale, col_scale, z)
         need = ctx.needs_input_grad
-        dweight = (g.t().float() @ x.float()).to(weight.dtype) if need[1] else None
-        dbias = g.float().sum(0).to(weight.dtype) if need[2] else None
-        return (dx if need[0] else None, dweight, dbias,
-                da.to(down.dtype) if need[3] else None, db.to(up.dtype) if need[4] else None, None)
+        dweight = dbias = None
+        if need[1]:
+            gw = g.float() if col_scale is None else g.float() * col_scale
+            dweight = (gw.t() @ x.float()).to(weight.dtype)
+        if need[2]:
+            dbias = g.float().sum(0).to(weight.dtype)
+        return (dx if need[0] else None, dweight, dbias, da.to(down.dtype) if need[3] else None,
+                db.to(up.dtype) if need[4] else None, dc if need[5] else None, None)
 
 
-def lora_linear(x, weight, bias, down, up, scale: float) -> torch.Tensor:
-    """Fused LoRA linear: x (..., K) -> x W^T + b + scale * (x A^T) B^T, shape (..., N), x's dtype."""
+def lora_linear(x, weight, bias, down, up, scale: float, col_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused LoRA linear: x (..., K) -> c * (x W^T) + scale * (x A^T) B^T + b, shape (..., N), x's dtype.
+
+    x and W share a dtype (fp32/fp16/bf16); A and B may be fp32. `col_scale` c (N,) fp32 is
+    optional (DoRA's) and differentiable."""
     lead = x.shape[:-1]
-    y = LoRALinearFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, down, up, float(scale))
+    y = LoRALinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, down, up, col_scale, float(scale))
     return y.reshape(*lead, y.shape[-1])
 
 
-def reference_lora_linear(x, weight, bias, down, up, scale: float) -> torch.Tensor:
+def reference_lora_linear(x, weight, bias, down, up, scale: float, col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same in plain PyTorch, computed in fp32 and returned in x's dtype."""
     xf = x.float()
-    y = xf @ weight.float().T + scale * (xf @ down.float().T) @ up.float().T
+    y = xf @ weight.float().T
+    if col_scale is not None:
+        y = col_scale * y
+    y = y + scale * (xf @ down.float().T) @ up.float().T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
