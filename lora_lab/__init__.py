@@ -20,12 +20,20 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
-from .params import LoraLabError, WeightFileError, count_parameters, load_frozen, var_from_tensor
+from .params import (
+    LoraLabError,
+    TensorKindError,
+    WeightFileError,
+    count_parameters,
+    load_frozen,
+    var_from_tensor,
+)
 
 __all__ = [
     "Frozen",
     "Linear",
     "LoraLabError",
+    "TensorKindError",
     "Trainable",
     "WeightFileError",
     "count_parameters",
