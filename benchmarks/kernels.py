@@ -66,12 +66,11 @@ elif not torch.cuda.is_available():
     print("`python benchmarks/kernels.py --cpu-check` runs this script at tiny sizes under the interpreter.")
     sys.exit(0)
 
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+from torch import nn
 
-from lora_lab.kernels.adam8bit import adam8bit_step  # noqa: E402
-from lora_lab.lora import LoRAConfig, LoRALinear  # noqa: E402
-from lora_lab.optim import AdamHyper, adam_step_, quantize_blockwise  # noqa: E402
+from lora_lab.kernels.adam8bit import adam8bit_step
+from lora_lab.lora import LoRAConfig, LoRALinear
+from lora_lab.optim import AdamHyper, adam_step_, quantize_blockwise
 
 DEVICE = torch.device("cpu" if ARGS.cpu_check else "cuda")
 DTYPE = torch.bfloat16

@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .kernels import KernelBackendError, KernelInputError, resolve_backend
 from .layers import Frozen, Linear, Trainable
 from .lora import (
     LoRAConfig,
@@ -55,4 +56,9 @@ __all__ = [
     "remove_lora",
     "set_lora_strength",
     "unmerge_lora",
+    # kernels/ (issue 6): the kernel functions live in lora_lab.kernels.lora/dora/adam8bit, imported
+    # on use (on a CPU they need TRITON_INTERPRET=1 set before their first import)
+    "KernelBackendError",
+    "KernelInputError",
+    "resolve_backend",
 ]

@@ -18,18 +18,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
-from lora_lab.kernels import KernelInputError, resolve_backend  # noqa: E402
-from lora_lab.kernels.dora import (  # noqa: E402
+from lora_lab.kernels import KernelInputError, resolve_backend
+from lora_lab.kernels.dora import (
     dora_linear,
     dora_weight_norm,
     reference_dora_linear,
     reference_dora_weight_norm,
 )
-from lora_lab.kernels.lora import lora_linear, reference_lora_linear  # noqa: E402
+from lora_lab.kernels.lora import lora_linear, reference_lora_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.75
@@ -93,8 +93,13 @@ def test_lora_linear_leading_dims_and_frozen_base():
     y = lora_linear(x3, w, b, a, up, SCALE)
     assert y.shape == (2, 7, 9)
     assert_close(y, reference_lora_linear(x3, w, b, a, up, SCALE), RTOL[torch.float32], "3-D x")
-    y.sum().backward()
+    y.sum().backward()  # an expanded (stride 0) cotangent
     assert x3.grad.shape == x3.shape and w.grad is None  # W is frozen: no gradient is made for it
+    # a transposed (non-contiguous) x
+    xt = x.t().contiguous().t().requires_grad_()
+    assert not xt.is_contiguous()
+    lora_linear(xt, w, b, a, up, SCALE).backward(torch.ones(14, 9, device=DEVICE))
+    assert_close(xt.grad, x3.grad.reshape(14, 41), RTOL[torch.float32], "dx of a transposed x")
 
 
 def test_lora_linear_rejects_bad_inputs():
@@ -158,7 +163,7 @@ def test_kernel_import_without_interpreter_on_cpu_says_how_to_fix():
         "import lora_lab.kernels as k; assert k.resolve_backend('auto', 'cpu') == 'torch'\n"
         "import lora_lab.kernels.lora"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert "KernelBackendError" in proc.stderr and "Set TRITON_INTERPRET=1 before" in proc.stderr, proc.stderr
 

@@ -84,7 +84,7 @@ def _adam8bit_kernel(
     tl.store(V_ABSMAX + blocks, v_absmax, mask=blocks < n_blocks)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(map (256,), midpoints (256,) with +inf last), fp32, on `device`: the same values optim.py uses."""
     q = dynamic_map(signed, device)

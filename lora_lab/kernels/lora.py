@@ -66,9 +66,10 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 # Thin kernels (rank-r outputs) are memory bound: fixed tiles, and a split of the long loop
-# across programs so that a GPU gets several waves of them.
-THIN_BLOCK = 128 if INTERPRETED else 64
-THIN_WARPS = 4
+# across programs so that a GPU gets several waves of them. 128 rows per tile keeps the fp32
+# atomics of dB and dA at r / 128 per element of g or x (and is what the interpreter wants too).
+THIN_BLOCK = 128
+THIN_WARPS = 8
 
 
 def _block_r(r: int) -> int:
@@ -200,7 +201,7 @@ def _up_grad_kernel(
     xa = xa * scale  # (BLOCK_M, BLOCK_R): s xa
     gb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     first = tl.program_id(1) * BLOCKS_PER_PROG
-    for i in range(0, BLOCKS_PER_PROG):
+    for i in range(BLOCKS_PER_PROG):
         rn = ((first + i) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         g = tl.load(G + rm[:, None] * stride_gm + rn[None, :] * stride_gn,
                     mask=row_mask & (rn[None, :] < N), other=0.0)
@@ -228,7 +229,7 @@ def _down_grad_kernel(
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     first = tl.program_id(1) * BLOCKS_PER_PROG
-    for i in range(0, BLOCKS_PER_PROG):
+    for i in range(BLOCKS_PER_PROG):
         rm = ((first + i) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         gb = tl.load(GB + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
@@ -302,7 +303,7 @@ def lora_forward(
     )
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     z = torch.empty_like(y) if col_scale is not None else None
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _gemm_kernel[grid](
         x, weight, xa, up,
         bias if bias is not None else y, col_scale if col_scale is not None else y, z if z is not None else y, y,
@@ -336,7 +337,7 @@ def lora_backward(
         raise KernelInputError(f"lora_lab.kernels.lora: grad shape {tuple(g.shape)} != output shape {(m, n)}")
     g = g.to(x.dtype)
     dtype, prec, block_r = _dot_dtype(x.dtype), _precision(x.dtype), _block_r(r)
-    f32 = dict(device=x.device, dtype=torch.float32)
+    f32 = {"device": x.device, "dtype": torch.float32}
     gb, db = torch.zeros((m, r), **f32), torch.zeros((n, r), **f32)
     dc = torch.zeros((n,), **f32) if col_scale is not None else None
     m_blocks, n_blocks, k_blocks = (triton.cdiv(v, THIN_BLOCK) for v in (m, n, k))
@@ -349,8 +350,8 @@ def lora_backward(
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_N=THIN_BLOCK, num_warps=THIN_WARPS,
     )
     p = (g * col_scale).to(x.dtype) if col_scale is not None else g  # the base product's cotangent c g
-    dx = torch.empty_like(x)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)  # noqa: E731
+    dx = torch.empty((m, k), device=x.device, dtype=x.dtype)  # row-major, as the GEMM writes it
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
     _gemm_kernel[grid](
         p, weight, gb, down, dx, dx, dx, dx,
         m, k, n, r, float(scale),
