@@ -326,11 +326,13 @@ def lora_backward(
     scale: float,
     col_scale: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    need_dx: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dx, dA, dB, dc) for g = dL/dy (M, N); dA, dB, dc in fp32.
 
     With a column scale c (and z = x W^T from the forward): dx = (c g) W + s (g B) A and
-    dc = (g * z).sum(0); without one, dx = g W + s (g B) A and dc is None."""
+    dc = (g * z).sum(0); without one, dx = g W + s (g B) A and dc is None. dx is None unless
+    need_dx (the first layer's input needs none: its GEMM is skipped)."""
     m, k = x.shape
     n, r = up.shape
     if g.shape != (m, n):
@@ -349,17 +351,19 @@ def lora_backward(
         HAS_DC=dc is not None,
         DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_N=THIN_BLOCK, num_warps=THIN_WARPS,
     )
-    p = (g * col_scale).to(x.dtype) if col_scale is not None else g  # the base product's cotangent c g
-    dx = torch.empty((m, k), device=x.device, dtype=x.dtype)  # row-major, as the GEMM writes it
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
-    _gemm_kernel[grid](
-        p, weight, gb, down, dx, dx, dx, dx,
-        m, k, n, r, float(scale),
-        p.stride(0), p.stride(1), weight.stride(0), weight.stride(1),  # Q = W (N, K)
-        gb.stride(0), gb.stride(1), down.stride(0), down.stride(1),  # UP = A (r, K)
-        HAS_BIAS=False, HAS_COL_SCALE=False, STORE_Z=False,
-        DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r,
-    )
+    dx = None
+    if need_dx:
+        p = (g * col_scale).to(x.dtype) if col_scale is not None else g  # the base product's cotangent c g
+        dx = torch.empty((m, k), device=x.device, dtype=x.dtype)  # row-major, as the GEMM writes it
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
+        _gemm_kernel[grid](
+            p, weight, gb, down, dx, dx, dx, dx,
+            m, k, n, r, float(scale),
+            p.stride(0), p.stride(1), weight.stride(0), weight.stride(1),  # Q = W (N, K)
+            gb.stride(0), gb.stride(1), down.stride(0), down.stride(1),  # UP = A (r, K)
+            HAS_BIAS=False, HAS_COL_SCALE=False, STORE_Z=False,
+            DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r,
+        )
     da = torch.zeros((r, k), **f32)
     per_prog = _split(m_blocks, k_blocks, x.device)
     _down_grad_kernel[(k_blocks, triton.cdiv(m_blocks, per_prog))](
@@ -388,15 +392,15 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, down, up, xa, col_scale, z = ctx.saved_tensors
-        dx, da, db, dc = lora_backward(g, x, weight, down, up, xa, ctx.scale, col_scale, z)
         need = ctx.needs_input_grad
+        dx, da, db, dc = lora_backward(g, x, weight, down, up, xa, ctx.scale, col_scale, z, need_dx=need[0])
         dweight = dbias = None
         if need[1]:
             gw = g.float() if col_scale is None else g.float() * col_scale
             dweight = (gw.t() @ x.float()).to(weight.dtype)
         if need[2]:
             dbias = g.float().sum(0).to(weight.dtype)
-        return (dx if need[0] else None, dweight, dbias, da.to(down.dtype) if need[3] else None,
+        return (dx, dweight, dbias, da.to(down.dtype) if need[3] else None,
                 db.to(up.dtype) if need[4] else None, dc if need[5] else None, None)
 
 
