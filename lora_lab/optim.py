@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import BACKENDS, resolve_backend
 from .params import LoraLabError
 
 BLOCK_SIZE = 256
@@ -228,6 +229,9 @@ def adam_step_(
 class Adam8bit(torch.optim.Optimizer):
     """Adam with 8-bit block-wise quantized moments (see the module docstring).
 
+    backend: "auto" (the one-kernel Triton step of lora_lab.kernels.adam8bit on CUDA, this PyTorch
+    path elsewhere) | "triton" | "torch"; only quantized tensors (>= min_8bit_size values) use it.
+
     Warning: parameters in bf16/fp16 are updated in fp32 and rounded back each step (no master
     copy), so updates smaller than the parameter's rounding step are lost; keep trainable weights
     (adapters) in fp32 where that matters.
@@ -245,6 +249,7 @@ class Adam8bit(torch.optim.Optimizer):
         *,
         min_8bit_size: int = MIN_8BIT_SIZE,
         block_size: int = BLOCK_SIZE,
+        backend: str = "auto",
     ):
         name = type(self).__name__
         if not lr >= 0.0:
@@ -257,7 +262,10 @@ class Adam8bit(torch.optim.Optimizer):
             raise OptimizerError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
         if block_size <= 0:
             raise OptimizerError(f"{name}: block_size must be positive, got {block_size}")
+        if backend not in BACKENDS:
+            raise OptimizerError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
         self.min_8bit_size, self.block_size = min_8bit_size, block_size
+        self.backend = backend  # "auto": the Triton step kernel on CUDA, PyTorch elsewhere
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -307,6 +315,13 @@ class Adam8bit(torch.optim.Optimizer):
                 if not state:
                     state.update(self._init_state(p))
                 state["step"] += 1
+                if "exp_avg_absmax" in state and resolve_backend(self.backend, p.device) == "triton":
+                    # imported here: on a CPU the kernels need TRITON_INTERPRET=1 before their first import
+                    from .kernels.adam8bit import adam8bit_step
+
+                    adam8bit_step(p, p.grad, state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"],
+                                  state["exp_avg_sq_absmax"], state["step"], hp)
+                    continue
                 adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], hp,
                            state.get("exp_avg_absmax"), state.get("exp_avg_sq_absmax"))
         return loss

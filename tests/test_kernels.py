@@ -224,3 +224,119 @@ def test_triton_backend_refuses_dropout_and_auto_falls_back():
     assert not layer.uses_kernels(x)  # "auto" in training with dropout: PyTorch
     layer.eval()
     assert layer.uses_kernels(x) == (DEVICE == "cuda")
+
+
+# ----------------------------------------------------------------------------- 8-bit Adam
+
+
+@pytest.mark.parametrize("numel,dtype,decoupled,weight_decay", [
+    (341 * 41, torch.float32, True, 0.01),  # 55 blocks, the last one partial
+    (9 * 341, torch.bfloat16, False, 0.1),  # Adam with L2 decay, a bf16 parameter
+    (4099, torch.float16, True, 0.0),
+])
+def test_adam8bit_step_matches_optim_pytorch_path(numel, dtype, decoupled, weight_decay):
+    from lora_lab.kernels.adam8bit import adam8bit_step, reference_adam8bit_step
+    from lora_lab.optim import AdamHyper, dynamic_map, quantize_blockwise
+
+    hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)
+    gen = torch.Generator().manual_seed(numel)
+    p0 = torch.randn(numel, generator=gen).to(DEVICE, dtype)
+    m_codes, m_absmax = quantize_blockwise((torch.randn(numel, generator=gen) * 1e-2).to(DEVICE), signed=True)
+    v_codes, v_absmax = quantize_blockwise((torch.rand(numel, generator=gen) * 1e-4).to(DEVICE), signed=False)
+    v_absmax[3] = 0.0  # an all-zero block of v stays all zero
+    v_codes[3 * 256: 4 * 256] = 0
+    # value 5: zero state and a tiny gradient (below), so its v stays far under its block's absmax
+    p0[5], v_codes[5] = 0.0, 0
+    m_codes[5] = int(torch.searchsorted(dynamic_map(True), 0.0))
+    kernel = [p0.clone(), m_codes.clone(), m_absmax.clone(), v_codes.clone(), v_absmax.clone()]
+    torch_ = [t.clone() for t in kernel]
+    for step in range(1, 4):
+        grad = torch.randn(numel, generator=gen).to(DEVICE, dtype)
+        grad[5] = 1e-7
+        grad[3 * 256: 4 * 256] = 0.0
+        adam8bit_step(kernel[0], grad, *kernel[1:], step, hp)
+        reference_adam8bit_step(torch_[0], grad, *torch_[1:], step, hp)
+    (pk, mck, mak, vck, vak), (pt, mct, mat, vct, vat) = kernel, torch_
+    assert not torch.equal(pt, p0)  # the steps did move the parameter
+    assert vck[5] == vct[5] == 1  # a positive v never rounds to 0 (it would make the next step m / eps)
+    if decoupled:  # zero gradients in block 3 (Adam's L2 decay would add wd p to them)
+        assert vak[3] == 0 and (vck[3 * 256: 4 * 256] == 0).all()
+    # fp32 rounding of the update: a value on a map boundary may take the neighbouring code
+    for codes_k, codes_t in ((mck, mct), (vck, vct)):
+        apart = (codes_k.int() - codes_t.int()).abs()
+        assert apart.max() <= 1 and (apart > 0).float().mean() <= 1e-3
+    torch.testing.assert_close(mak, mat, rtol=1e-6, atol=0)
+    torch.testing.assert_close(vak, vat, rtol=1e-6, atol=0)
+    ulp = torch.finfo(dtype).eps * pt.float().abs().max()
+    assert (pk.float() - pt.float()).abs().max() <= 2 * ulp
+
+
+def test_adam8bit_step_on_a_transposed_parameter():
+    from lora_lab.kernels.adam8bit import adam8bit_step, reference_adam8bit_step
+    from lora_lab.optim import AdamHyper, quantize_blockwise
+
+    hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(41, 341, generator=gen).to(DEVICE).t()  # (341, 41), not contiguous
+    grad = torch.randn(341, 41, generator=gen).to(DEVICE)
+    m = quantize_blockwise(torch.zeros(341, 41, device=DEVICE), signed=True)
+    v = quantize_blockwise(torch.zeros(341, 41, device=DEVICE), signed=False)
+    kernel, torch_ = [p0.clone(memory_format=torch.preserve_format), *m, *v], [p0.clone(), *m, *v]
+    kernel[1:] = [t.clone() for t in kernel[1:]]
+    torch_[1:] = [t.clone() for t in torch_[1:]]
+    assert not kernel[0].is_contiguous()
+    adam8bit_step(kernel[0], grad, kernel[1], kernel[2], kernel[3], kernel[4], 1, hp)
+    reference_adam8bit_step(torch_[0], grad, torch_[1], torch_[2], torch_[3], torch_[4], 1, hp)
+    torch.testing.assert_close(kernel[0], torch_[0], rtol=0, atol=4 * torch.finfo(torch.float32).eps * p0.abs().max().item())
+    assert torch.equal(kernel[1], torch_[1]) and torch.equal(kernel[3], torch_[3])
+
+
+def test_adam8bit_step_rejects_bad_state():
+    from lora_lab.kernels.adam8bit import adam8bit_step
+    from lora_lab.optim import AdamHyper
+
+    hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    p = torch.zeros(300, device=DEVICE)
+    codes = torch.zeros(300, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(KernelInputError, match="absmax must be fp32 with 2 blocks"):
+        adam8bit_step(p, p.clone(), codes, torch.zeros(1, device=DEVICE), codes.clone(), torch.zeros(2, device=DEVICE), 1, hp)
+
+
+# ----------------------------------------------------------------------------- notebook
+
+
+def test_notebook_06_kernels(run_notebook):
+    data = run_notebook("06_kernels", TOKENS=9, IN_FEATURES=41, OUT_FEATURES=33, RANK=4, DTYPE="bfloat16",
+                        ADAM_VALUES=3000, ADAM_STEPS=2, GPU_TABLE=False)
+    assert data["passed"], data
+    numbers = data["numbers"]
+    assert numbers["lora_rel_err_y"] <= 3e-2 and numbers["dora_rel_err_dm"] <= 3e-2
+    assert numbers["adam_codes_identical"] >= 0.999
+    assert numbers["gpu_table_measured"] is False  # GPU_TABLE=False: never timed in the tests
+
+
+@pytest.mark.parametrize("cls_name", ["Adam8bit", "AdamW8bit"])
+def test_optimizers_same_with_triton_and_torch_backend(cls_name):
+    import lora_lab.optim as optim
+
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(41, 341, generator=gen).to(DEVICE)  # 13981 values: quantized moments
+    bias = torch.randn(41, generator=gen).to(DEVICE)  # below min_8bit_size: fp32 moments, PyTorch step
+    grads = [(torch.randn(41, 341, generator=gen).to(DEVICE), torch.randn(41, generator=gen).to(DEVICE))
+             for _ in range(3)]
+    results = {}
+    for backend in ("torch", "triton"):
+        params = [torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())]
+        opt = getattr(optim, cls_name)(params, lr=1e-2, weight_decay=0.05, backend=backend)
+        for gw, gb in grads:
+            params[0].grad, params[1].grad = gw.clone(), gb.clone()
+            opt.step()
+        results[backend] = (params, opt.state[params[0]])
+    (pk, sk), (pt, st) = results["triton"], results["torch"]
+    for a, e in zip(pk, pt):
+        torch.testing.assert_close(a, e, rtol=0, atol=4 * torch.finfo(torch.float32).eps * e.abs().max().item())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (sk[key].int() - st[key].int()).abs().max() <= 1
+        assert (sk[key] != st[key]).float().mean() <= 1e-3
+    with pytest.raises(optim.OptimizerError, match="backend must be one of"):
+        getattr(optim, cls_name)(pt, backend="cuda")

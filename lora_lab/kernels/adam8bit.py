@@ -8,6 +8,7 @@ Per block of 256 values (a few blocks per program):
     m = m + (1 - b1) (g - m)                     v = b2 v + (1 - b2) g^2
     p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     absmax = max |m| over the block;  m_code = #{midpoints of the map < m / absmax}   (as torch.bucketize)
+    the same for v, except that a positive v never gets the code of 0 (as optim.py)
 
 so each value is read and written once (param, grad, two codes) instead of the dozen passes of
 the PyTorch formulation. The nearest map entry is found by an 8-step binary search over the
@@ -79,7 +80,11 @@ def _adam8bit_kernel(
     tl.store(M_CODE + offs, m_code.to(tl.uint8), mask=mask)
     tl.store(M_ABSMAX + blocks, m_absmax, mask=blocks < n_blocks)
     v_absmax = tl.max(tl.where(mask, v, 0.0), axis=1)  # v >= 0
-    v_code = _bucketize(v / tl.where(v_absmax > 0, v_absmax, 1.0)[:, None], MID_U)
+    v_scaled = v / tl.where(v_absmax > 0, v_absmax, 1.0)[:, None]
+    v_code = _bucketize(v_scaled, MID_U)
+    # a positive v never rounds to 0 (as optim.py's keep_nonzero): under a non-zero m that would
+    # make the next step m / eps
+    v_code = tl.where(v_scaled > 0, tl.maximum(v_code, 1), v_code)
     tl.store(V_CODE + offs, v_code.to(tl.uint8), mask=mask)
     tl.store(V_ABSMAX + blocks, v_absmax, mask=blocks < n_blocks)
 
@@ -107,8 +112,8 @@ def adam8bit_step(
     n, bs = param.numel(), hp.block_size
     if bs & (bs - 1) or not 16 <= bs <= 4096:
         raise KernelInputError(f"{where}: block_size must be a power of two in [16, 4096], got {bs}")
-    if param.dtype not in FLOAT_DTYPES or not param.is_contiguous():
-        raise KernelInputError(f"{where}: param must be contiguous fp32/fp16/bf16, got {param.dtype}")
+    if param.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"{where}: param must be fp32/fp16/bf16, got {param.dtype}")
     if grad.shape != param.shape:
         raise KernelInputError(f"{where}: grad shape {tuple(grad.shape)} differs")
     for name, codes in (("m", m_codes), ("v", v_codes)):
@@ -126,8 +131,9 @@ def adam8bit_step(
     wd = hp.weight_decay
     n_blocks = triton.cdiv(n, bs)
     group = max(1, GROUP_VALUES // bs)
+    work = param if param.is_contiguous() else param.contiguous()  # the kernel walks it as a flat array
     _adam8bit_kernel[(triton.cdiv(n_blocks, group),)](
-        param, grad.contiguous(), m_codes, m_absmax, v_codes, v_absmax, map_s, map_u, mid_s, mid_u,
+        work, grad.contiguous(), m_codes, m_absmax, v_codes, v_absmax, map_s, map_u, mid_s, mid_u,
         n, n_blocks,
         1.0 - hp.beta1, hp.beta2, 1.0 - hp.beta2, hp.eps,
         0.0 if hp.decoupled else wd,  # l2
@@ -136,6 +142,8 @@ def adam8bit_step(
         math.sqrt(1.0 - hp.beta2**step),  # bias2_sqrt
         BLOCK=bs, GROUP=group, num_warps=4,
     )
+    if work is not param:
+        param.copy_(work)
 
 
 def reference_adam8bit_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, step: int, hp: AdamHyper) -> None:
