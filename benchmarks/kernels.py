@@ -256,8 +256,11 @@ TARGETS = [
 
 
 def print_targets(rows):
-    times = {(step, shape, variant): t for step, shape, variant, t, *_ in rows}
     print()
+    if ARGS.cpu_check:
+        print("(--cpu-check: interpreted kernels at tiny sizes; the targets are not judged)")
+        return
+    times = {(step, shape, variant): t for step, shape, variant, t, *_ in rows}
     for step, fast, slow, least in TARGETS:
         for shape in dict.fromkeys(shape for s, shape, *_ in rows if s == step):
             if (step, shape, fast) in times and (step, shape, slow) in times:

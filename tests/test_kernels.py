@@ -317,7 +317,7 @@ def test_notebook_06_kernels(run_notebook):
 
 @pytest.mark.parametrize("cls_name", ["Adam8bit", "AdamW8bit"])
 def test_optimizers_same_with_triton_and_torch_backend(cls_name):
-    import lora_lab.optim as optim
+    from lora_lab import optim
 
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(41, 341, generator=gen).to(DEVICE)  # 13981 values: quantized moments
