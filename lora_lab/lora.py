@@ -299,15 +299,34 @@ class LoRAModule(nn.Module):
             f"strength={self._strength:g}, enabled={self.enabled}, merged={self.merged}"
         )
 
-    # implemented by the subclasses
-    has_kernels = False  # a Triton forward/backward exists (`kernel_forward`)
-    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor: ...
-    def _down_shape(self) -> tuple[int, ...]: ...
-    def _up_shape(self) -> tuple[int, ...]: ...
-    def _down(self, x: torch.Tensor) -> torch.Tensor: ...
-    def _up(self, h: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def _base_product(self, x: torch.Tensor) -> torch.Tensor: ...  # W x without the bias
-    def out_axis(self, v: torch.Tensor) -> torch.Tensor: ...  # an (out,) vector shaped to broadcast on the output
+    # what the subclasses define
+    has_kernels = False  # True where `kernel_forward` exists (LoRALinear); see `uses_kernels`
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same output as the PyTorch forward, from the fused Triton kernels of lora_lab.kernels."""
+        raise NotImplementedError
+
+    def _down_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _up_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        """A x: (..., in) -> (..., r), or a k x k conv to r channels."""
+        raise NotImplementedError
+
+    def _up(self, h: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`up` h (+ bias): (..., r) -> (..., out), or a 1 x 1 conv to out channels."""
+        raise NotImplementedError
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """W x without the bias (DoRA scales it per output unit)."""
+        raise NotImplementedError
+
+    def out_axis(self, v: torch.Tensor) -> torch.Tensor:
+        """An (out,) vector shaped to broadcast on the output's feature/channel axis."""
+        raise NotImplementedError
 
 
 class LoRALinear(LoRAModule):
