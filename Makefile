@@ -11,6 +11,7 @@ export MPLCONFIGDIR            := $(CURDIR)/$(VENV)/cache/matplotlib
 export IPYTHONDIR              := $(CURDIR)/$(VENV)/cache/ipython
 export JUPYTER_CONFIG_DIR      := $(CURDIR)/$(VENV)/cache/jupyter_config
 export JUPYTER_RUNTIME_DIR     := $(CURDIR)/$(VENV)/cache/jupyter_runtime
+export JUPYTER_DATA_DIR        := $(CURDIR)/$(VENV)/cache/jupyter_data
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/cache/inductor
 export TRITON_CACHE_DIR        := $(CURDIR)/$(VENV)/cache/triton
 export MPLBACKEND              := Agg
@@ -20,7 +21,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
 setup: $(STAMP) $(VENV)/cache
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt | $(VENV)/cache
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch==2.13.0 (CPU) first, then lora_lab with all extras into $(VENV) ..."
 	$(PIP) torch==2.13.0
@@ -29,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 $(VENV)/cache:
-	@mkdir -p $(MPLCONFIGDIR) $(IPYTHONDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_RUNTIME_DIR) $(TORCHINDUCTOR_CACHE_DIR) $(TRITON_CACHE_DIR)
+	@mkdir -p $(MPLCONFIGDIR) $(IPYTHONDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_RUNTIME_DIR) $(JUPYTER_DATA_DIR) $(TORCHINDUCTOR_CACHE_DIR) $(TRITON_CACHE_DIR)
 
 run: setup
 	$(PY) -m lora_lab.notebook --out reports
@@ -37,8 +38,10 @@ run: setup
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile -q
 
+# JupyterLab refuses to start as root unless told; add the flag only where we are root (containers).
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ServerApp.kernel_spec_manager_class=jupyter_client.kernelspec.KernelSpecManager
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check lora_lab tests benchmarks data

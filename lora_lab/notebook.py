@@ -248,12 +248,14 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
             str(out_dir / path.name),
             parameters=parameters or {},
             kernel_name=ensure_kernel(),
+            language="python",
             cwd=str(path.parent),
             progress_bar=False,
             execution_timeout=timeout,
         )
     except Exception as e:  # papermill's PapermillExecutionError carries the cell's error
-        error = f"{type(e).__name__}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
+        name = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
+        error = f"{name}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
     if result_path.exists():
         data = json.loads(result_path.read_text())
     else:

@@ -19,8 +19,12 @@ class LoraLabError(Exception):
     """Base class of every error lora_lab raises on purpose."""
 
 
-class WeightFileError(LoraLabError):
+class WeightFileError(LoraLabError, OSError):
     """A weights file that is missing, not a safetensors file, or damaged."""
+
+
+class TensorKindError(LoraLabError, TypeError):
+    """A tensor of a kind the operation cannot take (e.g. an integer tensor made trainable)."""
 
 
 def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
@@ -30,9 +34,9 @@ def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
     on any device. Writing to the result never changes `t`, and `t`'s graph is not kept alive.
     """
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"var_from_tensor expects a torch.Tensor, got {type(t).__name__}")
+        raise TensorKindError(f"var_from_tensor expects a torch.Tensor, got {type(t).__name__}")
     if not (t.is_floating_point() or t.is_complex()):
-        raise TypeError(
+        raise TensorKindError(
             f"var_from_tensor needs a floating-point tensor (only those can have gradients), got {t.dtype}"
         )
     # detach() drops the graph; clone(contiguous_format) gives new, dense storage even for
