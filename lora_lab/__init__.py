@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
 from .layers import Frozen, Linear, Trainable
 from .lora import (
     LoRAConfig,
@@ -20,6 +21,14 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
+from .memory import (
+    BlockStack,
+    MemoryMeasurementUnavailable,
+    optimizer_state_bytes,
+    peak_memory,
+    saved_activation_bytes,
+)
+from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .params import (
     LoraLabError,
     TensorKindError,
@@ -28,6 +37,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
+from .precision import MixedPrecision, PrecisionError
 
 __all__ = [
     "Frozen",
@@ -55,4 +65,22 @@ __all__ = [
     "remove_lora",
     "set_lora_strength",
     "unmerge_lora",
+    # checkpoint.py / memory.py / optim.py / precision.py (issue 5)
+    "Adam8bit",
+    "AdamW8bit",
+    "BlockStack",
+    "CheckpointError",
+    "MemoryMeasurementUnavailable",
+    "MixedPrecision",
+    "OptimizerError",
+    "PrecisionError",
+    "checkpoint",
+    "dequantize_blockwise",
+    "disable_checkpointing",
+    "dynamic_map",
+    "enable_checkpointing",
+    "optimizer_state_bytes",
+    "peak_memory",
+    "quantize_blockwise",
+    "saved_activation_bytes",
 ]

@@ -12,8 +12,9 @@ the master copy in fp32, so small updates are not rounded away.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
