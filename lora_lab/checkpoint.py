@@ -14,7 +14,8 @@ checkpointing cannot happen). Paper: Chen et al. 2016, https://arxiv.org/abs/160
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

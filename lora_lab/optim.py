@@ -38,7 +38,7 @@ class OptimizerError(LoraLabError, ValueError):
 # ----------------------------------------------------------------------------- the quantization map
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
     values = [0.0, 1.0]
     for i in range(7):
@@ -64,12 +64,12 @@ def dynamic_map(signed: bool = True, device: torch.device | str | None = None) -
     return _on_device(signed, torch.device(device or "cpu"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _on_device(signed: bool, device: torch.device) -> torch.Tensor:
     return _dynamic_map_cpu(signed).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _midpoints(signed: bool, device: torch.device) -> torch.Tensor:
     q = _on_device(signed, device)
     return (q[1:] + q[:-1]) / 2  # (255,) a value rounds to the map entry whose interval holds it
@@ -78,7 +78,7 @@ def _midpoints(signed: bool, device: torch.device) -> torch.Tensor:
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0  # which uint16 of an fp32 holds sign, exponent, 7 bits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rounding_tables(signed: bool, device: torch.device, keep_nonzero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest-code lookup by the top 16 bits of an fp32 (a bf16 bucket): (base uint8, threshold fp32),
     each (65536,). code(x) = base[top16(x)] + (x > threshold[top16(x)]).
@@ -266,7 +266,7 @@ class Adam8bit(torch.optim.Optimizer):
             raise OptimizerError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
         self.min_8bit_size, self.block_size = min_8bit_size, block_size
         self.backend = backend  # "auto": the Triton step kernel on CUDA, PyTorch elsewhere
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -287,10 +287,10 @@ class Adam8bit(torch.optim.Optimizer):
             zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             return {"step": 0, "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
         n_blocks = -(-p.numel() // self.block_size)
-        codes = lambda signed: torch.full(  # noqa: E731  the code of 0.0 in each map
+        codes = lambda signed: torch.full(
             p.shape, int(torch.searchsorted(dynamic_map(signed), 0.0)), dtype=torch.uint8, device=p.device
         )
-        absmax = lambda: torch.zeros(n_blocks, dtype=torch.float32, device=p.device)  # noqa: E731
+        absmax = lambda: torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
         return {"step": 0, "exp_avg": codes(True), "exp_avg_absmax": absmax(),
                 "exp_avg_sq": codes(False), "exp_avg_sq_absmax": absmax()}
 
