@@ -160,6 +160,34 @@ def test_dora_with_dropout_matches_peft(shape):
     torch.testing.assert_close(ours.up.grad, layer.lora_B["default"].weight.grad, **TOL)
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_training_steps_match_peft(use_dora):
+    """20 Adam steps on a small MLP, lora_lab vs PEFT from the same start: same adapter weights after."""
+    peft = pytest.importorskip("peft")
+    net = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Linear(16, 5))
+    theirs = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0", "2"], use_dora=use_dora))
+    ours = copy.deepcopy(net)
+    add_lora(ours, LoRAConfig(rank=RANK, alpha=ALPHA, targets=["0", "2"], use_dora=use_dora))
+    pairs = [(m, theirs.base_model.model[int(n)]) for n, m in lora_modules(ours)]
+    with torch.no_grad():
+        for m, pl in pairs:
+            m.down.copy_(pl.lora_A["default"].weight)
+    opt_ours = torch.optim.Adam([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    opt_theirs = torch.optim.Adam([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    x, y = torch.randn(32, IN), torch.randint(0, 5, (32,))
+    for _ in range(20):
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    for m, pl in pairs:
+        torch.testing.assert_close(m.down, pl.lora_A["default"].weight, **TOL)
+        torch.testing.assert_close(m.up, pl.lora_B["default"].weight, **TOL)
+        assert m.up.abs().max() > 0.05  # it moved
+        if use_dora:
+            torch.testing.assert_close(m.magnitude, pl.lora_magnitude_vector["default"].weight, **TOL)
+
+
 # ----------------------------------------------------------------------------- the plain formulas
 
 
