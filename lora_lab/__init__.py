@@ -32,7 +32,6 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
-from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
 from .memory import (
     BlockStack,
     MemoryMeasurementUnavailable,
@@ -40,6 +39,7 @@ from .memory import (
     peak_memory,
     saved_activation_bytes,
 )
+from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
 from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .params import (
     LoraLabError,
