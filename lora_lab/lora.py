@@ -235,9 +235,12 @@ class LoRAModule(nn.Module):
         """Write W' into the base weight (in the base's dtype); the forward is then the base's alone."""
         if self.merged:
             raise LoRAStateError(f"{type(self).__name__} is already merged")
-        if self.magnitude is not None:
+        if self.magnitude is None:
+            w = self.base.weight.float() + self.delta_weight()
+        else:  # unmerge needs the norm of the unmerged weight, which the merged one no longer gives
             self._merge_norm = dora.weight_norm(self.base.weight, self.down, self.up, self.lora_scale)
-        self._set_base_weight(self.merged_weight().to(self.base.weight.dtype))
+            w = dora.merged_weight(self, self._merge_norm)
+        self._set_base_weight(w.to(self.base.weight.dtype))
         self.merged = True
 
     @torch.no_grad()
