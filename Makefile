@@ -21,7 +21,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
 setup: $(STAMP) $(VENV)/cache
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt | $(VENV)/cache
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch==2.13.0 (CPU) first, then lora_lab with all extras into $(VENV) ..."
 	$(PIP) torch==2.13.0

@@ -2,6 +2,18 @@
 
 __version__ = "0.1.0"
 
+from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
+from .formats import (
+    LoraFile,
+    LoraFormatError,
+    LoraModule,
+    convert_lora,
+    diffusers_name,
+    kohya_name,
+    load_lora,
+    save_lora,
+)
+from .kernels import KernelBackendError, KernelInputError, resolve_backend
 from .layers import Frozen, Linear, Trainable
 from .lora import (
     LoRAConfig,
@@ -20,6 +32,15 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
+from .memory import (
+    BlockStack,
+    MemoryMeasurementUnavailable,
+    optimizer_state_bytes,
+    peak_memory,
+    saved_activation_bytes,
+)
+from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
+from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .params import (
     LoraLabError,
     TensorKindError,
@@ -28,6 +49,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
+from .precision import MixedPrecision, PrecisionError
 
 __all__ = [
     "Frozen",
@@ -55,4 +77,42 @@ __all__ = [
     "remove_lora",
     "set_lora_strength",
     "unmerge_lora",
+    # formats.py / merge.py (issue 4)
+    "AppliedLoras",
+    "LoRAStack",
+    "LoraFile",
+    "LoraFormatError",
+    "LoraModule",
+    "apply_loras",
+    "convert_lora",
+    "diffusers_name",
+    "kohya_name",
+    "load_lora",
+    "load_merged",
+    "merge_loras",
+    "save_lora",
+    "save_merged",
+    # checkpoint.py / memory.py / optim.py / precision.py (issue 5)
+    "Adam8bit",
+    "AdamW8bit",
+    "BlockStack",
+    "CheckpointError",
+    "MemoryMeasurementUnavailable",
+    "MixedPrecision",
+    "OptimizerError",
+    "PrecisionError",
+    "checkpoint",
+    "dequantize_blockwise",
+    "disable_checkpointing",
+    "dynamic_map",
+    "enable_checkpointing",
+    "optimizer_state_bytes",
+    "peak_memory",
+    "quantize_blockwise",
+    "saved_activation_bytes",
+    # kernels/ (issue 6): the kernel functions live in lora_lab.kernels.lora/dora/adam8bit, imported
+    # on use (on a CPU they need TRITON_INTERPRET=1 set before their first import)
+    "KernelBackendError",
+    "KernelInputError",
+    "resolve_backend",
 ]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dora
+from .kernels import BACKENDS, resolve_backend
 from .layers import Linear
 from .params import LoraLabError
 
@@ -57,6 +58,7 @@ class LoRAConfig:
     use_dora: bool = False  # DoRA magnitude vector (dora.py)
     init: str = "kaiming"  # "kaiming" (A kaiming-uniform, B = 0) | "gaussian" (A ~ N(0, 1/r^2), B = 0) | "pissa"
     conv: bool = True  # also wrap matching nn.Conv2d (LoCon)
+    backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere) | "triton" | "torch"; Linear adapters only
 
     def __post_init__(self):
         def bad(msg: str):
@@ -82,6 +84,10 @@ class LoRAConfig:
             bad(f"targets must be a str (regex) or a list of names, got {type(self.targets).__name__}")
         if self.init not in INITS:
             bad(f"init must be one of {INITS}, got {self.init!r}")
+        if self.backend not in BACKENDS:
+            bad(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "triton" and self.dropout > 0:
+            bad("backend='triton' has no dropout (the fused kernels see one input); use dropout=0, or 'auto'")
         for name in ("use_rslora", "use_dora", "conv"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -110,6 +116,7 @@ class LoRAModule(nn.Module):
         self.rank = config.rank
         self.alpha = float(config.alpha)
         self.use_rslora = config.use_rslora
+        self.backend = config.backend  # see `uses_kernels`
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self._strength = 1.0
         self.enabled = True
@@ -265,8 +272,21 @@ class LoRAModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or not self.enabled:
             return self.base(x.to(self.base.weight.dtype)).to(x.dtype)
+        if self.uses_kernels(x):
+            return self.kernel_forward(x).to(x.dtype)
         y = self.lora_forward(x) if self.magnitude is None else dora.dora_forward(self, x)
         return y.to(x.dtype)
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs the Triton kernels (lora_lab.kernels): backend "triton", or
+        "auto" on CUDA; only Linear adapters have them, and only without an active dropout."""
+        if not self.has_kernels or resolve_backend(self.backend, x.device) != "triton":
+            return False
+        if self.training and isinstance(self.dropout, nn.Dropout):
+            if self.backend == "triton":
+                raise LoRAConfigError("backend='triton' has no dropout; set dropout=0, or backend='auto'")
+            return False
+        return True
 
     def lora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W x + b + scale * B A dropout(x): the base in its own dtype, the adapter in fp32; returns fp32."""
@@ -286,6 +306,12 @@ class LoRAModule(nn.Module):
         )
 
     # what the subclasses define
+    has_kernels = False  # True where `kernel_forward` exists (LoRALinear); see `uses_kernels`
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same output as the PyTorch forward, from the fused Triton kernels of lora_lab.kernels."""
+        raise NotImplementedError
+
     def _down_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -313,6 +339,20 @@ class LoRALinear(LoRAModule):
     """LoRA around a frozen `nn.Linear` or `lora_lab.Linear`: x -> W x + b + t s B A dropout(x)."""
 
     base_types = (nn.Linear, Linear)
+    has_kernels = True
+
+    def kernel_forward(self, x):
+        """The same output from the fused Triton kernels, in the base weight's dtype. Imported here,
+        not at the top: on a CPU they need TRITON_INTERPRET=1 set before their first import."""
+        w, b = self.base.weight, self.base.bias
+        x = x.to(w.dtype)
+        if self.magnitude is None:
+            from .kernels.lora import lora_linear
+
+            return lora_linear(x, w, b, self.down, self.up, self.scale)
+        from .kernels.dora import dora_linear
+
+        return dora_linear(x, w, b, self.down, self.up, self.magnitude, self.lora_scale, self.strength)
 
     def _down_shape(self):
         return (self.rank, self.base.weight.shape[1])  # (r, in)

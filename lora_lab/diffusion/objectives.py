@@ -1,0 +1,180 @@
+"""Training objectives: DDPM epsilon / v-prediction (SD1.5, SDXL) and rectified flow matching (SD3.5, Flux).
+
+API (stable; `diffusion/train.py` builds on it):
+
+    DDPM(prediction_type="epsilon" | "v_prediction", num_train_timesteps=1000, beta_start, beta_end)
+    FlowMatching(logit_mean=0.0, logit_std=1.0, shift=1.0)
+        both have:  .sample_timesteps(n, generator) -> t (n,)
+                    .noisy(x0, noise, t)            -> the model's input x_t
+                    .target(x0, noise, t)           -> what the model must output
+                    .x0_from(x_t, pred, t)          -> the clean sample an exact prediction implies
+    objective_for(pipe_or_kind, prediction_type=None) -> DDPM | FlowMatching matching the pipeline's scheduler
+    diffusion_loss(pred, target)                    -> fp32 mean squared error
+    shift_sigmas(sigma, shift)                      -> SD3's shift  s' = shift s / (1 + (shift - 1) s)
+    pack_latents(x) / unpack_latents(packed, h, w)  -> Flux's 2x2 patch packing (B, C, h, w) <-> (B, hw/4, 4C)
+    flux_latent_ids(h, w), flux_text_ids(T), flux_guidance(B, value) -> Flux's extra inputs
+
+The maths (x0: clean latents, e: standard normal noise):
+
+    DDPM, step t with abar_t = prod_{s<=t} (1 - beta_s):
+        x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) e
+        epsilon target: e;   v target: v = sqrt(abar_t) e - sqrt(1 - abar_t) x0   (Salimans & Ho 2022)
+    Rectified flow, sigma in [0, 1] (sigma = 1 is pure noise):
+        x_sigma = (1 - sigma) x0 + sigma e,   target v = e - x0  (= d x_sigma / d sigma)
+        sigma = sigmoid(u), u ~ N(logit_mean, logit_std^2)  (logit-normal, Esser et al. 2024 "SD3"),
+        then shifted toward noise:  sigma' = shift sigma / (1 + (shift - 1) sigma)  (SD3.5: shift = 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..params import LoraLabError
+
+
+class ObjectiveError(LoraLabError, ValueError):
+    """An unknown prediction type or objective for a model."""
+
+
+def _bcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, 1, 1, ...) in `like`'s dtype and device, for per-sample coefficients."""
+    return v.to(like.device, like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+@dataclass
+class DDPM:
+    """The DDPM forward process with Stable Diffusion's "scaled_linear" betas (sqrt-linear, squared)."""
+
+    prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+
+    def __post_init__(self):
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ObjectiveError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
+        betas = torch.linspace(self.beta_start**0.5, self.beta_end**0.5, self.num_train_timesteps,
+                               dtype=torch.float64) ** 2
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)  # (T,) fp64, abar_t
+
+    def _coeffs(self, t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        abar = self.alphas_cumprod[t.long().cpu()]
+        return _bcast(abar.sqrt(), like), _bcast((1 - abar).sqrt(), like)  # alpha_t, sigma_t
+
+    def sample_timesteps(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """n integer steps, uniform on 0 .. T-1."""
+        return torch.randint(0, self.num_train_timesteps, (n,), generator=generator)
+
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a, s = self._coeffs(t, x0)
+        return a * x0 + s * noise
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if self.prediction_type == "epsilon":
+            return noise
+        a, s = self._coeffs(t, x0)
+        return a * noise - s * x0
+
+    def x0_from(self, x_t: torch.Tensor, pred: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a, s = self._coeffs(t, x_t)
+        if self.prediction_type == "epsilon":
+            return (x_t - s * pred) / a
+        return a * x_t - s * pred  # since a^2 + s^2 = 1
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's timestep shift: s' = shift s / (1 + (shift - 1) s); shift > 1 spends more steps near noise."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+@dataclass
+class FlowMatching:
+    """Rectified flow: straight paths from data (sigma = 0) to noise (sigma = 1), logit-normal sigmas."""
+
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0  # SD3.5: 3.0; the tiny Flux here: 1.0
+
+    def sample_timesteps(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """n sigmas in (0, 1): sigmoid of N(logit_mean, logit_std^2), then shifted."""
+        u = torch.randn(n, generator=generator) * self.logit_std + self.logit_mean
+        return shift_sigmas(torch.sigmoid(u), self.shift)
+
+    def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        s = _bcast(t, x0)
+        return (1 - s) * x0 + s * noise
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return noise - x0
+
+    def x0_from(self, x_t: torch.Tensor, pred: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x_t - _bcast(t, x_t) * pred
+
+
+def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | FlowMatching:
+    """The objective that matches a pipeline's scheduler (or a kind's tiny default scheduler).
+
+    sd15/sdxl -> DDPM with the scheduler's betas and prediction type (overridable by `prediction_type`);
+    sd3/flux -> FlowMatching with the scheduler's shift (SD3: 3.0).
+    """
+    from .models import CONFIGS, KINDS, kind_of
+
+    if isinstance(pipe_or_kind, str):
+        kind = pipe_or_kind
+        if kind not in KINDS:
+            raise ObjectiveError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+        cfg = CONFIGS[kind]["scheduler"]
+    else:
+        kind = kind_of(pipe_or_kind)
+        cfg = dict(pipe_or_kind.scheduler.config)
+    if kind in ("sd15", "sdxl"):
+        if cfg.get("beta_schedule", "scaled_linear") != "scaled_linear":
+            raise ObjectiveError(f"only the scaled_linear beta schedule is supported, got {cfg['beta_schedule']!r}")
+        return DDPM(prediction_type=prediction_type or cfg.get("prediction_type", "epsilon"),
+                    num_train_timesteps=cfg.get("num_train_timesteps", 1000),
+                    beta_start=cfg.get("beta_start", 0.00085), beta_end=cfg.get("beta_end", 0.012))
+    if prediction_type not in (None, "flow"):
+        raise ObjectiveError(f"{kind} is trained with flow matching; prediction_type {prediction_type!r} does not apply")
+    return FlowMatching(shift=float(cfg.get("shift", 1.0)))
+
+
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32 (a bf16 model output is upcast before the reduction)."""
+    return F.mse_loss(pred.float(), target.float())
+
+
+# ----------------------------------------------------------------------------- Flux's inputs
+
+def pack_latents(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, (h/2)(w/2), 4C): each 2x2 patch becomes one token, channels (C, 2, 2)."""
+    B, C, h, w = x.shape
+    x = x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # (B, h/2, w/2, C, 2, 2)
+    return x.reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `pack_latents`: (B, (h/2)(w/2), 4C) -> (B, C, h, w)."""
+    B, _, D = x.shape
+    x = x.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # (B, C, h/2, 2, w/2, 2)
+    return x.reshape(B, D // 4, h, w)
+
+
+def flux_latent_ids(h: int, w: int) -> torch.Tensor:
+    """Rotary position ids of the packed image tokens, ((h/2)(w/2), 3): (0, row, column)."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def flux_text_ids(num_tokens: int) -> torch.Tensor:
+    """Rotary position ids of the text tokens: all zero, (T, 3)."""
+    return torch.zeros(num_tokens, 3)
+
+
+def flux_guidance(batch: int, value: float = 1.0) -> torch.Tensor:
+    """The guidance-embedding input of guidance-distilled Flux: the guidance scale per sample, (B,)."""
+    return torch.full((batch,), float(value))

@@ -1,0 +1,807 @@
+"""LoRA files: kohya/ComfyUI and PEFT/diffusers safetensors, the key-name maps between them, validation.
+
+In memory a LoRA is a set of modules, each named by its path in a diffusers pipeline
+(`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…`,
+`transformer.transformer_blocks.0.attn.to_q`), each holding
+
+    down (r, in) | (r, in, kh, kw)    up (out, r) | (out, r, 1, 1)    alpha    DoRA m (out, 1) | (out, 1, 1, 1)
+
+and meaning  W -> W + (alpha / r) * up @ down  (conv: up.flatten(1) @ down.flatten(1), reshaped as W),
+or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (the norm per output row).
+
+On disk (safetensors only, never pickle):
+
+    kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
+                      lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders,
+                      lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
+                      read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
+                      whose fused projections split exactly into diffusers' modules by output rows
+    PEFT / diffusers  unet.<path>.lora_A.weight  .lora_B.weight  .lora_magnitude_vector (out,)
+                      with the alphas in metadata["lora_adapter_metadata"] (JSON, "unet.lora_alpha", ...)
+                      as diffusers' `save_lora_weights` writes it: without it diffusers takes alpha = rank.
+
+kohya files always get an `.alpha`: a missing alpha means scale 1 to ComfyUI and diffusers, whatever the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .params import LoraLabError
+
+FORMATS = ("kohya", "peft")
+BASES = ("sd15", "sdxl", "sd3", "flux")
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffusers reads for PEFT files
+
+# kohya prefixes, read side. `lora_te_` and `lora_te1_` both mean the first text encoder
+# (SD1.5 files use the first, SDXL files the second); `lora_unet_` names a UNet module, or a
+# transformer module when the name after it is a transformer's (see `_unet_or_transformer`).
+_KOHYA_PREFIXES = {
+    "lora_unet_": "unet",
+    "lora_te_": "text_encoder",
+    "lora_te1_": "text_encoder",
+    "lora_te2_": "text_encoder_2",
+    "lora_te3_": "text_encoder_3",
+    "lora_transformer_": "transformer",
+}
+
+# Path segments of diffusers / transformers module names that themselves hold an underscore.
+# kohya names replace every "." by "_", so going back needs to know which "_" were there before.
+# tests/test_formats.py checks that every Linear/Conv2d of the SD1.5, SDXL, SD3 and Flux models
+# and of the CLIP text encoders survives diffusers -> kohya -> diffusers with this list.
+_COMPOUND_SEGMENTS = sorted(
+    {
+        # UNet2DConditionModel
+        "down_blocks", "mid_block", "up_blocks", "transformer_blocks", "conv_in", "conv_out",
+        "conv_shortcut", "time_emb_proj", "time_embedding", "add_embedding", "linear_1", "linear_2",
+        "proj_in", "proj_out", "to_q", "to_k", "to_v", "to_out", "encoder_hid_proj", "class_embedding",
+        # SD3Transformer2DModel / FluxTransformer2DModel
+        "single_transformer_blocks", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "ff_context", "norm1_context", "norm_out", "proj_mlp", "pos_embed", "x_embedder",
+        "context_embedder", "time_text_embed", "timestep_embedder", "text_embedder", "guidance_embedder",
+        # CLIPTextModel(WithProjection)
+        "text_model", "self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "text_projection",
+        # T5EncoderModel (SD3's third, Flux's second text encoder)
+        "wi_0", "wi_1",
+    },
+    key=lambda s: -s.count("_"),  # longest compound first
+)
+_UNET_TOP = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding",
+             "add_embedding", "encoder_hid_proj", "class_embedding")
+
+
+# Flux LoRAs from kohya's sd-scripts name Black Forest Labs' own modules, some of which diffusers splits in
+# several: a fused projection's LoRA splits exactly by output rows (the down is shared, each diffusers module
+# gets its rows of the up). BFL name after "lora_unet_" -> diffusers module(s) of the transformer.
+_FLUX_DOUBLE = {  # double_blocks_{i}_<name> -> transformer_blocks.{i}.<module>
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+_FLUX_SINGLE = {  # single_blocks_{i}_<name> -> single_transformer_blocks.{i}.<module>; linear1 = [q; k; v; mlp (4x)]
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+_FLUX_OTHER = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer_linear": "proj_out",
+    "final_layer_adaLN_modulation_1": "norm_out.linear",  # BFL (shift, scale) rows, diffusers (scale, shift)
+}
+
+
+class LoraFormatError(LoraLabError, ValueError):
+    """A LoRA file (or state dict) that is not what it should be; says which file and which key."""
+
+
+# ----------------------------------------------------------------------------- in memory
+
+
+@dataclass
+class LoraModule:
+    """One adapted module: W -> W + (alpha / rank) * up @ down (DoRA: renormalised rows times m)."""
+
+    down: torch.Tensor  # (r, in) | (r, in, kh, kw)
+    up: torch.Tensor  # (out, r) | (out, r, 1, 1)
+    alpha: float
+    dora_scale: torch.Tensor | None = None  # DoRA magnitude m: (out, 1) | (out, 1, 1, 1)
+    key: str = ""  # the module's name in the file it came from (kohya or PEFT spelling)
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> torch.Tensor:
+        """(alpha / rank) * up @ down in fp32, in the adapted weight's shape (conv: (out, in, kh, kw))."""
+        up, down = self.up.float(), self.down.float()
+        d = up.flatten(1) @ down.flatten(1)  # (out, in * kh * kw)
+        if down.dim() == 4:
+            d = d.reshape(up.shape[0], *down.shape[1:])
+        return self.scale * d
+
+    def weight_shape(self) -> tuple[int, ...]:
+        return (self.up.shape[0], *self.down.shape[1:])
+
+
+@dataclass
+class LoraFile:
+    """A loaded (or to-be-saved) LoRA: modules by pipeline path, the file's format and metadata."""
+
+    modules: dict[str, LoraModule]
+    format: str = "kohya"  # "kohya" | "peft"
+    metadata: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def base(self) -> str | None:
+        """The base model kind the file says it is for ("sd15", "sdxl", "sd3", "flux"), if it says."""
+        return self.metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(self.metadata)
+
+    def components(self) -> list[str]:
+        return sorted({name.split(".", 1)[0] for name in self.modules})
+
+    def state_dict(self, component: str | None = None) -> dict[str, torch.Tensor]:
+        """lora_lab's canonical in-memory form (`lora_state_dict`'s keys), for one component
+        (names relative to it) or for all (names with the component in front)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, m in self.modules.items():
+            comp, _, rest = name.partition(".")
+            if component is not None:
+                if comp != component:
+                    continue
+                name = rest
+            out[f"{name}.lora_down.weight"] = m.down
+            out[f"{name}.lora_up.weight"] = m.up
+            out[f"{name}.alpha"] = torch.tensor(float(m.alpha))
+            if m.dora_scale is not None:
+                out[f"{name}.dora_scale"] = m.dora_scale
+        return out
+
+    def summary(self) -> str:
+        """What `lora-lab inspect` prints: format, base, per-module rank / alpha / shapes, metadata."""
+        lines = [f"file:    {self.path}", f"format:  {self.format}", f"base:    {self.base or 'unknown'}",
+                 f"modules: {len(self.modules)}  (components: {', '.join(self.components())})"]
+        ranks = Counter(m.rank for m in self.modules.values())
+        alphas = Counter(m.alpha for m in self.modules.values())
+        lines.append("ranks:   " + ", ".join(f"{r} (x{n})" for r, n in sorted(ranks.items())))
+        lines.append("alphas:  " + ", ".join(f"{a:g} (x{n})" for a, n in sorted(alphas.items())))
+        lines.append(f"dora:    {sum(m.dora_scale is not None for m in self.modules.values())} module(s)")
+        width = max((len(n) for n in self.modules), default=0)
+        for name, m in sorted(self.modules.items()):
+            kind = "conv" if m.down.dim() == 4 else "linear"
+            lines.append(f"  {name:<{width}}  {kind:6} r={m.rank:<3} alpha={m.alpha:<6g} "
+                         f"weight {tuple(m.weight_shape())}{'  dora' if m.dora_scale is not None else ''}")
+        if self.metadata:
+            lines.append("metadata:")
+            for k, v in sorted(self.metadata.items()):
+                v = v if len(v) <= 200 else v[:200] + " ..."
+                lines.append(f"  {k}: {v}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- key-name maps
+
+
+def kohya_name(module: str, base: str | None = None) -> str:
+    """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` -> `lora_unet_down_blocks_0_resnets_0_conv1`.
+
+    The first text encoder is `lora_te1_` for SDXL (kohya's SDXL spelling) and `lora_te_` otherwise.
+    """
+    comp, _, path = module.partition(".")
+    if comp not in COMPONENTS or not path:
+        raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
+    prefix = {
+        "unet": "lora_unet_",
+        "text_encoder": "lora_te1_" if base == "sdxl" else "lora_te_",
+        "text_encoder_2": "lora_te2_",
+        "text_encoder_3": "lora_te3_",
+        "transformer": "lora_transformer_",
+    }[comp]
+    return prefix + path.replace(".", "_")
+
+
+def diffusers_name(kohya: str, base: str | None = None) -> str:
+    """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
+
+    `lora_unet_` is the UNet for base sd15/sdxl, the transformer for sd3/flux; with no base, the
+    transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
+    original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
+    mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
+
+    Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
+    `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
+    """
+    for prefix, comp in _KOHYA_PREFIXES.items():
+        if kohya.startswith(prefix):
+            break
+    else:
+        raise LoraFormatError(f"{kohya!r}: not a kohya LoRA name (known prefixes: {list(_KOHYA_PREFIXES)})")
+    rest = kohya[len(prefix):]
+    if comp == "unet":
+        ldm = _ldm_unet_path(rest)
+        if ldm is not None:
+            return f"unet.{ldm}"
+    segments = _segments(rest)
+    if comp == "unet":
+        comp = _unet_or_transformer(kohya, segments[0], base)
+    return f"{comp}.{'.'.join(segments)}"
+
+
+def _segments(name: str) -> list[str]:
+    """Split an underscored kohya name back into module-path segments (longest known compound first)."""
+    tokens = name.split("_")
+    segments, i = [], 0
+    while i < len(tokens):
+        for compound in _COMPOUND_SEGMENTS:
+            parts = compound.split("_")
+            if tokens[i:i + len(parts)] == parts:
+                segments.append(compound)
+                i += len(parts)
+                break
+        else:
+            segments.append(tokens[i])
+            i += 1
+    return segments
+
+
+LDM_LAYERS_PER_BLOCK = 2  # resnets per down block in SD1.5's and SDXL's LDM/sgm UNet (one more per up block)
+_LDM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
+            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
+            "label_emb_0_2": "add_embedding.linear_2"}
+_LDM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}
+
+
+def _ldm_unet_path(name: str) -> str | None:
+    """An LDM/sgm UNet module name (underscored) -> diffusers' path, or None if it is not one.
+
+    input_blocks.i (i >= 1) is down block (i-1) // (L+1), item (i-1) % (L+1): a resnet (.0) and its
+    attention (.1), or the downsampler (item L, `.0.op`); output_blocks.i is up block i // (L+1), item
+    i % (L+1), with the upsampler last (`.1.conv` or `.2.conv`); middle_block.0/1/2 = resnet, attention, resnet.
+    """
+    if name in _LDM_TOP:
+        return _LDM_TOP[name]
+    lpb = LDM_LAYERS_PER_BLOCK
+    if hit := re.fullmatch(r"input_blocks_(\d+)_(\d)_(.+)", name):
+        i, j, rest = int(hit[1]) - 1, int(hit[2]), hit[3]
+        block, item = divmod(i, lpb + 1)
+        where = f"down_blocks.{block}."
+        if item == lpb:
+            return where + "downsamplers.0.conv" if rest == "op" else None
+    elif hit := re.fullmatch(r"output_blocks_(\d+)_(\d)_(.+)", name):
+        block, item = divmod(int(hit[1]), lpb + 1)
+        j, rest = int(hit[2]), hit[3]
+        where = f"up_blocks.{block}."
+        if j > 0 and rest == "conv":
+            return where + "upsamplers.0.conv"
+    elif hit := re.fullmatch(r"middle_block_(\d)_(.+)", name):
+        j, rest = int(hit[1]), hit[2]
+        item, j = (0, 0) if j == 0 else (0, 1) if j == 1 else (1, 0)
+        where = "mid_block."
+    else:
+        return None
+    if j == 0:
+        return where + f"resnets.{item}." + _LDM_RESNET.get(rest, ".".join(_segments(rest)))
+    return where + f"attentions.{item}." + ".".join(_segments(rest))
+
+
+def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
+    if first in ("double", "single", "joint"):
+        raise LoraFormatError(
+            f"{kohya!r}: kohya name in the original (BFL / SAI) layout, not one diffusers module; "
+            "load_lora splits Flux's (BFL) modules, SD3's (SAI) are not read"
+        )
+    if base in ("sd15", "sdxl") or (base is None and first in _UNET_TOP):
+        return "unet"
+    return "transformer"
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+_KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha", ".dora_scale": "dora"}
+_PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_magnitude_vector": "dora"}
+
+
+def load_lora(path: str | os.PathLike) -> LoraFile:
+    """Read and check a kohya or PEFT LoRA safetensors file (format detected from its keys)."""
+    path = Path(path)
+    tensors, metadata = _read_safetensors(path)
+    if not tensors:
+        raise LoraFormatError(f"{path}: holds no tensors")
+    fmt = _detect_format(path, tensors)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    suffixes = _KOHYA_SUFFIXES if fmt == "kohya" else _PEFT_SUFFIXES
+    for key, t in tensors.items():
+        for suffix, role in suffixes.items():
+            if key.endswith(suffix):
+                parts.setdefault(key[: -len(suffix)], {})[role] = t
+                break
+        else:
+            raise LoraFormatError(
+                f"{path}: key {key!r} is not a plain LoRA tensor of a {fmt} file "
+                f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
+            )
+    alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
+    base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
+    modules: dict[str, LoraModule] = {}
+    spelled = {"down": "lora_down", "up": "lora_up"} if fmt == "kohya" else {"down": "lora_A", "up": "lora_B"}
+    for key, p in parts.items():
+        where = f"{path}: module {key!r}"
+        missing = [spelled[r] for r in ("down", "up") if r not in p]
+        if len(missing) == 2:
+            raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no LoRA weights")
+        if missing:
+            present = spelled["up" if missing[0] == spelled["down"] else "down"]
+            raise LoraFormatError(f"{where}: has {present} but no {missing[0]}")
+        down, up, dora = p["down"], p["up"], p.get("dora")
+        if fmt == "kohya":
+            alpha = _scalar(where, p["alpha"]) if "alpha" in p else None
+        else:
+            alpha = alpha_of(key)
+            if dora is not None:  # PEFT: (out,) linear, (1, out, 1, 1) conv
+                dora = dora.reshape(-1, *[1] * (down.dim() - 1))
+        if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
+            alpha = float(down.shape[0])
+        m = _checked_module(where, down, up, alpha, dora, key)
+        if fmt == "peft":
+            modules[key] = m
+        else:  # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
+            modules.update(_flux_bfl(where, key, m) or {diffusers_name(key, base): m})
+    return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
+
+
+def _scalar(where: str, t: torch.Tensor) -> float:
+    """A kohya alpha: one number, of any real dtype (tools write fp16, fp32, bf16 and int64 alphas)."""
+    if t.numel() != 1 or t.is_complex() or t.dtype == torch.bool:
+        raise LoraFormatError(f"{where}: alpha must be one real number, got shape {tuple(t.shape)} {t.dtype}")
+    return float(t.item())
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the metadata of a safetensors file; LoraFormatError for anything else."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise LoraFormatError(f"{path}: no such file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > size - 8 or n > 100_000_000:
+            raise LoraFormatError(
+                f"{path}: not a safetensors file (header length {n} does not fit the file's {size} bytes)"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LoraFormatError(f"{path}: not a safetensors file: garbage header ({e})") from e
+    if not isinstance(header, dict):
+        raise LoraFormatError(f"{path}: not a safetensors file: the header is not a JSON object")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+               and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        raise LoraFormatError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {}
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                try:
+                    tensors[key] = f.get_tensor(key)
+                except (SafetensorError, TypeError, ValueError, RuntimeError) as e:
+                    raise LoraFormatError(f"{path}: key {key!r}: unreadable tensor ({e})") from e
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise LoraFormatError(f"{path}: not a readable safetensors file ({e})") from e
+    metadata.pop("format", None)
+    return tensors, metadata
+
+
+def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
+    kohya = [k for k in tensors if k.startswith(tuple(_KOHYA_PREFIXES))]
+    if len(kohya) == len(tensors):
+        return "kohya"
+    peft = [k for k in tensors if k.startswith(tuple(f"{c}." for c in COMPONENTS))]
+    if len(peft) == len(tensors):
+        return "peft"
+    odd = next(k for k in tensors if k not in kohya and k not in peft)
+    raise LoraFormatError(
+        f"{path}: key {odd!r} is neither a kohya name ({', '.join(_KOHYA_PREFIXES)}...) nor a PEFT/diffusers "
+        f"name ({', '.join(c + '.' for c in COMPONENTS)}...)"
+    )
+
+
+def _peft_alphas(path: Path, metadata: Mapping[str, str]):
+    """module -> alpha of a PEFT file, from diffusers' `lora_adapter_metadata` (PEFT LoraConfig kwargs per
+    component: alpha_pattern, else lora_alpha; rsLoRA folded in as alpha * sqrt(r), so that alpha / r is
+    PEFT's alpha / sqrt(r)). None where the metadata says nothing: diffusers then takes alpha = rank."""
+    raw = metadata.get(METADATA_KEY)
+    try:
+        meta = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise LoraFormatError(f"{path}: metadata {METADATA_KEY!r} is not JSON ({e})") from e
+
+    def pattern_value(patterns, name, default):
+        for pattern, value in (patterns or {}).items():  # PEFT's rule: the pattern matches the name's end
+            if re.match(rf"(.*\.)?({pattern})$", name):
+                return float(value)
+        return default
+
+    def alpha_of(module: str) -> float | None:
+        comp, _, name = module.partition(".")
+        if f"{comp}.lora_alpha" not in meta:
+            return None
+        alpha = pattern_value(meta.get(f"{comp}.alpha_pattern"), name, float(meta[f"{comp}.lora_alpha"]))
+        if meta.get(f"{comp}.use_rslora"):
+            alpha *= math.sqrt(pattern_value(meta.get(f"{comp}.rank_pattern"), name, float(meta[f"{comp}.r"])))
+        return alpha
+
+    return alpha_of
+
+
+def _checked_module(where: str, down, up, alpha, dora, key: str) -> LoraModule:
+    for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be floating point")
+        if not torch.isfinite(t).all():
+            raise LoraFormatError(f"{where}: {role} holds NaN or Inf values")
+    if not math.isfinite(alpha):
+        raise LoraFormatError(f"{where}: alpha is {alpha}")
+    if down.dim() not in (2, 4) or up.dim() != down.dim():
+        raise LoraFormatError(
+            f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
+        )
+    if up.shape[1] != down.shape[0]:
+        raise LoraFormatError(
+            f"{where}: rank mismatch: down {tuple(down.shape)} has rank {down.shape[0]}, "
+            f"up {tuple(up.shape)} has rank {up.shape[1]}"
+        )
+    if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
+        raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
+    if dora is not None and dora.numel() != up.shape[0]:
+        raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
+    if dora is not None:
+        dora = dora.reshape(up.shape[0], *[1] * (up.dim() - 1))
+    return LoraModule(down=down, up=up, alpha=float(alpha), dora_scale=dora, key=key)
+
+
+def _base_from_kohya_metadata(metadata: Mapping[str, str]) -> str | None:
+    v = metadata.get("ss_base_model_version", "")
+    for prefix, base in (("sdxl", "sdxl"), ("sd_v1", "sd15"), ("sd3", "sd3"), ("flux", "flux")):
+        if v.startswith(prefix):
+            return base
+    return None
+
+
+def _flux_bfl(where: str, key: str, m: LoraModule) -> dict[str, LoraModule] | None:
+    """A kohya Flux module in BFL's layout -> {diffusers transformer module: LoraModule}; None if not one."""
+    if not key.startswith("lora_unet_"):
+        return None
+    name = key.removeprefix("lora_unet_")
+    if name in _FLUX_OTHER:
+        targets, prefix = (_FLUX_OTHER[name],), ""
+    elif (hit := re.fullmatch(r"(double|single)_blocks_(\d+)_(\w+)", name)) and hit[3] in (
+        _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+    ):
+        table = _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+        targets = table[hit[3]]
+        prefix = f"{'transformer_blocks' if hit[1] == 'double' else 'single_transformer_blocks'}.{hit[2]}."
+    else:
+        return None
+    out = m.up.shape[0]
+    if len(targets) == 3:  # q, k, v of equal size
+        rows = [out // 3] * 3
+    elif len(targets) == 4:  # q, k, v of size d and the 4d MLP input
+        rows = [out // 7] * 3 + [4 * (out // 7)]
+    else:
+        rows = [out]
+    if sum(rows) != out:
+        raise LoraFormatError(f"{where}: a fused Flux projection with {out} outputs cannot split into {targets}")
+    up, dora = m.up, m.dora_scale
+    if name == "final_layer_adaLN_modulation_1":
+        up, dora = _swap_halves(up), None if dora is None else _swap_halves(dora)
+    ups = torch.split(up, rows)
+    doras = torch.split(dora, rows) if dora is not None else [None] * len(rows)
+    return {f"transformer.{prefix}{t}": LoraModule(m.down, u.contiguous(), m.alpha, None if d is None else d.contiguous(), key)
+            for t, u, d in zip(targets, ups, doras)}
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a])
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def save_lora(
+    path: str | os.PathLike,
+    lora,
+    format: str = "kohya",
+    *,
+    component: str | None = None,
+    base: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a LoRA as a kohya/ComfyUI or PEFT/diffusers safetensors file, atomically.
+
+    `lora` is a LoraFile, a model with lora_lab adapters, a {component: model} dict, or a canonical
+    state dict (`lora_state_dict`'s keys; give `component=` when its names do not start with one).
+    For a single model, `component` defaults to "unet" for a UNet2DConditionModel and "transformer" for
+    the SD3/Flux transformers. `base` ("sd15", "sdxl", "sd3", "flux") is guessed from the model when not
+    given; it chooses `lora_te_` vs `lora_te1_` and goes into the metadata.
+    """
+    if format not in FORMATS:
+        raise LoraFormatError(f"format={format!r}: choose one of {FORMATS}")
+    lf, guessed = _as_lora_file(lora, component)
+    base = base or guessed or lf.base
+    if base is not None and base not in BASES:
+        raise LoraFormatError(f"base={base!r}: choose one of {BASES}")
+    if not lf.modules:
+        raise LoraFormatError(f"{path}: nothing to save: the LoRA has no modules")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, m in lf.modules.items():
+        _checked_module(f"{path}: module {name!r}", m.down, m.up, m.alpha, m.dora_scale, name)
+        if format == "kohya":
+            k = kohya_name(name, base)
+            tensors[f"{k}.lora_down.weight"] = m.down
+            tensors[f"{k}.lora_up.weight"] = m.up
+            tensors[f"{k}.alpha"] = torch.tensor(float(m.alpha))
+            if m.dora_scale is not None:
+                tensors[f"{k}.dora_scale"] = m.dora_scale
+        else:
+            tensors[f"{name}.lora_A.weight"] = m.down
+            tensors[f"{name}.lora_B.weight"] = m.up
+            if m.dora_scale is not None:
+                shape = (-1,) if m.down.dim() == 2 else (1, -1, 1, 1)
+                tensors[f"{name}.lora_magnitude_vector"] = m.dora_scale.reshape(shape)
+    alphas = sorted({m.alpha for m in lf.modules.values()})
+    if format == "kohya" and len(alphas) > 1:
+        warnings.warn(
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' kohya reader "
+            "(0.42) gives attention projections the most common alpha: save format='peft' for diffusers",
+            stacklevel=2,
+        )
+    meta = _metadata(lf, format, base)
+    meta.update(metadata or {})
+    path = Path(path)
+    atomic_save(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    return path
+
+
+def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, base: str | None = None) -> Path:
+    """Read `src` (kohya or PEFT) and write it to `dst` in format `to`; the tensors are not changed."""
+    lf = load_lora(src)
+    keep = {k: v for k, v in lf.metadata.items() if not k.startswith("lora_lab.") and k != METADATA_KEY}
+    return save_lora(dst, lf, format=to, base=base, metadata=keep)
+
+
+def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
+    from . import __version__
+
+    ranks = Counter(m.rank for m in lf.modules.values())
+    alphas = Counter(m.alpha for m in lf.modules.values())
+    r, a = ranks.most_common(1)[0][0], alphas.most_common(1)[0][0]
+    meta = {
+        "lora_lab.version": __version__,
+        "lora_lab.format": format,
+        "lora_lab.base_model": base or "",
+        "lora_lab.rank": str(r) if len(ranks) == 1 else json.dumps(sorted(ranks)),
+        "lora_lab.alpha": f"{a:g}" if len(alphas) == 1 else json.dumps(sorted(alphas)),
+        "lora_lab.dora": str(any(m.dora_scale is not None for m in lf.modules.values())).lower(),
+    }
+    if format == "kohya":  # the names kohya's own tools and the web UIs show
+        meta.update({"ss_network_module": "networks.lora", "ss_network_dim": str(r), "ss_network_alpha": f"{a:g}"})
+        if base in ("sd15", "sdxl"):
+            meta["ss_base_model_version"] = {"sd15": "sd_v1", "sdxl": "sdxl_base_v1-0"}[base]
+    else:  # PEFT LoraConfig kwargs per component, as diffusers' save_lora_weights writes them
+        adapter = {}
+        for comp in lf.components():
+            mods = {n.split(".", 1)[1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
+            cr = Counter(m.rank for m in mods.values()).most_common(1)[0][0]
+            ca = Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
+            adapter.update({
+                f"{comp}.r": cr,
+                f"{comp}.lora_alpha": ca,
+                f"{comp}.rank_pattern": {re.escape(n): m.rank for n, m in mods.items() if m.rank != cr},
+                f"{comp}.alpha_pattern": {re.escape(n): m.alpha for n, m in mods.items() if m.alpha != ca},
+                f"{comp}.target_modules": sorted(mods),
+                f"{comp}.use_dora": any(m.dora_scale is not None for m in mods.values()),
+                f"{comp}.init_lora_weights": True,
+            })
+        meta[METADATA_KEY] = json.dumps(adapter, indent=2, sort_keys=True)
+    return meta
+
+
+def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file atomically: a temp file in the same folder, fsync, then rename over `path`."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={"format": "pt", **metadata})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- from models / state dicts
+
+
+def guess_component_and_base(model: nn.Module) -> tuple[str | None, str | None]:
+    """("unet" | "transformer" | None, "sd15" | "sdxl" | "sd3" | "flux" | None) for a diffusers model."""
+    try:
+        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+    except ImportError:  # diffusers is an optional dependency
+        return None, None
+    if isinstance(model, UNet2DConditionModel):
+        return "unet", "sdxl" if model.config.addition_embed_type == "text_time" else "sd15"
+    if isinstance(model, SD3Transformer2DModel):
+        return "transformer", "sd3"
+    if isinstance(model, FluxTransformer2DModel):
+        return "transformer", "flux"
+    return None, None
+
+
+def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None]:
+    if isinstance(lora, LoraFile):
+        return lora, None
+    if isinstance(lora, nn.Module):
+        lora = {component: lora} if component else {None: lora}
+    if isinstance(lora, Mapping) and lora and all(isinstance(v, nn.Module) for v in lora.values()):
+        from .lora import lora_state_dict
+
+        modules, base = {}, None
+        for comp, model in lora.items():
+            g_comp, g_base = guess_component_and_base(model)
+            comp = comp or g_comp
+            if comp is None:
+                raise LoraFormatError(
+                    f"cannot tell which pipeline component a {type(model).__name__} is: pass component= "
+                    f"(one of {COMPONENTS})"
+                )
+            base = base or g_base
+            modules.update(_modules_from_state(lora_state_dict(model), comp).modules)
+        if "text_encoder_2" in {n.split(".")[0] for n in modules} and base is None:
+            base = "sdxl"
+        return LoraFile(modules=modules), base
+    if isinstance(lora, Mapping):
+        return _modules_from_state(lora, component), None
+    raise TypeError(f"save_lora needs a LoraFile, a model, a dict of models or a state dict, got {type(lora).__name__}")
+
+
+def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None) -> LoraFile:
+    """A canonical state dict (`{name}.lora_down.weight`, `.lora_up.weight`, `.alpha`, `.dora_scale`) -> LoraFile."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in state.items():
+        for suffix, role in _KOHYA_SUFFIXES.items():
+            if key.endswith(suffix):
+                parts.setdefault(key[: -len(suffix)], {})[role] = t
+                break
+        else:
+            raise LoraFormatError(f"state dict key {key!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
+    modules = {}
+    for name, p in parts.items():
+        if name.split(".", 1)[0] not in COMPONENTS:
+            if component is None:
+                raise LoraFormatError(
+                    f"state dict module {name!r} does not start with a component {COMPONENTS}: pass component="
+                )
+            name = f"{component}.{name}"
+        if "down" not in p or "up" not in p:
+            raise LoraFormatError(f"state dict module {name!r}: needs both lora_down and lora_up")
+        alpha = float(p["alpha"].item()) if "alpha" in p else float(p["down"].shape[0])
+        modules[name] = _checked_module(f"state dict module {name!r}", p["down"].detach().float(),
+                                        p["up"].detach().float(), alpha,
+                                        None if p.get("dora") is None else p["dora"].detach().float(), name)
+    return LoraFile(modules=dict(sorted(modules.items())))
+
+
+def match_modules(
+    lf: LoraFile,
+    weights: Mapping[str, torch.Tensor] | Iterable[str],
+    component: str | None = None,
+    *,
+    strict: bool = True,
+) -> tuple[str | None, dict[str, LoraModule]]:
+    """Which of the LoRA's modules adapt which weights of one model: (component, {weight key: module}).
+
+    `weights` are the model's state-dict keys (`down_blocks.0.resnets.0.conv1.weight`, no component in
+    front). The component defaults to the one whose modules match the most keys. A module is found by
+    its pipeline path, else by its kohya spelling compared with the model's (as ComfyUI does), so a
+    kohya name this module cannot split back into dots still finds its weight. Modules of that
+    component that match nothing raise LoraFormatError listing them (`strict=False`: a warning, skipped);
+    a weight whose shape differs from the module's always raises (a 1x1 conv and a linear layer of the
+    same size fit each other, as ComfyUI reshapes them).
+    """
+    shapes = {k: tuple(v.shape) for k, v in weights.items()} if isinstance(weights, Mapping) else None
+    keys = set(shapes) if shapes is not None else set(weights)
+    by_kohya = {k[: -len(".weight")].replace(".", "_"): k for k in keys if k.endswith(".weight")}
+    where = str(lf.path) if lf.path else "LoRA"
+
+    def find(name: str, m: LoraModule) -> str | None:
+        path = name.split(".", 1)[1]
+        if f"{path}.weight" in keys:
+            return f"{path}.weight"
+        tail = re.sub(r"^lora_(unet|te[123]?|transformer)_", "", m.key) if m.key.startswith("lora_") else None
+        return by_kohya.get(tail) if tail else None
+
+    comps = lf.components()
+    if component is None:
+        hits = Counter(n.split(".")[0] for n, m in lf.modules.items() if find(n, m) is not None)
+        if not hits:
+            unmatched = sorted(lf.modules)
+            return _unmatched(where, unmatched, strict, component, comps)
+        component = hits.most_common(1)[0][0]
+    out, unmatched = {}, []
+    for name, m in lf.modules.items():
+        if not name.startswith(component + "."):
+            continue
+        key = find(name, m)
+        if key is None:
+            unmatched.append(m.key or name)
+            continue
+        if shapes is not None and not _fits(shapes[key], m.weight_shape()):
+            raise LoraFormatError(
+                f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
+                f"but the model's {key!r} is {shapes[key]}"
+            )
+        out[key] = m
+    if unmatched:
+        _unmatched(where, unmatched, strict, component, comps)
+    return component, out
+
+
+def _fits(weight: tuple[int, ...], delta: tuple[int, ...]) -> bool:
+    """The delta fits the weight: the same shape, or a linear (out, in) and a 1x1 conv (out, in, 1, 1)."""
+    return weight == delta or (weight[:2] == delta[:2] and weight[2:] in ((), (1, 1)) and delta[2:] in ((), (1, 1)))
+
+
+def _unmatched(where, unmatched, strict, component, comps):
+    msg = (f"{where}: {len(unmatched)} key(s) match no module of the target model"
+           f"{f' (component {component!r})' if component else f' (components {comps})'}: "
+           + ", ".join(unmatched[:20]) + (" ..." if len(unmatched) > 20 else ""))
+    if strict:
+        raise LoraFormatError(msg + "; pass strict=False to skip them")
+    warnings.warn(msg + "; skipped", stacklevel=3)
+    return component, {}

@@ -1,0 +1,226 @@
+"""Stacking LoRA files with strengths: merged into the weights at load time, or applied at run time.
+
+For a weight W that LoRA files 1..N adapt, at strengths t_i, each change is computed against the
+base W and the changes add up (so the order of the files does not matter):
+
+    W' = W + sum_i D_i        plain LoRA:  D_i = t_i * (alpha_i / r_i) * up_i @ down_i
+                              DoRA:        D_i = t_i * (m_i * V_i / ||V_i|| - W),  V_i = W + (alpha_i / r_i) up_i @ down_i
+
+in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshaped as kohya does).
+A single DoRA file at strength t is exactly ComfyUI's W + t (W_dora - W); ComfyUI applies several
+files one after the other, which differs from the sum above only when a DoRA file is stacked.
+
+`merge_loras` is the seeds' `LoRABackend` over Candle's VarBuilder: a read-only mapping over the
+base weights that merges a weight only when it is asked for (`merged.get(name)`), so a model can
+be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
+or wraps the adapted modules in lora_lab adapters whose strengths can be changed later (mode="runtime").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
+from .lora import LoRAConv2d, LoRALinear, LoRAModule
+from .params import load_frozen
+
+LoraSpec = tuple["LoraFile | str | os.PathLike", float]
+
+
+def lora_change(weight: torch.Tensor, m: LoraModule, strength: float) -> torch.Tensor:
+    """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
+    delta = m.delta().to(weight.device).reshape(weight.shape)  # (alpha / r) up @ down (a linear LoRA fits a 1x1 conv)
+    if m.dora_scale is None:
+        return strength * delta
+    w = weight.float()
+    v = w + delta
+    norm = torch.linalg.vector_norm(v.flatten(1), dim=1).reshape(-1, *[1] * (w.dim() - 1))  # (out, 1[, 1, 1])
+    return strength * (m.dora_scale.to(w.device).float().reshape(norm.shape) * v / norm - w)
+
+
+class MergedState(Mapping):
+    """Base weights with LoRA changes merged in on access: `merged[name]` / `merged.get(name)`.
+
+    Nothing is computed up front; each access merges that one weight again (fp32, then the base dtype).
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], patches: dict[str, list[Patch]]):
+        self.base = base
+        self.patches = patches  # weight key -> the LoRA modules that change it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.base[name]
+        if name not in self.patches:
+            return w
+        out = w.float()
+        for p in self.patches[name]:
+            out = out + lora_change(w, p.module, p.strength)
+        return out.to(w.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    @property
+    def patched(self) -> list[str]:
+        """The weight keys some LoRA changes."""
+        return sorted(self.patches)
+
+
+def _load(lora) -> LoraFile:
+    return lora if isinstance(lora, LoraFile) else load_lora(lora)
+
+
+@dataclass
+class Patch:
+    module: LoraModule
+    strength: float
+    source: int  # index of the LoRA file in the list given
+
+
+def _patches(
+    weights: Mapping[str, torch.Tensor], loras: Sequence[LoraSpec], component: str | None, strict: bool
+) -> dict[str, list[Patch]]:
+    if isinstance(loras, (LoraFile, str, os.PathLike)) or (
+        isinstance(loras, tuple) and len(loras) == 2 and isinstance(loras[1], (int, float))
+    ):
+        raise LoraFormatError("loras must be a list of (lora_file, strength) pairs")
+    patches: dict[str, list[Patch]] = {}
+    for i, (lora, strength) in enumerate(loras):
+        _, matched = match_modules(_load(lora), weights, component, strict=strict)
+        for key, m in matched.items():
+            patches.setdefault(key, []).append(Patch(m, float(strength), i))
+    return patches
+
+
+def merge_loras(
+    base_state: Mapping[str, torch.Tensor] | str | os.PathLike,
+    loras: Sequence[LoraSpec],
+    *,
+    component: str | None = None,
+    strict: bool = True,
+) -> MergedState:
+    """A lazy mapping: `base_state` (a state dict, or a safetensors path read memory-mapped) with the
+    LoRA files merged in at their strengths, each weight merged when asked for.
+
+    `base_state` holds one pipeline component's weights (a UNet's `down_blocks....weight`); `component`
+    says which ("unet", "text_encoder", ...; default: the one the LoRAs' modules match). LoRA modules of
+    that component that match no weight raise LoraFormatError (strict=False: warn and skip them).
+    """
+    if not isinstance(base_state, Mapping):
+        base_state = load_frozen(base_state)
+    return MergedState(base_state, _patches(base_state, loras, component, strict))
+
+
+def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Fill `model`'s weights from `merged` one tensor at a time (the seeds' "build the UNet from the
+    LoRA VarBuilder"): only one merged weight exists beside the model at any moment."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            w = merged.get(name)
+            if w is None:
+                raise LoraFormatError(f"the merged weights have no {name!r}, which the {type(model).__name__} needs")
+            t.copy_(w)
+    return model
+
+
+def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """Write every weight of `merged` (base dtype) to a safetensors file, atomically."""
+    path = Path(path)
+    atomic_save(path, {k: merged[k].contiguous() for k in merged}, metadata or {})
+    return path
+
+
+@dataclass
+class AppliedLoras:
+    """What `apply_loras` changed: the weights, and (runtime mode) the adapters of each LoRA file."""
+
+    mode: str
+    weights: list[str]
+    adapters: list[list[LoRAModule]] = field(default_factory=list)
+
+    def set_strength(self, index: int, strength: float) -> None:
+        """Runtime mode: the strength of LoRA file `index` (in the order given), no reloading."""
+        if self.mode != "runtime":
+            raise LoraFormatError("strengths of merged LoRAs are part of the weights; apply them with mode='runtime'")
+        for a in self.adapters[index]:
+            a.strength = strength
+
+
+class LoRAStack(nn.Module):
+    """Several LoRA files on one frozen module: y = base(x) + sum_i (adapter_i(x) - base(x)).
+
+    Each adapter wraps the same base module, so each change is taken against the base weight, as in
+    `merge_loras`. Costs one base pass per file: merge for speed, stack for changing strengths.
+    """
+
+    def __init__(self, base: nn.Module, adapters: Sequence[LoRAModule]):
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleList(adapters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y0 = self.base(x)
+        return y0 + sum(a(x) - y0 for a in self.adapters)
+
+
+def apply_loras(
+    model: nn.Module,
+    loras: Sequence[LoraSpec],
+    mode: str = "merge",
+    *,
+    component: str | None = None,
+    strict: bool = True,
+) -> AppliedLoras:
+    """Apply LoRA files at strengths to `model` (one pipeline component, e.g. a UNet).
+
+    mode="merge": the adapted weights are replaced by W' (as `merge_loras`); no way back but reloading.
+    mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by a LoRALinear / LoRAConv2d per file
+    (a LoRAStack when several files adapt it); `AppliedLoras.set_strength(i, t)` changes file i's strength.
+    """
+    if mode not in ("merge", "runtime"):
+        raise LoraFormatError(f"mode={mode!r}: choose 'merge' or 'runtime'")
+    weights = dict(model.state_dict())
+    patches = _patches(weights, loras, component, strict)
+    if mode == "merge":
+        merged = MergedState(weights, patches)
+        with torch.no_grad():
+            for key in merged.patched:
+                module = model.get_submodule(key[: -len(".weight")])
+                w = merged[key]
+                if isinstance(module.weight, nn.Parameter):
+                    module.weight.data = w
+                else:  # a frozen lora_lab.Linear keeps its weight as a buffer
+                    module.weight = w
+        return AppliedLoras("merge", merged.patched)
+
+    per_file: list[list[LoRAModule]] = [[] for _ in loras]
+    for key, items in patches.items():
+        path = key[: -len(".weight")]
+        base = model.get_submodule(path)
+        cls = LoRAConv2d if isinstance(base, nn.Conv2d) else LoRALinear
+        adapters = []
+        for p in items:
+            m = p.module
+            r, w = m.rank, base.weight
+            down = m.down.float().reshape(r, *w.shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
+            up = m.up.float().reshape(w.shape[0], r, *[1] * (w.dim() - 2))
+            a = cls.from_weights(base, down, up, m.alpha, magnitude=m.dora_scale)
+            a.strength = p.strength
+            adapters.append(a)
+            per_file[p.source].append(a)
+        _replace(model, path, adapters[0] if len(adapters) == 1 else LoRAStack(base, adapters))
+    return AppliedLoras("runtime", sorted(patches), per_file)
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

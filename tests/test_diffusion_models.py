@@ -1,0 +1,115 @@
+"""diffusion/models.py: the tiny configs build the real diffusers pipelines, `predict` feeds the
+denoiser exactly what the pipeline feeds it, and a saved pipeline loads back from its folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from lora_lab.diffusion import models as M
+from lora_lab.diffusion.models import ModelLoadError
+
+SEED = 3
+PROMPTS = ["a digit three", "a handwritten digit seven"]
+SIZE = 32  # pixels; 16x16 latents
+
+
+def _call(pipe, kind, embeds, steps=2, **kw):
+    extra = {"max_sequence_length": M.TEXT_LEN} if kind in ("sd3", "flux") else {}
+    return pipe(**embeds, num_inference_steps=steps, height=SIZE, width=SIZE, output_type="pt",
+                generator=torch.Generator().manual_seed(SEED), **extra, **kw).images
+
+
+def test_tokenizers_keep_caption_words_whole():
+    clip, t5 = M.build_tokenizer("clip"), M.build_tokenizer("t5")
+    ids = clip("a digit three").input_ids
+    assert len(ids) == 5  # <start> a digit three <end>
+    assert clip.decode(ids, skip_special_tokens=True).strip() == "a digit three"
+    assert len(t5("a digit three").input_ids) == 4  # three words and </s>
+    # An unknown word still tokenizes (byte fallback), it is just longer.
+    assert len(clip("a zebra").input_ids) > 4
+
+
+@pytest.mark.parametrize("kind", M.KINDS)
+def test_predict_matches_the_pipeline_denoiser_call(kind):
+    """Capture the denoiser's input and output inside a real pipeline call, then recompute the
+    output with `predict` from (latents, t, encode_prompts(...)): training sees what sampling sees."""
+    pipe = M.build_pipeline(kind, seed=SEED)
+    den = M.denoiser(pipe)
+    embeds = M.encode_prompts(pipe, PROMPTS)
+    seen = {}
+
+    def hook(module, args, kwargs, out):
+        if not seen:
+            seen.update(args=args, kwargs=kwargs, out=out[0] if isinstance(out, tuple) else out.sample)
+
+    handle = den.register_forward_hook(hook, with_kwargs=True)
+    try:
+        _call(pipe, kind, embeds, guidance_scale=1.0)
+    finally:
+        handle.remove()
+    kw = seen["kwargs"]
+    if kind in ("sd15", "sdxl"):
+        x, t = seen["args"][0], seen["args"][1]
+        t = t.expand(x.shape[0]) if t.dim() == 0 else t
+        expected = seen["out"]
+    elif kind == "sd3":
+        x, t, expected = kw["hidden_states"], kw["timestep"] / 1000, seen["out"]
+    else:
+        h = w = SIZE // 2
+        from lora_lab.diffusion.objectives import unpack_latents
+
+        x, t = unpack_latents(kw["hidden_states"], h, w), kw["timestep"]
+        expected = unpack_latents(seen["out"], h, w)
+    with torch.no_grad():
+        got = M.predict(kind, den, x, t, embeds)
+    assert got.shape == (2, 4, 16, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sdxl_uses_both_text_encoders_and_time_ids():
+    pipe = M.build_pipeline("sdxl", seed=SEED)
+    e = M.encode_prompts(pipe, PROMPTS)
+    assert e["prompt_embeds"].shape == (2, M.TEXT_LEN, 64)  # 32 (CLIP-L-like) + 32 (CLIP-G-like)
+    assert e["pooled_prompt_embeds"].shape == (2, 32)
+    assert not torch.equal(e["prompt_embeds"][0], e["prompt_embeds"][1])
+    x, t = torch.randn(2, 4, 16, 16), torch.tensor([500, 500])
+    with torch.no_grad():
+        a = M.predict("sdxl", pipe.unet, x, t, e)
+        b = M.predict("sdxl", pipe.unet, x, t, {**e, "time_ids": M.sdxl_time_ids(2, 64, 64)})
+    assert not torch.allclose(a, b)  # the micro-conditioning reaches the UNet
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a = M.build_components("sdxl", seed=SEED)["unet"].state_dict()
+    b = M.build_components("sdxl", seed=SEED)["unet"].state_dict()
+    c = M.build_components("sdxl", seed=SEED + 1)["unet"].state_dict()
+    key = "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.weight"
+    assert torch.equal(a[key], b[key]) and not torch.equal(a[key], c[key])
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "flux"])
+def test_save_and_load_from_a_local_folder(kind, tmp_path):
+    pipe = M.build_pipeline(kind, seed=SEED)
+    pipe.save_pretrained(tmp_path / kind)
+    again = M.build_pipeline(kind, base=tmp_path / kind)
+    assert type(again) is type(pipe)
+    e = M.encode_prompts(pipe, PROMPTS)
+    torch.testing.assert_close(M.encode_prompts(again, PROMPTS), e)
+    torch.testing.assert_close(_call(again, kind, e), _call(pipe, kind, e))
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ModelLoadError, match="unknown model kind 'sd2'"):
+        M.build_pipeline("sd2")
+    with pytest.raises(ModelLoadError, match="no such base model"):
+        M.build_pipeline("sdxl", base=tmp_path / "missing")
+    with pytest.raises(ModelLoadError, match="no model_index.json"):
+        M.build_pipeline("sdxl", base=tmp_path)
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ModelLoadError, match="cannot load as a sdxl pipeline"):
+        M.build_pipeline("sdxl", base=bad)
