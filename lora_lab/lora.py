@@ -110,7 +110,7 @@ class LoRAModule(nn.Module):
 
     def __init__(self, base: nn.Module, config: LoRAConfig):
         super().__init__()
-        self._check_base(base)
+        self.check_base(base, config)
         base.requires_grad_(False)
         self.base = base
         self.rank = config.rank
@@ -159,10 +159,15 @@ class LoRAModule(nn.Module):
             layer.magnitude = nn.Parameter(m)
         return layer
 
-    def _check_base(self, base: nn.Module) -> None:
-        if not isinstance(base, self.base_types):
-            names = " or ".join(t.__name__ for t in self.base_types)
-            raise LoRATargetError(f"{type(self).__name__} wraps a {names}, got {type(base).__name__}")
+    @classmethod
+    def check_base(cls, base: nn.Module, config: LoRAConfig) -> None:
+        """Raise if `base` cannot take this adapter (add_lora checks every target before wrapping any)."""
+        if not isinstance(base, cls.base_types):
+            names = " or ".join(t.__name__ for t in cls.base_types)
+            raise LoRATargetError(f"{cls.__name__} wraps a {names}, got {type(base).__name__}")
+        w = base.weight
+        if config.init == "pissa" and config.rank > min(w.shape[0], w[0].numel()):
+            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w.shape[0], w[0].numel())} for a weight of shape {tuple(w.shape)}")
 
     def _init_weights(self, init: str) -> None:
         with torch.no_grad():
@@ -178,8 +183,6 @@ class LoRAModule(nn.Module):
         w = self.base.weight
         out = w.shape[0]
         w2 = w.detach().float().reshape(out, -1)  # (out, in * kh * kw)
-        if self.rank > min(w2.shape):
-            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w2.shape)} for a weight of shape {tuple(w.shape)}")
         u, s, vh = torch.linalg.svd(w2, full_matrices=False)
         root = (s[: self.rank] / self.lora_scale).sqrt()  # split S_r / scale evenly between A and B
         self.down.copy_((root[:, None] * vh[: self.rank]).reshape(self.down.shape))
@@ -242,9 +245,12 @@ class LoRAModule(nn.Module):
         """Write W' into the base weight (in the base's dtype); the forward is then the base's alone."""
         if self.merged:
             raise LoRAStateError(f"{type(self).__name__} is already merged")
-        if self.magnitude is not None:
+        if self.magnitude is None:
+            w = self.base.weight.float() + self.delta_weight()
+        else:  # unmerge needs the norm of the unmerged weight, which the merged one no longer gives
             self._merge_norm = dora.weight_norm(self.base.weight, self.down, self.up, self.lora_scale)
-        self._set_base_weight(self.merged_weight().to(self.base.weight.dtype))
+            w = dora.merged_weight(self, self._merge_norm)
+        self._set_base_weight(w.to(self.base.weight.dtype))
         self.merged = True
 
     @torch.no_grad()
@@ -372,8 +378,9 @@ class LoRAConv2d(LoRAModule):
 
     base_types = (nn.Conv2d,)
 
-    def _check_base(self, base):
-        super()._check_base(base)
+    @classmethod
+    def check_base(cls, base, config):
+        super().check_base(base, config)
         if base.groups != 1:
             raise LoRATargetError(f"LoRAConv2d needs a Conv2d with groups=1, got groups={base.groups}")
         if base.padding_mode != "zeros":
@@ -436,11 +443,15 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"targets {config.targets!r} match no {'/'.join(k.__name__ for k in kinds)} module; "
             f"some of the model's modules: {shown}"
         )
-    for name in found:  # wrap after the walk: replacing while iterating named_modules would skip modules
+    kinds_found = [(name, LoRAConv2d if isinstance(modules[name], nn.Conv2d) else LoRALinear) for name in found]
+    for name, cls in kinds_found:  # all checked before any is wrapped: an error leaves the model as it was
+        try:
+            cls.check_base(modules[name], config)
+        except LoraLabError as e:
+            raise type(e)(f"{name}: {e}") from None
+    for name, cls in kinds_found:  # wrap after the walk: replacing while iterating named_modules would skip some
         parent_name, _, child = name.rpartition(".")
-        base = modules[name]
-        wrapper = LoRAConv2d(base, config) if isinstance(base, nn.Conv2d) else LoRALinear(base, config)
-        setattr(modules[parent_name], child, wrapper)
+        setattr(modules[parent_name], child, cls(modules[name], config))
     trainable = {id(p) for _, m in lora_modules(model) for p in m.adapter_parameters()}
     for p in model.parameters():
         if id(p) not in trainable:

@@ -217,22 +217,27 @@ def test_forward_and_grads_match_formula(conv, variant):
     scale = ALPHA / (math.sqrt(RANK) if opts.get("use_rslora") else RANK)
     assert ours.scale == pytest.approx(scale)
 
-    ref = [t.clone().requires_grad_(True) for t in (down, up)] + ([mag.clone().requires_grad_(True)] if mag is not None else [None])
+    # the formula in float64, so that its own rounding does not count; ours (fp32) must be within 1e-5 of it
+    f64 = [t.double().requires_grad_(True) if t is not None else None for t in (down, up, mag)]
     x = torch.randn(x_shape)
-    w_ref = _formula_weight(base.weight, base.bias, ref[0], ref[1], ref[2], scale)
-    xr = x.clone().requires_grad_(True)
-    y_ref = F.linear(xr, w_ref, base.bias) if conv is None else F.conv2d(xr, w_ref, base.bias, **conv)
+    w, b = base.weight.detach().double(), base.bias.detach().double()
+    w_ref = _formula_weight(w, b, *f64, scale)
+    xr = x.double().requires_grad_(True)
+    y_ref = F.linear(xr, w_ref, b) if conv is None else F.conv2d(xr, w_ref, b, **conv)
     target = torch.randn_like(y_ref)
     (y_ref * target).sum().backward()
 
-    y, gx = _run(ours, x, target)
-    torch.testing.assert_close(y, y_ref.detach(), **TOL)
-    torch.testing.assert_close(gx, xr.grad, **TOL)
-    torch.testing.assert_close(ours.down.grad, ref[0].grad, **TOL)
-    torch.testing.assert_close(ours.up.grad, ref[1].grad, **TOL)
+    y, gx = _run(ours, x, target.float())
+    def close(a, ref):
+        torch.testing.assert_close(a, ref.detach().float(), **TOL)
+
+    close(y, y_ref)
+    close(gx, xr.grad)
+    close(ours.down.grad, f64[0].grad)
+    close(ours.up.grad, f64[1].grad)
     if mag is not None:
-        torch.testing.assert_close(ours.magnitude.grad, ref[2].grad, **TOL)
-    torch.testing.assert_close(ours.merged_weight().detach(), w_ref.detach(), **TOL)
+        close(ours.magnitude.grad, f64[2].grad)
+    close(ours.merged_weight().detach(), w_ref)
 
 
 def test_lora_lab_linear_base_and_lora_formula():
@@ -440,6 +445,18 @@ def test_wrapping_twice_is_an_error():
     assert [n for n, _ in lora_modules(m)] == ["blocks.0.attn.q", "blocks.0.attn.k"]
     with pytest.raises(LoRATargetError, match="groups=1"):
         add_lora(Holder(nn.Conv2d(4, 4, 3, groups=2)), LoRAConfig())
+
+
+def test_add_lora_checks_every_target_before_wrapping_any():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"))
+    with pytest.raises(LoRATargetError, match=r"^1: .*padding_mode"):
+        add_lora(m, LoRAConfig())
+    assert isinstance(m[0], nn.Linear) and m[0].weight.requires_grad  # untouched
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    w = m[0].weight.detach().clone()
+    with pytest.raises(LoRAConfigError, match=r"^1: init='pissa' needs rank <= 3"):
+        add_lora(m, LoRAConfig(rank=4, init="pissa"))
+    assert isinstance(m[0], nn.Linear) and torch.equal(m[0].weight, w)  # no residual left in layer 0
 
 
 def test_add_lora_freezes_the_base_and_counts():
