@@ -196,3 +196,23 @@ def test_notebook_07_runs_for_each_model(run_notebook, model):
     assert n["strength0_vs_base_max_abs_diff"] < 1e-5
     assert n["diffusers_vs_lora_lab_max_abs_diff"] < 2e-3
     assert set(n["inverted_rate_by_strength"]) == {"0.0", "0.25", "0.5", "0.75", "1.0", "1.25", "1.5"}
+
+
+# ----------------------------------------------------------------------------- DoRA, LoCon and the memory features
+
+
+def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_trains(dataset, tmp_path):
+    """Gradient checkpointing recomputes the same activations: the trained adapter must not change.
+    bf16 / fp16 autocast must train to a finite loss near fp32's (8-bit AdamW, DoRA and LoCon on)."""
+    base = dict(model="sdxl", dataset=str(dataset), steps=2, dora=True, conv=True, optimizer="adamw8bit", **FAST)
+    plain = train(TrainConfig(output=str(tmp_path / "plain"), **base))
+    ckpt = train(TrainConfig(output=str(tmp_path / "ckpt"), gradient_checkpointing=True, **base))
+    a, b = _tensors(plain.outputs["lora_kohya"]), _tensors(ckpt.outputs["lora_kohya"])
+    assert any(k.endswith(".dora_scale") for k in a) and any("conv1" in k for k in a)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+    for dtype in ("bf16", "fp16"):
+        low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=True, **base))
+        assert all(math.isfinite(x) for x in low.losses)
+        assert low.losses[0] == pytest.approx(plain.losses[0], rel=0.05)  # the same batch, rounded inputs
