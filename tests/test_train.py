@@ -180,6 +180,17 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
         effect = (ours - plain).abs().max().item()
         assert effect > 0.02, f"the LoRA hardly changes the image ({effect:.3g}): the test would prove nothing"
         torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0, msg=f"{model} {key}")
+    if model == "sdxl":  # `lora-lab sample` with the kohya file: a [base | base + LoRA] two-row PNG
+        from PIL import Image
+
+        png = tmp_path / "sample.png"
+        args = ["sample", "--model", model, "--lora", f"{result.outputs['lora_kohya']}:1.0", "--prompt", prompt,
+                "--seed", str(SEED), "--steps", str(steps), "--output", str(png)]
+        assert cli_main(args) == 0
+        grid = np.asarray(Image.open(png).convert("L"), dtype=float)  # 1-pixel padding around and between rows
+        h = (grid.shape[0] - 3) // 2
+        top, bottom = grid[1:1 + h], grid[2 + h:2 + 2 * h]
+        assert top.shape == bottom.shape and np.abs(top - bottom).max() > 5  # the LoRA row differs
 
 
 # ----------------------------------------------------------------------------- notebook 07
