@@ -13,6 +13,7 @@ from .diffusion import (
     objective_for,
     sample,
 )
+from .diffusion.train import NonFiniteLossError, TrainConfig, TrainConfigError, train
 from .formats import (
     LoraFile,
     LoraFormatError,
@@ -111,6 +112,11 @@ __all__ = [
     "encode_prompts",
     "objective_for",
     "sample",
+    # diffusion/train.py (issue 7, dtrain)
+    "NonFiniteLossError",
+    "TrainConfig",
+    "TrainConfigError",
+    "train",
     # checkpoint.py / memory.py / optim.py / precision.py (issue 5)
     "Adam8bit",
     "AdamW8bit",
