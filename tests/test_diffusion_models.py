@@ -113,3 +113,20 @@ def test_errors_name_the_problem(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ModelLoadError, match="cannot load as a sdxl pipeline"):
         M.build_pipeline("sdxl", base=bad)
+
+
+def test_shipped_sdxl_base_draws_recognisable_digits():
+    """data/base/sdxl (made by data/make_base.py) loads with from_pretrained and draws the digit it is
+    asked for; only sdxl ships pre-trained, the other kinds are built from a seed."""
+    pytest.importorskip("sklearn")
+    from lora_lab.diffusion.effect import fit_classifiers
+    from lora_lab.diffusion.sampling import sample
+
+    base = M.shipped_base("sdxl")
+    assert base is not None and M.shipped_base("sd15") is None
+    pipe = M.build_pipeline("sdxl", base=base)
+    assert pipe.tokenizer("a digit three").input_ids == M.build_tokenizer("clip")("a digit three").input_ids
+    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
+    digits, inverted = fit_classifiers(range(1600))
+    assert digits.accuracy(images, torch.arange(10)) >= 0.8
+    assert inverted.rate(images) == 0.0
