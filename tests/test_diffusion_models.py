@@ -119,7 +119,7 @@ def test_shipped_sdxl_base_draws_recognisable_digits():
     """data/base/sdxl (made by data/make_base.py) loads with from_pretrained and draws the digit it is
     asked for; only sdxl ships pre-trained, the other kinds are built from a seed."""
     pytest.importorskip("sklearn")
-    from lora_lab.diffusion.effect import fit_classifiers
+    from lora_lab.diffusion.effect import digit_images, fit_classifiers
     from lora_lab.diffusion.sampling import sample
 
     base = M.shipped_base("sdxl")
@@ -130,3 +130,9 @@ def test_shipped_sdxl_base_draws_recognisable_digits():
     digits, inverted = fit_classifiers(range(1600))
     assert digits.accuracy(images, torch.arange(10)) >= 0.8
     assert inverted.rate(images) == 0.0
+    # the VAE is a codec of both styles (held-out digits): the LoRA's inverted style is reachable
+    for style in (False, True):
+        x, _ = digit_images(range(1700, 1716), inverted=style)
+        z = M.encode_images(pipe, x, generator=torch.Generator().manual_seed(SEED))
+        assert z.shape == (16, 4, 8, 8) and 0.5 < z.std() < 2  # scaling_factor makes latents ~unit scale
+        assert ((M.decode_latents(pipe, z) - x) ** 2).mean() < 0.03
