@@ -82,9 +82,8 @@ def checkpointing_rows(rounds: int) -> list[dict]:
         ckpt = saved_activation_bytes(loss_fn, ckpt_model)
         ref = saved_activation_bytes(loss_fn, ref_model)
         step(model), step(ckpt_model), step(ref_model)  # warm-up
-        times = _median_times(
-            {"plain": lambda: step(model), "ckpt": lambda: step(ckpt_model), "ref": lambda: step(ref_model)}, rounds
-        )
+        times = _median_times({k: functools.partial(step, m) for k, m in
+                               (("plain", model), ("ckpt", ckpt_model), ("ref", ref_model))}, rounds)
         rows.append({"model": name, "plain_bytes": plain, "ckpt_bytes": ckpt, "ref_bytes": ref, "ref_name": ref_name,
                      "plain_s": times["plain"], "ckpt_s": times["ckpt"], "ref_s": times["ref"]})
     return rows
@@ -128,7 +127,7 @@ def optimizer_rows(rounds: int, use_torchao: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see the README note)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (median)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
     args = ap.parse_args()
     isolate_caches()

@@ -287,12 +287,12 @@ class Adam8bit(torch.optim.Optimizer):
             zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             return {"step": 0, "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
         n_blocks = -(-p.numel() // self.block_size)
-        codes = lambda signed: torch.full(
-            p.shape, int(torch.searchsorted(dynamic_map(signed), 0.0)), dtype=torch.uint8, device=p.device
-        )
-        absmax = lambda: torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
-        return {"step": 0, "exp_avg": codes(True), "exp_avg_absmax": absmax(),
-                "exp_avg_sq": codes(False), "exp_avg_sq_absmax": absmax()}
+        state = {"step": 0}
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            zero = int(torch.searchsorted(dynamic_map(signed), 0.0))  # the code of 0.0 in that map
+            state[name] = torch.full(p.shape, zero, dtype=torch.uint8, device=p.device)
+            state[f"{name}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):

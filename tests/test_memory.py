@@ -94,3 +94,18 @@ def test_optimizer_state_bytes_looks_inside_tensor_subclasses(monkeypatch):
     # codes (1 B) + one fp32 scale per 256 values + a 256-entry fp32 map, for each moment; the step
     expected = 2 * (n + 4 * n // 256 + 4 * 256) + 4
     assert optimizer_state_bytes(opt) == expected  # not 4 bytes a value, as the subclass's dtype claims
+
+
+def test_notebook_05_memory(run_notebook):
+    data = run_notebook(
+        "05_memory", N_BLOCKS=4, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30, USE_BITSANDBYTES=False
+    )
+    assert data["passed"], data.get("error")
+    nums = data["numbers"]
+    assert nums["checkpoint_bytes_ratio"] < 0.40
+    assert nums["activation_bytes_checkpointed"] == 4 * 8 * 32 * 4  # each block's input, fp32
+    per_param = nums["state_bytes_per_param"]
+    assert per_param["lora_lab AdamW8bit"] == pytest.approx(2 + 8 / 256)  # codes + one fp32 absmax per 256
+    assert per_param["torch AdamW"] == pytest.approx(8 + 4 / 128**2)  # m, v and a 0-d step
+    assert nums["final_loss_gap_vs_adamw"] <= 0.02
+    assert set(data["claims"]) >= {"checkpointing keeps <= 40% of the activation bytes", "8-bit state <= 2.05 bytes/param"}
