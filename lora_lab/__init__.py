@@ -12,6 +12,7 @@ from .diffusion import (
     objective_for,
     sample,
 )
+from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
 from .formats import (
     LoraFile,
     LoraFormatError,
@@ -22,6 +23,7 @@ from .formats import (
     load_lora,
     save_lora,
 )
+from .kernels import KernelBackendError, KernelInputError, resolve_backend
 from .layers import Frozen, Linear, Trainable
 from .lora import (
     LoRAConfig,
@@ -40,7 +42,15 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
+from .memory import (
+    BlockStack,
+    MemoryMeasurementUnavailable,
+    optimizer_state_bytes,
+    peak_memory,
+    saved_activation_bytes,
+)
 from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
+from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .params import (
     LoraLabError,
     TensorKindError,
@@ -49,6 +59,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
+from .precision import MixedPrecision, PrecisionError
 
 __all__ = [
     "Frozen",
@@ -100,4 +111,27 @@ __all__ = [
     "encode_prompts",
     "objective_for",
     "sample",
+    # checkpoint.py / memory.py / optim.py / precision.py (issue 5)
+    "Adam8bit",
+    "AdamW8bit",
+    "BlockStack",
+    "CheckpointError",
+    "MemoryMeasurementUnavailable",
+    "MixedPrecision",
+    "OptimizerError",
+    "PrecisionError",
+    "checkpoint",
+    "dequantize_blockwise",
+    "disable_checkpointing",
+    "dynamic_map",
+    "enable_checkpointing",
+    "optimizer_state_bytes",
+    "peak_memory",
+    "quantize_blockwise",
+    "saved_activation_bytes",
+    # kernels/ (issue 6): the kernel functions live in lora_lab.kernels.lora/dora/adam8bit, imported
+    # on use (on a CPU they need TRITON_INTERPRET=1 set before their first import)
+    "KernelBackendError",
+    "KernelInputError",
+    "resolve_backend",
 ]

@@ -13,7 +13,9 @@ On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders,
-                      lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI)
+                      lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
+                      read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
+                      whose fused projections split exactly into diffusers' modules by output rows
     PEFT / diffusers  unet.<path>.lora_A.weight  .lora_B.weight  .lora_magnitude_vector (out,)
                       with the alphas in metadata["lora_adapter_metadata"] (JSON, "unet.lora_alpha", ...)
                       as diffusers' `save_lora_weights` writes it: without it diffusers takes alpha = rank.
@@ -80,6 +82,40 @@ _COMPOUND_SEGMENTS = sorted(
 )
 _UNET_TOP = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding",
              "add_embedding", "encoder_hid_proj", "class_embedding")
+
+
+# Flux LoRAs from kohya's sd-scripts name Black Forest Labs' own modules, some of which diffusers splits in
+# several: a fused projection's LoRA splits exactly by output rows (the down is shared, each diffusers module
+# gets its rows of the up). BFL name after "lora_unet_" -> diffusers module(s) of the transformer.
+_FLUX_DOUBLE = {  # double_blocks_{i}_<name> -> transformer_blocks.{i}.<module>
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+_FLUX_SINGLE = {  # single_blocks_{i}_<name> -> single_transformer_blocks.{i}.<module>; linear1 = [q; k; v; mlp (4x)]
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+_FLUX_OTHER = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer_linear": "proj_out",
+    "final_layer_adaLN_modulation_1": "norm_out.linear",  # BFL (shift, scale) rows, diffusers (scale, shift)
+}
 
 
 class LoraFormatError(LoraLabError, ValueError):
@@ -200,17 +236,32 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
     """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
 
     `lora_unet_` is the UNet for base sd15/sdxl, the transformer for sd3/flux; with no base, the
-    transformer unless the name starts with one of the UNet's top-level modules.
+    transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
+    original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
+    mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
 
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
-    `lora_prior_`, Flux files with the original BFL names `double_blocks` / `single_blocks`).
+    `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
     """
     for prefix, comp in _KOHYA_PREFIXES.items():
         if kohya.startswith(prefix):
             break
     else:
         raise LoraFormatError(f"{kohya!r}: not a kohya LoRA name (known prefixes: {list(_KOHYA_PREFIXES)})")
-    tokens = kohya[len(prefix):].split("_")
+    rest = kohya[len(prefix):]
+    if comp == "unet":
+        ldm = _ldm_unet_path(rest)
+        if ldm is not None:
+            return f"unet.{ldm}"
+    segments = _segments(rest)
+    if comp == "unet":
+        comp = _unet_or_transformer(kohya, segments[0], base)
+    return f"{comp}.{'.'.join(segments)}"
+
+
+def _segments(name: str) -> list[str]:
+    """Split an underscored kohya name back into module-path segments (longest known compound first)."""
+    tokens = name.split("_")
     segments, i = [], 0
     while i < len(tokens):
         for compound in _COMPOUND_SEGMENTS:
@@ -222,17 +273,55 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
         else:
             segments.append(tokens[i])
             i += 1
-    path = ".".join(segments)
-    if comp == "unet":
-        comp = _unet_or_transformer(kohya, segments[0], base)
-    return f"{comp}.{path}"
+    return segments
+
+
+LDM_LAYERS_PER_BLOCK = 2  # resnets per down block in SD1.5's and SDXL's LDM/sgm UNet (one more per up block)
+_LDM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
+            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
+            "label_emb_0_2": "add_embedding.linear_2"}
+_LDM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
+               "skip_connection": "conv_shortcut"}
+
+
+def _ldm_unet_path(name: str) -> str | None:
+    """An LDM/sgm UNet module name (underscored) -> diffusers' path, or None if it is not one.
+
+    input_blocks.i (i >= 1) is down block (i-1) // (L+1), item (i-1) % (L+1): a resnet (.0) and its
+    attention (.1), or the downsampler (item L, `.0.op`); output_blocks.i is up block i // (L+1), item
+    i % (L+1), with the upsampler last (`.1.conv` or `.2.conv`); middle_block.0/1/2 = resnet, attention, resnet.
+    """
+    if name in _LDM_TOP:
+        return _LDM_TOP[name]
+    lpb = LDM_LAYERS_PER_BLOCK
+    if hit := re.fullmatch(r"input_blocks_(\d+)_(\d)_(.+)", name):
+        i, j, rest = int(hit[1]) - 1, int(hit[2]), hit[3]
+        block, item = divmod(i, lpb + 1)
+        where = f"down_blocks.{block}."
+        if item == lpb:
+            return where + "downsamplers.0.conv" if rest == "op" else None
+    elif hit := re.fullmatch(r"output_blocks_(\d+)_(\d)_(.+)", name):
+        block, item = divmod(int(hit[1]), lpb + 1)
+        j, rest = int(hit[2]), hit[3]
+        where = f"up_blocks.{block}."
+        if j > 0 and rest == "conv":
+            return where + "upsamplers.0.conv"
+    elif hit := re.fullmatch(r"middle_block_(\d)_(.+)", name):
+        j, rest = int(hit[1]), hit[2]
+        item, j = (0, 0) if j == 0 else (0, 1) if j == 1 else (1, 0)
+        where = "mid_block."
+    else:
+        return None
+    if j == 0:
+        return where + f"resnets.{item}." + _LDM_RESNET.get(rest, ".".join(_segments(rest)))
+    return where + f"attentions.{item}." + ".".join(_segments(rest))
 
 
 def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
-    if first in ("double", "single", "joint", "input", "middle", "output"):
+    if first in ("double", "single", "joint"):
         raise LoraFormatError(
-            f"{kohya!r}: kohya name in the original (BFL / SAI / LDM) layout, not diffusers' module names; "
-            "lora_lab reads kohya files whose names follow diffusers' modules"
+            f"{kohya!r}: kohya name in the original (BFL / SAI) layout, not one diffusers module; "
+            "load_lora splits Flux's (BFL) modules, SD3's (SAI) are not read"
         )
     if base in ("sd15", "sdxl") or (base is None and first in _UNET_TOP):
         return "unet"
@@ -268,29 +357,37 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
     base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
     modules: dict[str, LoraModule] = {}
+    spelled = {"down": "lora_down", "up": "lora_up"} if fmt == "kohya" else {"down": "lora_A", "up": "lora_B"}
     for key, p in parts.items():
         where = f"{path}: module {key!r}"
-        if "down" not in p or "up" not in p:
-            have, miss = ("lora_down", "lora_up") if "down" in p else ("lora_up", "lora_down")
-            if fmt == "peft":
-                have, miss = have.replace("_down", "_A").replace("_up", "_B"), miss.replace("_down", "_A").replace("_up", "_B")
-            if "down" not in p and "up" not in p:
-                raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no lora weights")
-            raise LoraFormatError(f"{where}: has {have} but no {miss}")
-        name = diffusers_name(key, base) if fmt == "kohya" else key
+        missing = [spelled[r] for r in ("down", "up") if r not in p]
+        if len(missing) == 2:
+            raise LoraFormatError(f"{where}: has an alpha or DoRA scale but no LoRA weights")
+        if missing:
+            present = spelled["up" if missing[0] == spelled["down"] else "down"]
+            raise LoraFormatError(f"{where}: has {present} but no {missing[0]}")
+        down, up, dora = p["down"], p["up"], p.get("dora")
         if fmt == "kohya":
-            alpha_t = p.get("alpha")
-            alpha = float(alpha_t.item()) if alpha_t is not None else None
+            alpha = _scalar(where, p["alpha"]) if "alpha" in p else None
         else:
             alpha = alpha_of(key)
-        down, up = p["down"], p["up"]
+            if dora is not None:  # PEFT: (out,) linear, (1, out, 1, 1) conv
+                dora = dora.reshape(-1, *[1] * (down.dim() - 1))
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
-        dora = p.get("dora")
-        if dora is not None and fmt == "peft":  # PEFT: (out,) linear, (1, out, 1, 1) conv
-            dora = dora.reshape(-1, *[1] * (down.dim() - 1))
-        modules[name] = _checked_module(where, down, up, alpha, dora, key)
+        m = _checked_module(where, down, up, alpha, dora, key)
+        if fmt == "peft":
+            modules[key] = m
+        else:  # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
+            modules.update(_flux_bfl(where, key, m) or {diffusers_name(key, base): m})
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
+
+
+def _scalar(where: str, t: torch.Tensor) -> float:
+    """A kohya alpha: one number, of any real dtype (tools write fp16, fp32, bf16 and int64 alphas)."""
+    if t.numel() != 1 or t.is_complex() or t.dtype == torch.bool:
+        raise LoraFormatError(f"{where}: alpha must be one real number, got shape {tuple(t.shape)} {t.dtype}")
+    return float(t.item())
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -404,11 +501,48 @@ def _checked_module(where: str, down, up, alpha, dora, key: str) -> LoraModule:
 
 def _base_from_kohya_metadata(metadata: Mapping[str, str]) -> str | None:
     v = metadata.get("ss_base_model_version", "")
-    if v.startswith("sdxl"):
-        return "sdxl"
-    if v.startswith("sd_v1"):
-        return "sd15"
+    for prefix, base in (("sdxl", "sdxl"), ("sd_v1", "sd15"), ("sd3", "sd3"), ("flux", "flux")):
+        if v.startswith(prefix):
+            return base
     return None
+
+
+def _flux_bfl(where: str, key: str, m: LoraModule) -> dict[str, LoraModule] | None:
+    """A kohya Flux module in BFL's layout -> {diffusers transformer module: LoraModule}; None if not one."""
+    if not key.startswith("lora_unet_"):
+        return None
+    name = key.removeprefix("lora_unet_")
+    if name in _FLUX_OTHER:
+        targets, prefix = (_FLUX_OTHER[name],), ""
+    elif (hit := re.fullmatch(r"(double|single)_blocks_(\d+)_(\w+)", name)) and hit[3] in (
+        _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+    ):
+        table = _FLUX_DOUBLE if hit[1] == "double" else _FLUX_SINGLE
+        targets = table[hit[3]]
+        prefix = f"{'transformer_blocks' if hit[1] == 'double' else 'single_transformer_blocks'}.{hit[2]}."
+    else:
+        return None
+    out = m.up.shape[0]
+    if len(targets) == 3:  # q, k, v of equal size
+        rows = [out // 3] * 3
+    elif len(targets) == 4:  # q, k, v of size d and the 4d MLP input
+        rows = [out // 7] * 3 + [4 * (out // 7)]
+    else:
+        rows = [out]
+    if sum(rows) != out:
+        raise LoraFormatError(f"{where}: a fused Flux projection with {out} outputs cannot split into {targets}")
+    up, dora = m.up, m.dora_scale
+    if name == "final_layer_adaLN_modulation_1":
+        up, dora = _swap_halves(up), None if dora is None else _swap_halves(dora)
+    ups = torch.split(up, rows)
+    doras = torch.split(dora, rows) if dora is not None else [None] * len(rows)
+    return {f"transformer.{prefix}{t}": LoraModule(m.down, u.contiguous(), m.alpha, None if d is None else d.contiguous(), key)
+            for t, u, d in zip(targets, ups, doras)}
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a])
 
 
 # ----------------------------------------------------------------------------- writing
@@ -617,7 +751,8 @@ def match_modules(
     its pipeline path, else by its kohya spelling compared with the model's (as ComfyUI does), so a
     kohya name this module cannot split back into dots still finds its weight. Modules of that
     component that match nothing raise LoraFormatError listing them (`strict=False`: a warning, skipped);
-    a weight whose shape differs from the module's always raises.
+    a weight whose shape differs from the module's always raises (a 1x1 conv and a linear layer of the
+    same size fit each other, as ComfyUI reshapes them).
     """
     shapes = {k: tuple(v.shape) for k, v in weights.items()} if isinstance(weights, Mapping) else None
     keys = set(shapes) if shapes is not None else set(weights)
@@ -646,7 +781,7 @@ def match_modules(
         if key is None:
             unmatched.append(m.key or name)
             continue
-        if shapes is not None and shapes[key] != m.weight_shape():
+        if shapes is not None and not _fits(shapes[key], m.weight_shape()):
             raise LoraFormatError(
                 f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
                 f"but the model's {key!r} is {shapes[key]}"
@@ -655,6 +790,11 @@ def match_modules(
     if unmatched:
         _unmatched(where, unmatched, strict, component, comps)
     return component, out
+
+
+def _fits(weight: tuple[int, ...], delta: tuple[int, ...]) -> bool:
+    """The delta fits the weight: the same shape, or a linear (out, in) and a 1x1 conv (out, in, 1, 1)."""
+    return weight == delta or (weight[:2] == delta[:2] and weight[2:] in ((), (1, 1)) and delta[2:] in ((), (1, 1)))
 
 
 def _unmatched(where, unmatched, strict, component, comps):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dora
+from .kernels import BACKENDS, resolve_backend
 from .layers import Linear
 from .params import LoraLabError
 
@@ -57,6 +58,7 @@ class LoRAConfig:
     use_dora: bool = False  # DoRA magnitude vector (dora.py)
     init: str = "kaiming"  # "kaiming" (A kaiming-uniform, B = 0) | "gaussian" (A ~ N(0, 1/r^2), B = 0) | "pissa"
     conv: bool = True  # also wrap matching nn.Conv2d (LoCon)
+    backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere) | "triton" | "torch"; Linear adapters only
 
     def __post_init__(self):
         def bad(msg: str):
@@ -82,6 +84,10 @@ class LoRAConfig:
             bad(f"targets must be a str (regex) or a list of names, got {type(self.targets).__name__}")
         if self.init not in INITS:
             bad(f"init must be one of {INITS}, got {self.init!r}")
+        if self.backend not in BACKENDS:
+            bad(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "triton" and self.dropout > 0:
+            bad("backend='triton' has no dropout (the fused kernels see one input); use dropout=0, or 'auto'")
         for name in ("use_rslora", "use_dora", "conv"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -104,12 +110,13 @@ class LoRAModule(nn.Module):
 
     def __init__(self, base: nn.Module, config: LoRAConfig):
         super().__init__()
-        self._check_base(base)
+        self.check_base(base, config)
         base.requires_grad_(False)
         self.base = base
         self.rank = config.rank
         self.alpha = float(config.alpha)
         self.use_rslora = config.use_rslora
+        self.backend = config.backend  # see `uses_kernels`
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self._strength = 1.0
         self.enabled = True
@@ -152,10 +159,15 @@ class LoRAModule(nn.Module):
             layer.magnitude = nn.Parameter(m)
         return layer
 
-    def _check_base(self, base: nn.Module) -> None:
-        if not isinstance(base, self.base_types):
-            names = " or ".join(t.__name__ for t in self.base_types)
-            raise LoRATargetError(f"{type(self).__name__} wraps a {names}, got {type(base).__name__}")
+    @classmethod
+    def check_base(cls, base: nn.Module, config: LoRAConfig) -> None:
+        """Raise if `base` cannot take this adapter (add_lora checks every target before wrapping any)."""
+        if not isinstance(base, cls.base_types):
+            names = " or ".join(t.__name__ for t in cls.base_types)
+            raise LoRATargetError(f"{cls.__name__} wraps a {names}, got {type(base).__name__}")
+        w = base.weight
+        if config.init == "pissa" and config.rank > min(w.shape[0], w[0].numel()):
+            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w.shape[0], w[0].numel())} for a weight of shape {tuple(w.shape)}")
 
     def _init_weights(self, init: str) -> None:
         with torch.no_grad():
@@ -171,8 +183,6 @@ class LoRAModule(nn.Module):
         w = self.base.weight
         out = w.shape[0]
         w2 = w.detach().float().reshape(out, -1)  # (out, in * kh * kw)
-        if self.rank > min(w2.shape):
-            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w2.shape)} for a weight of shape {tuple(w.shape)}")
         u, s, vh = torch.linalg.svd(w2, full_matrices=False)
         root = (s[: self.rank] / self.lora_scale).sqrt()  # split S_r / scale evenly between A and B
         self.down.copy_((root[:, None] * vh[: self.rank]).reshape(self.down.shape))
@@ -235,9 +245,12 @@ class LoRAModule(nn.Module):
         """Write W' into the base weight (in the base's dtype); the forward is then the base's alone."""
         if self.merged:
             raise LoRAStateError(f"{type(self).__name__} is already merged")
-        if self.magnitude is not None:
+        if self.magnitude is None:
+            w = self.base.weight.float() + self.delta_weight()
+        else:  # unmerge needs the norm of the unmerged weight, which the merged one no longer gives
             self._merge_norm = dora.weight_norm(self.base.weight, self.down, self.up, self.lora_scale)
-        self._set_base_weight(self.merged_weight().to(self.base.weight.dtype))
+            w = dora.merged_weight(self, self._merge_norm)
+        self._set_base_weight(w.to(self.base.weight.dtype))
         self.merged = True
 
     @torch.no_grad()
@@ -259,8 +272,21 @@ class LoRAModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or not self.enabled:
             return self.base(x.to(self.base.weight.dtype)).to(x.dtype)
+        if self.uses_kernels(x):
+            return self.kernel_forward(x).to(x.dtype)
         y = self.lora_forward(x) if self.magnitude is None else dora.dora_forward(self, x)
         return y.to(x.dtype)
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs the Triton kernels (lora_lab.kernels): backend "triton", or
+        "auto" on CUDA; only Linear adapters have them, and only without an active dropout."""
+        if not self.has_kernels or resolve_backend(self.backend, x.device) != "triton":
+            return False
+        if self.training and isinstance(self.dropout, nn.Dropout):
+            if self.backend == "triton":
+                raise LoRAConfigError("backend='triton' has no dropout; set dropout=0, or backend='auto'")
+            return False
+        return True
 
     def lora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W x + b + scale * B A dropout(x): the base in its own dtype, the adapter in fp32; returns fp32."""
@@ -279,19 +305,54 @@ class LoRAModule(nn.Module):
             f"strength={self._strength:g}, enabled={self.enabled}, merged={self.merged}"
         )
 
-    # implemented by the subclasses
-    def _down_shape(self) -> tuple[int, ...]: ...
-    def _up_shape(self) -> tuple[int, ...]: ...
-    def _down(self, x: torch.Tensor) -> torch.Tensor: ...
-    def _up(self, h: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def _base_product(self, x: torch.Tensor) -> torch.Tensor: ...  # W x without the bias
-    def out_axis(self, v: torch.Tensor) -> torch.Tensor: ...  # an (out,) vector shaped to broadcast on the output
+    # what the subclasses define
+    has_kernels = False  # True where `kernel_forward` exists (LoRALinear); see `uses_kernels`
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same output as the PyTorch forward, from the fused Triton kernels of lora_lab.kernels."""
+        raise NotImplementedError
+
+    def _down_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _up_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        """A x: (..., in) -> (..., r), or a k x k conv to r channels."""
+        raise NotImplementedError
+
+    def _up(self, h: torch.Tensor, up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`up` h (+ bias): (..., r) -> (..., out), or a 1 x 1 conv to out channels."""
+        raise NotImplementedError
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """W x without the bias (DoRA scales it per output unit)."""
+        raise NotImplementedError
+
+    def out_axis(self, v: torch.Tensor) -> torch.Tensor:
+        """An (out,) vector shaped to broadcast on the output's feature/channel axis."""
+        raise NotImplementedError
 
 
 class LoRALinear(LoRAModule):
     """LoRA around a frozen `nn.Linear` or `lora_lab.Linear`: x -> W x + b + t s B A dropout(x)."""
 
     base_types = (nn.Linear, Linear)
+    has_kernels = True
+
+    def kernel_forward(self, x):
+        """The same output from the fused Triton kernels, in the base weight's dtype. Imported here,
+        not at the top: on a CPU they need TRITON_INTERPRET=1 set before their first import."""
+        w, b = self.base.weight, self.base.bias
+        x = x.to(w.dtype)
+        if self.magnitude is None:
+            from .kernels.lora import lora_linear
+
+            return lora_linear(x, w, b, self.down, self.up, self.scale)
+        from .kernels.dora import dora_linear
+
+        return dora_linear(x, w, b, self.down, self.up, self.magnitude, self.lora_scale, self.strength)
 
     def _down_shape(self):
         return (self.rank, self.base.weight.shape[1])  # (r, in)
@@ -317,8 +378,9 @@ class LoRAConv2d(LoRAModule):
 
     base_types = (nn.Conv2d,)
 
-    def _check_base(self, base):
-        super()._check_base(base)
+    @classmethod
+    def check_base(cls, base, config):
+        super().check_base(base, config)
         if base.groups != 1:
             raise LoRATargetError(f"LoRAConv2d needs a Conv2d with groups=1, got groups={base.groups}")
         if base.padding_mode != "zeros":
@@ -381,11 +443,15 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"targets {config.targets!r} match no {'/'.join(k.__name__ for k in kinds)} module; "
             f"some of the model's modules: {shown}"
         )
-    for name in found:  # wrap after the walk: replacing while iterating named_modules would skip modules
+    kinds_found = [(name, LoRAConv2d if isinstance(modules[name], nn.Conv2d) else LoRALinear) for name in found]
+    for name, cls in kinds_found:  # all checked before any is wrapped: an error leaves the model as it was
+        try:
+            cls.check_base(modules[name], config)
+        except LoraLabError as e:
+            raise type(e)(f"{name}: {e}") from None
+    for name, cls in kinds_found:  # wrap after the walk: replacing while iterating named_modules would skip some
         parent_name, _, child = name.rpartition(".")
-        base = modules[name]
-        wrapper = LoRAConv2d(base, config) if isinstance(base, nn.Conv2d) else LoRALinear(base, config)
-        setattr(modules[parent_name], child, wrapper)
+        setattr(modules[parent_name], child, cls(modules[name], config))
     trainable = {id(p) for _, m in lora_modules(model) for p in m.adapter_parameters()}
     for p in model.parameters():
         if id(p) not in trainable:

@@ -28,19 +28,20 @@ from torch import nn
 
 from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
+from .params import load_frozen
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 
 def lora_change(weight: torch.Tensor, m: LoraModule, strength: float) -> torch.Tensor:
     """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
-    delta = m.delta().to(weight.device)  # (alpha / r) up @ down, in W's shape
+    delta = m.delta().to(weight.device).reshape(weight.shape)  # (alpha / r) up @ down (a linear LoRA fits a 1x1 conv)
     if m.dora_scale is None:
         return strength * delta
     w = weight.float()
     v = w + delta
     norm = torch.linalg.vector_norm(v.flatten(1), dim=1).reshape(-1, *[1] * (w.dim() - 1))  # (out, 1[, 1, 1])
-    return strength * (m.dora_scale.to(w.device).float() * v / norm - w)
+    return strength * (m.dora_scale.to(w.device).float().reshape(norm.shape) * v / norm - w)
 
 
 class MergedState(Mapping):
@@ -115,8 +116,6 @@ def merge_loras(
     that component that match no weight raise LoraFormatError (strict=False: warn and skip them).
     """
     if not isinstance(base_state, Mapping):
-        from .params import load_frozen
-
         base_state = load_frozen(base_state)
     return MergedState(base_state, _patches(base_state, loras, component, strict))
 
@@ -126,7 +125,10 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
     LoRA VarBuilder"): only one merged weight exists beside the model at any moment."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
-            t.copy_(merged.get(name))
+            w = merged.get(name)
+            if w is None:
+                raise LoraFormatError(f"the merged weights have no {name!r}, which the {type(model).__name__} needs")
+            t.copy_(w)
     return model
 
 
@@ -208,7 +210,10 @@ def apply_loras(
         adapters = []
         for p in items:
             m = p.module
-            a = cls.from_weights(base, m.down.float(), m.up.float(), m.alpha, magnitude=m.dora_scale)
+            r, w = m.rank, base.weight
+            down = m.down.float().reshape(r, *w.shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
+            up = m.up.float().reshape(w.shape[0], r, *[1] * (w.dim() - 2))
+            a = cls.from_weights(base, down, up, m.alpha, magnitude=m.dora_scale)
             a.strength = p.strength
             adapters.append(a)
             per_file[p.source].append(a)

@@ -108,8 +108,8 @@ def test_kohya_names_are_the_ones_comfyui_and_diffusers_use():
     assert kohya_name("text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj") == "lora_te2_text_model_encoder_layers_0_self_attn_q_proj"
     assert kohya_name("transformer.single_transformer_blocks.0.proj_mlp") == "lora_transformer_single_transformer_blocks_0_proj_mlp"
     assert diffusers_name("lora_unet_transformer_blocks_0_attn_add_q_proj") == "transformer.transformer_blocks.0.attn.add_q_proj"
-    with pytest.raises(LoraFormatError, match="double_blocks"):
-        diffusers_name("lora_unet_double_blocks_0_img_attn_qkv")
+    with pytest.raises(LoraFormatError, match="double_blocks.*not one diffusers module"):
+        diffusers_name("lora_unet_double_blocks_0_img_attn_qkv")  # load_lora splits it (tests below)
 
 
 # ----------------------------------------------------------------------------- save / load / convert
@@ -142,7 +142,8 @@ def test_save_load_round_trip_is_exact(tmp_path, fmt):
 def test_kohya_file_layout_and_metadata(tmp_path):
     from safetensors import safe_open
 
-    path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
+    with pytest.warns(UserWarning, match=r"different alphas \[1.5, 2.0\].*diffusers"):
+        path = save_lora(tmp_path / "k.safetensors", hand_lora(dora=True), base="sd15")
     with safe_open(str(path), "pt") as f:
         keys, meta = set(f.keys()), f.metadata()
         alpha = f.get_tensor("lora_unet_down_blocks_0_resnets_0_conv1.alpha")
@@ -212,6 +213,8 @@ BAD = {
              "lora_unet_conv_in.lora_up.weight": torch.tensor([[1.0, float("nan")]] * 4)}, "lora_unet_conv_in.*NaN"),
     "inf": ({"lora_unet_conv_in.lora_down.weight": torch.full((2, 4), float("inf")),
              "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2)}, "lora_unet_conv_in.*Inf"),
+    "alpha_not_scalar": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "lora_unet_conv_in.lora_up.weight": torch.ones(4, 2),
+                          "lora_unet_conv_in.alpha": torch.ones(2)}, "lora_unet_conv_in.*alpha must be one real number"),
     "unknown_key": ({"lora_unet_conv_in.hada_w1_a": torch.ones(2, 4)}, "lora_unet_conv_in.hada_w1_a"),
     "mixed": ({"lora_unet_conv_in.lora_down.weight": torch.ones(2, 4), "model.x": torch.ones(1)}, "model.x"),
 }
@@ -223,6 +226,14 @@ def test_bad_tensors_name_the_file_and_the_key(tmp_path, case):
     path = write_raw(tmp_path / f"{case}.safetensors", tensors)
     with pytest.raises(LoraFormatError, match=f"{case}.safetensors.*{pattern}"):
         load_lora(path)
+
+
+def test_a_file_without_alpha_reads_at_scale_one(tmp_path):
+    """As diffusers and ComfyUI read it: no alpha means alpha = rank."""
+    path = write_raw(tmp_path / "noalpha.safetensors", {"lora_unet_conv_in.lora_down.weight": torch.ones(3, 4, 3, 3),
+                                                        "lora_unet_conv_in.lora_up.weight": torch.ones(32, 3, 1, 1)})
+    m = load_lora(path).modules["unet.conv_in"]
+    assert m.alpha == 3.0 and m.scale == 1.0
 
 
 def test_not_safetensors_truncated_and_garbage_header(tmp_path):
@@ -310,6 +321,46 @@ def test_lora_lab_peft_file_loads_in_diffusers_with_the_same_output(tmp_path):
     torch.testing.assert_close(unet_out(models["unet"], args, kw), unet_out(pipe.unet, args, kw), atol=TOL, rtol=TOL)
 
 
+def test_lora_lab_dora_peft_file_loads_in_diffusers_with_the_same_output(tmp_path):
+    """DoRA (linear and conv) as PEFT's lora_magnitude_vector: diffusers/PEFT compute what lora_lab does."""
+    unet = build_components("sd15")["unet"]
+    add_lora(unet, LoRAConfig(rank=RANK, alpha=ALPHA, use_dora=True, targets=r".*attn1\.to_(q|k|v)|.*resnets\.0\.conv1"))
+    randomize(unet, 7)
+    with torch.no_grad():
+        for _, a in lora_modules(unet):
+            a.magnitude.mul_(1.2)  # m != ||W + s B A||
+    path = save_lora(tmp_path / "dora.safetensors", unet, format="peft")
+    pipe = build_pipeline("sd15")
+    args, kw = unet_inputs(pipe, "sd15")
+    pipe.load_lora_weights(str(path))
+    ref = unet_out(pipe.unet, args, kw)
+    torch.testing.assert_close(unet_out(unet, args, kw), ref, atol=TOL, rtol=TOL)
+    ours = build_components("sd15")["unet"]
+    apply_loras(ours, [(path, 1.0)], mode="merge")
+    torch.testing.assert_close(unet_out(ours, args, kw), ref, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_transformer_peft_file_loads_in_diffusers_with_the_same_output(tmp_path, kind):
+    from lora_lab.diffusion.models import encode_prompts, predict
+
+    model = build_components(kind)["transformer"]
+    add_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=r".*attn\.(to_q|to_k|to_v|add_q_proj|to_out\.0)|.*proj_mlp"))
+    randomize(model, 8)
+    path = save_lora(tmp_path / f"{kind}.safetensors", model, format="peft")
+    assert load_lora(path).base == kind and all(n.startswith("transformer.") for n in load_lora(path).modules)
+    pipe = build_pipeline(kind)
+    pipe.load_lora_weights(str(path))
+    embeds = encode_prompts(pipe, ["a photo of the digit seven"])
+    latents, t = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    with torch.no_grad():
+        ref = predict(kind, pipe.transformer, latents, t, embeds)
+        torch.testing.assert_close(predict(kind, model, latents, t, embeds), ref, atol=TOL, rtol=TOL)
+        ours = build_components(kind)["transformer"]
+        apply_loras(ours, [(path, 1.0)], mode="merge")
+        torch.testing.assert_close(predict(kind, ours, latents, t, embeds), ref, atol=TOL, rtol=TOL)
+
+
 def test_file_saved_by_diffusers_loads_in_lora_lab_as_in_diffusers(tmp_path):
     from diffusers import StableDiffusionPipeline
     from peft.utils import get_peft_model_state_dict
@@ -369,9 +420,134 @@ def test_hand_written_kohya_locon_with_alpha_not_rank(tmp_path):
     torch.testing.assert_close(unet_out(pipe.unet, args, kw), want, atol=TOL, rtol=TOL)
 
 
+def test_loaded_file_gives_back_lora_state_dict(tmp_path):
+    """load_lora(save_lora(model)).state_dict("unet") is the model's lora_state_dict, bit for bit (DoRA included)."""
+    from lora_lab.lora import lora_state_dict
+
+    unet = build_components("sd15")["unet"]
+    add_lora(unet, LoRAConfig(rank=RANK, alpha=ALPHA, use_dora=True, targets=UNET_TARGETS))
+    randomize(unet, 3)
+    want = lora_state_dict(unet)
+    for fmt in ("kohya", "peft"):
+        got = load_lora(save_lora(tmp_path / f"{fmt}.safetensors", unet, format=fmt)).state_dict("unet")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), fmt
+
+
 def test_rslora_scale_survives_the_file(tmp_path):
     """rsLoRA's scale alpha / sqrt(r) reaches the file as alpha' = alpha sqrt(r): readers compute alpha' / r."""
     unet = build_components("sd15")["unet"]
     add_lora(unet, LoRAConfig(rank=4, alpha=2.0, use_rslora=True, targets=UNET_TARGETS))
     lf = load_lora(save_lora(tmp_path / "rs.safetensors", unet))
     assert [m.scale for m in lf.modules.values()] == pytest.approx([2.0 / math.sqrt(4)] * len(lf.modules))
+
+
+def flux_bfl_file(path, names: dict[str, tuple[int, int]], seed: int = 11):
+    """A kohya sd-scripts Flux file (BFL module names), random, alpha 2 at rank 4."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (out, inp) in names.items():
+        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(RANK, inp, generator=g) * 0.2
+        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out, RANK, generator=g) * 0.2
+        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(ALPHA)
+    return write_raw(path, tensors, metadata={"ss_base_model_version": "flux1"}), tensors
+
+
+def test_flux_kohya_file_in_bfl_layout_loads_as_diffusers_loads_it(tmp_path):
+    """kohya's Flux LoRAs name BFL's fused modules (img_attn_qkv, ...); diffusers' own converter is the reference."""
+    from lora_lab.diffusion.models import encode_prompts, predict
+
+    d = 32  # the tiny Flux's hidden size
+    path, _ = flux_bfl_file(tmp_path / "flux_bfl.safetensors", {
+        "double_blocks_0_img_attn_qkv": (3 * d, d), "double_blocks_0_txt_attn_proj": (d, d),
+        "double_blocks_0_img_mlp_0": (4 * d, d), "double_blocks_0_txt_mod_lin": (6 * d, d),
+        "single_blocks_1_linear2": (d, 5 * d)})
+    lf = load_lora(path)
+    assert lf.base == "flux" and "transformer.transformer_blocks.0.attn.to_k" in lf.modules
+    pipe = build_pipeline("flux")
+    pipe.load_lora_weights(str(path))
+    embeds = encode_prompts(pipe, ["a photo of the digit two"])
+    latents, t = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    ours = build_components("flux")["transformer"]
+    assert len(apply_loras(ours, [(path, 1.0)]).weights) == 7
+    with torch.no_grad():
+        ref = predict("flux", pipe.transformer, latents, t, embeds)
+        torch.testing.assert_close(predict("flux", ours, latents, t, embeds), ref, atol=TOL, rtol=TOL)
+
+
+def test_flux_bfl_fused_linear1_and_final_modulation_split_by_rows(tmp_path):
+    """single_blocks linear1 = [q; k; v; mlp], final_layer adaLN (shift, scale) and img_in, checked by hand
+    (diffusers' converter hard-codes the full-size Flux's widths for linear1, and drops img_in: its
+    converted name lacks the "transformer." prefix, so 0.42 never applies it)."""
+    d = 32
+    path, raw = flux_bfl_file(tmp_path / "flux_bfl2.safetensors", {
+        "single_blocks_0_linear1": (7 * d, d), "final_layer_adaLN_modulation_1": (2 * d, d), "img_in": (d, 16)})
+    ours = build_components("flux")["transformer"]
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    apply_loras(ours, [(path, 1.0)])
+    after = ours.state_dict()
+
+    def fused(name):
+        return ALPHA / RANK * raw[f"lora_unet_{name}.lora_up.weight"] @ raw[f"lora_unet_{name}.lora_down.weight"]
+
+    w1 = fused("single_blocks_0_linear1")
+    blk = "single_transformer_blocks.0."
+    for part, rows in (("attn.to_q", slice(0, d)), ("attn.to_k", slice(d, 2 * d)), ("attn.to_v", slice(2 * d, 3 * d)),
+                       ("proj_mlp", slice(3 * d, 7 * d))):
+        torch.testing.assert_close(after[blk + part + ".weight"] - before[blk + part + ".weight"], w1[rows])
+    shift_scale = fused("final_layer_adaLN_modulation_1")
+    torch.testing.assert_close(after["norm_out.linear.weight"] - before["norm_out.linear.weight"],
+                               torch.cat([shift_scale[d:], shift_scale[:d]]))
+    torch.testing.assert_close(after["x_embedder.weight"] - before["x_embedder.weight"], fused("img_in"))
+
+
+# kohya's SDXL LoRAs name the LDM/sgm UNet's modules; the diffusers module each is, in a 2-resnet-per-block
+# SDXL-like UNet (down: DownBlock2D, CrossAttnDownBlock2D; up: CrossAttnUpBlock2D, UpBlock2D).
+SGM = {
+    "input_blocks_0_0": "conv_in",
+    "input_blocks_1_0_in_layers_2": "down_blocks.0.resnets.0.conv1",
+    "input_blocks_3_0_op": "down_blocks.0.downsamplers.0.conv",
+    "input_blocks_4_0_skip_connection": "down_blocks.1.resnets.0.conv_shortcut",
+    "input_blocks_4_1_proj_in": "down_blocks.1.attentions.0.proj_in",
+    "input_blocks_5_1_transformer_blocks_1_attn2_to_k": "down_blocks.1.attentions.1.transformer_blocks.1.attn2.to_k",
+    "middle_block_1_transformer_blocks_0_attn1_to_out_0": "mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0",
+    "middle_block_2_emb_layers_1": "mid_block.resnets.1.time_emb_proj",
+    "output_blocks_1_1_transformer_blocks_0_ff_net_2": "up_blocks.0.attentions.1.transformer_blocks.0.ff.net.2",
+    "output_blocks_2_2_conv": "up_blocks.0.upsamplers.0.conv",
+    "output_blocks_5_0_out_layers_3": "up_blocks.1.resnets.2.conv2",
+    "time_embed_0": "time_embedding.linear_1",
+    "label_emb_0_2": "add_embedding.linear_2",
+    "out_2": "conv_out",
+}
+
+
+def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    from lora_lab.diffusion.models import CONFIGS, pipeline_class
+
+    def unet():
+        torch.manual_seed(0)
+        return UNet2DConditionModel(**{**CONFIGS["sdxl"]["unet"], "layers_per_block": 2}).eval()
+
+    shapes = {k[: -len(".weight")]: v.shape for k, v in unet().state_dict().items()}
+    g = torch.Generator().manual_seed(12)
+    tensors = {}
+    for sgm, module in SGM.items():
+        assert diffusers_name(f"lora_unet_{sgm}", "sdxl") == f"unet.{module}"
+        s = shapes[module]
+        tensors[f"lora_unet_{sgm}.lora_down.weight"] = torch.randn(RANK, *s[1:], generator=g) * 0.2
+        tensors[f"lora_unet_{sgm}.lora_up.weight"] = torch.randn(s[0], RANK, *[1] * (len(s) - 2), generator=g) * 0.2
+        tensors[f"lora_unet_{sgm}.alpha"] = torch.tensor(ALPHA)
+    path = write_raw(tmp_path / "sgm.safetensors", tensors)
+
+    comps = build_components("sdxl")
+    comps["unet"] = unet()
+    pipe = pipeline_class("sdxl")(**comps)
+    args, kw = unet_inputs(pipe, "sdxl")
+    before = unet_out(pipe.unet, args, kw)
+    pipe.load_lora_weights(str(path))  # diffusers maps sgm blocks with the UNet's config
+    ours = unet()
+    assert len(apply_loras(ours, [(path, 1.0)]).weights) == len(SGM)
+    ref = unet_out(pipe.unet, args, kw)
+    assert (ref - before).abs().max() > 100 * TOL
+    torch.testing.assert_close(unet_out(ours, args, kw), ref, atol=TOL, rtol=TOL)

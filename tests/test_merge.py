@@ -186,3 +186,29 @@ def test_unmatched_modules_and_bad_arguments():
         merge_loras(base, (a, 1.0))
     with pytest.raises(LoraFormatError, match="mode"):
         apply_loras(nn.Linear(2, 2), [], mode="fused")
+
+
+def test_notebook_04_lora_files(run_notebook):
+    data = run_notebook("04_lora_files", STEPS=2, SWEEP=[0.0, 1.0])
+    assert data["passed"], data.get("error") or data["claims"]
+    n = data["numbers"]
+    assert n["modules_style"] == 32 and n["modules_detail"] == 48 and n["locon_modules"] == 16
+    assert n["max_abs_merged_vs_runtime"] < 1e-5 and n["max_abs_diffusers_vs_lora_lab"] < 1e-4
+    assert n["sweep_relative_change"][1] > n["sweep_relative_change"][0]
+
+
+def test_a_linear_lora_fits_a_1x1_conv_and_back():
+    """As ComfyUI reshapes: SD1.5's proj_in is a 1x1 conv, SDXL's a linear layer; one LoRA fits both."""
+    g = torch.Generator().manual_seed(7)
+    conv, lin = nn.Conv2d(6, 8, 1), nn.Linear(6, 8)
+    lf = LoraFile({"unet.c": rand_module(g, 8, 6, 2, 3.0), "unet.l": rand_module(g, 8, 6, 2, 3.0, k=1)})
+    model = nn.ModuleDict({"c": conv, "l": lin})
+    merged = merge_loras(model.state_dict(), [(lf, 0.7)])
+    m = lf.modules["unet.c"]
+    torch.testing.assert_close(merged["c.weight"], conv.weight + 0.7 * 1.5 * (m.up @ m.down)[:, :, None, None])
+    x = torch.randn(3, 6, 5, 5, generator=g)
+    apply_loras(model, [(lf, 0.7)], mode="runtime")
+    with torch.no_grad():
+        torch.testing.assert_close(model["c"](x), F.conv2d(x, merged["c.weight"], conv.bias), atol=1e-5, rtol=1e-5)
+        xl = x[:, :, 0, 0]
+        torch.testing.assert_close(model["l"](xl), F.linear(xl, merged["l.weight"], lin.bias), atol=1e-5, rtol=1e-5)

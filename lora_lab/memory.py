@@ -1,0 +1,159 @@
+"""Measuring memory: what autograd keeps for backward, the CUDA peak, and optimizer state.
+
+    activation bytes = sum over distinct storages S saved for backward during fn, made during fn: nbytes(S)
+
+`saved_activation_bytes` is exact and repeatable on any device: it does not read an allocator, it
+adds up the storages that autograd's saved-tensor hooks hand over while `fn` runs. Weights,
+buffers and the inputs given to `fn` existed before `fn` and are not activations, so a saved
+tensor counts only if its storage was created during `fn` (seen by a dispatch mode that watches
+every op's outputs). Each storage counts once, however many ops save it or views of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .params import LoraLabError
+
+
+class MemoryMeasurementUnavailable(LoraLabError, RuntimeError):
+    """A measurement that this machine cannot make (e.g. a CUDA peak without a GPU)."""
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    s = t.untyped_storage()
+    if s.nbytes() == 0:
+        return None
+    return (str(t.device), s.data_ptr())
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records the storages that ops create (outputs whose storage none of the op's inputs had)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: set[tuple[str, int]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key is not None and key not in inputs:  # in-place ops and views make nothing new
+                    self.keys.add(key)
+        return out
+
+
+def saved_activation_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
+    """Bytes of the activations autograd keeps for backward while `fn(*args, **kwargs)` runs (forward only).
+
+    Counts each saved storage once; weights, buffers and the inputs (made before `fn`) are not
+    counted. Under `lora_lab.checkpoint` only what a checkpoint keeps (its inputs) is saved, which
+    is exactly what this reports. The graph is freed before returning.
+    """
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key is not None:
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with _NewStorages() as new, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    del out  # the graph (and every saved tensor) goes with it
+    return sum(n for key, n in saved.items() if key in new.keys)
+
+
+def peak_memory(fn: Callable[..., Any], *args, device: torch.device | str | None = None, **kwargs) -> int:
+    """Peak CUDA bytes allocated while `fn(*args, **kwargs)` runs, above what was allocated before it.
+
+    Needs a GPU: the CPU allocator keeps no peak statistic, so on a machine without CUDA this
+    raises `MemoryMeasurementUnavailable` instead of inventing a number (use
+    `saved_activation_bytes`, which is exact everywhere).
+    """
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise MemoryMeasurementUnavailable(
+            f"peak_memory needs a CUDA device, got {device} (CUDA available: {torch.cuda.is_available()}); "
+            "the CPU keeps no peak-allocation statistic: use saved_activation_bytes(fn, ...) instead"
+        )
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    return peak - before
+
+
+def _tensors(value: Any):
+    """Every plain tensor inside `value`, looking into dicts/lists and tensor subclasses
+    (torchao's quantized state is a subclass whose real storage is its inner tensors)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter and hasattr(
+            value, "__tensor_flatten__"
+        ):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _tensors(getattr(value, name))
+        else:
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in `opt.state` (each storage once: a shared quantization map counts once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for state in opt.state.values():
+        for t in _tensors(state):
+            key = _storage_key(t)
+            if key is not None:
+                seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class ResidualMLP(nn.Module):
+    """One pre-norm residual MLP block: x -> x + W2 dropout(gelu(W1 LN(x)))."""
+
+    def __init__(self, width: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, width) -> (B, width)
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.norm(x)))))
+
+
+class BlockStack(nn.Module):
+    """The stack the checkpointing figures are measured on: n residual MLP blocks and a linear head.
+
+    Without checkpointing each block keeps ~(3 width + 3 hidden) values per sample for backward
+    (norm input and output, fc1 output, gelu output, dropout mask); with it, only its input.
+    """
+
+    def __init__(self, n_blocks: int = 12, width: int = 128, hidden: int = 512, out: int = 10, dropout: float = 0.1):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResidualMLP(width, hidden, dropout) for _ in range(n_blocks))
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, width) -> (B, out)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
