@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
 from .diffusion import (
     DatasetError,
     ImageCaptionDataset,
@@ -12,7 +13,6 @@ from .diffusion import (
     objective_for,
     sample,
 )
-from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
 from .formats import (
     LoraFile,
     LoraFormatError,
