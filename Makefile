@@ -35,8 +35,10 @@ $(VENV)/cache:
 run: setup
 	$(PY) -m lora_lab.notebook --out reports
 
+# Two test workers on two cores: one torch thread each (the notebook kernels inherit it), else
+# the workers' thread pools fight and small notebooks run several times slower.
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
 # JupyterLab refuses to start as root unless told; add the flag only where we are root (containers).
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)

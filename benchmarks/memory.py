@@ -127,7 +127,7 @@ def optimizer_rows(rounds: int, use_torchao: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see the README note)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (median)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
     args = ap.parse_args()
     isolate_caches()

@@ -86,7 +86,7 @@ class _Frame:
         saved: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
+            saved.append(t.detach())  # the data only: the recomputation's own graph is not kept alive
             return t
 
         with torch.random.fork_rng(devices=self.cuda_devices):

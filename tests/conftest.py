@@ -9,6 +9,12 @@ import random
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run under the interpreter, which must be switched on before
+# anything imports triton.language: diffusers, peft and torchao do, and with `pytest -n 2` a worker
+# may import them (in another test file) before tests/test_kernels.py runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from lora_lab.notebook import NOTEBOOKS, isolate_caches, run_notebook as _run
 
 

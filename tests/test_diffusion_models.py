@@ -113,3 +113,26 @@ def test_errors_name_the_problem(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ModelLoadError, match="cannot load as a sdxl pipeline"):
         M.build_pipeline("sdxl", base=bad)
+
+
+def test_shipped_sdxl_base_draws_recognisable_digits():
+    """data/base/sdxl (made by data/make_base.py) loads with from_pretrained and draws the digit it is
+    asked for; only sdxl ships pre-trained, the other kinds are built from a seed."""
+    pytest.importorskip("sklearn")
+    from lora_lab.diffusion.effect import digit_images, fit_classifiers
+    from lora_lab.diffusion.sampling import sample
+
+    base = M.shipped_base("sdxl")
+    assert base is not None and M.shipped_base("sd15") is None
+    pipe = M.build_pipeline("sdxl", base=base)
+    assert pipe.tokenizer("a digit three").input_ids == M.build_tokenizer("clip")("a digit three").input_ids
+    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
+    digits, inverted = fit_classifiers(range(1600))
+    assert digits.accuracy(images, torch.arange(10)) >= 0.8
+    assert inverted.rate(images) == 0.0
+    # the VAE is a codec of both styles (held-out digits): the LoRA's inverted style is reachable
+    for style in (False, True):
+        x, _ = digit_images(range(1700, 1716), inverted=style)
+        z = M.encode_images(pipe, x, generator=torch.Generator().manual_seed(SEED))
+        assert z.shape == (16, 4, 8, 8) and 0.5 < z.std() < 2  # scaling_factor makes latents ~unit scale
+        assert ((M.decode_latents(pipe, z) - x) ** 2).mean() < 0.03

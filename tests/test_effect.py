@@ -27,6 +27,7 @@ def test_classifiers_on_held_out_real_digits():
     x, y = digit_images(HELD_OUT)
     xi, _ = digit_images(HELD_OUT, inverted=True)
     assert digits.accuracy(x, y) > 0.88
+    assert digits.accuracy(xi, y) == digits.accuracy(x, y)  # reads the digit whatever the colours
     assert inverted.rate(x) == 0.0 and inverted.rate(xi) == 1.0
     # noise with no digit is not "a digit": the digit classifier's answer is near chance
     noise = torch.rand(200, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1

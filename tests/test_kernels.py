@@ -168,6 +168,19 @@ def test_kernel_import_without_interpreter_on_cpu_says_how_to_fix():
     assert "KernelBackendError" in proc.stderr and "Set TRITON_INTERPRET=1 before" in proc.stderr, proc.stderr
 
 
+def test_interpreter_switched_on_after_triton_language_was_imported_says_so():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = (
+        "import triton.language\n"  # as diffusers/peft/torchao do on import
+        "import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import lora_lab.kernels.lora"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "KernelBackendError" in proc.stderr and "triton.language was imported before" in proc.stderr, proc.stderr
+
+
 # ----------------------------------------------------------------------------- the adapter layers
 
 

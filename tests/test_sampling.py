@@ -17,11 +17,11 @@ PROMPTS = ["a digit one", "a digit eight"]
 @pytest.mark.parametrize("kind", M.KINDS)
 def test_sample_is_seeded_and_in_range(kind):
     pipe = M.build_pipeline(kind, seed=SEED)
-    a = sample(pipe, PROMPTS, seed=1, steps=2)
+    a = sample(pipe, PROMPTS, seed=1, steps=2, guidance=1.0)
     assert a.shape == (2, 3, M.RESOLUTION, M.RESOLUTION) and a.dtype == torch.float32
     assert 0 <= a.min() and a.max() <= 1
-    assert torch.equal(a, sample(pipe, PROMPTS, seed=1, steps=2))
-    assert not torch.equal(a, sample(pipe, PROMPTS, seed=2, steps=2))
+    assert torch.equal(a, sample(pipe, PROMPTS, seed=1, steps=2, guidance=1.0))
+    assert not torch.equal(a, sample(pipe, PROMPTS, seed=2, steps=2, guidance=1.0))
 
 
 def test_sample_equals_the_pipeline_called_with_prompts():
@@ -53,7 +53,8 @@ def test_sample_with_a_lora_file_and_strengths(tmp_path):
     from lora_lab.lora import LoRAConfig, add_lora, lora_modules
 
     pipe = M.build_pipeline("sd15", seed=SEED)
-    base = sample(pipe, PROMPTS, seed=4, steps=3)
+    kw = {"seed": 4, "steps": 2, "guidance": 1.0}
+    base = sample(pipe, PROMPTS, **kw)
     modules_before = [type(m) for m in pipe.unet.modules()]
 
     trained = M.build_pipeline("sd15", seed=SEED)
@@ -63,14 +64,12 @@ def test_sample_with_a_lora_file_and_strengths(tmp_path):
         for _, m in lora_modules(trained.unet):
             m.up.copy_(torch.randn(m.up.shape, generator=g) * 0.3)  # as if trained: a visible change
     path = save_lora(tmp_path / "lora.safetensors", trained.unet, format="kohya", base="sd15")
-    want = sample(trained, PROMPTS, seed=4, steps=3)
+    want = sample(trained, PROMPTS, **kw)
     assert (want - base).abs().max() > 0.01
 
-    torch.testing.assert_close(sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 1.0)]), want,
-                               rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 0.0)]), base,
-                               rtol=1e-5, atol=1e-5)
-    half = sample(pipe, PROMPTS, seed=4, steps=3, loras=[(path, 0.5)])
+    torch.testing.assert_close(sample(pipe, PROMPTS, **kw, loras=[(path, 1.0)]), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sample(pipe, PROMPTS, **kw, loras=[(path, 0.0)]), base, rtol=1e-5, atol=1e-5)
+    half = sample(pipe, PROMPTS, **kw, loras=[(path, 0.5)])
     assert 0 < (half - base).abs().mean() < (want - base).abs().mean()
     assert [type(m) for m in pipe.unet.modules()] == modules_before
-    assert torch.equal(sample(pipe, PROMPTS, seed=4, steps=3), base)
+    assert torch.equal(sample(pipe, PROMPTS, **kw), base)

@@ -8,7 +8,9 @@ API:
 
 The images are sklearn's 8x8 digits (ink 0..16) upscaled bilinearly; ink is white (+1) on black (-1).
 "Inverted" is the new style the LoRA in data/lora_inverted teaches: black ink on a white background.
-The digit classifier reads an image average-pooled back to 8x8 (logistic regression on 64 pixels);
+The digit classifier reads an image average-pooled back to 8x8 (logistic regression on 64 pixels),
+after turning an image with a light border (the inverted style) back to light ink on dark, so it
+says which digit is drawn whatever the colours;
 the inversion classifier reads three statistics (mean of the border, of the centre, of the whole
 image) with a logistic regression, so it keys on the background colour, not on a digit's shape.
 """
@@ -47,8 +49,11 @@ def _gray(images: torch.Tensor) -> torch.Tensor:
 
 
 def _pixels8(images: torch.Tensor) -> np.ndarray:
-    """Average-pooled to 8x8, the digits' native size: (N, 64)."""
-    g = F.adaptive_avg_pool2d(_gray(images)[:, None], 8)
+    """Average-pooled to 8x8, the digits' native size, light ink on dark: (N, 64)."""
+    g = _gray(images)
+    light_border = torch.from_numpy(_brightness_stats(images)[:, 0] > 0)  # (N,) the inverted style
+    g = torch.where(light_border[:, None, None], -g, g)
+    g = F.adaptive_avg_pool2d(g[:, None], 8)
     return g.reshape(len(images), -1).numpy()
 
 

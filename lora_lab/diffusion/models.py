@@ -19,7 +19,8 @@ API (stable; `diffusion/train.py` and the CLI build on it):
     t5_length(pipe)                    -> T5 tokens per prompt (sd3: min(256, tokenizer), flux: min(512, tokenizer))
     encode_images(pipe, images, generator=None) -> latents (B, C, h, w), already shifted and scaled
     decode_latents(pipe, latents)      -> images in [-1, 1], (B, 3, H, W)
-    predict(pipe_or_kind, model, latents, t, embeds, guidance=1.0)
+    kind_of(pipe)                      -> "sd15" | "sdxl" | "sd3" | "flux" from the pipeline's class
+    predict(kind, model, latents, t, embeds, guidance=1.0, vae_scale_factor=2)
                                        -> the denoiser's output (B, C, h, w), one call for every kind
                                           (t: DDPM step index for sd15/sdxl, sigma in [0, 1] for sd3/flux)
     sdxl_time_ids(batch, height, width) -> (B, 6) SDXL's micro-conditioning (original size, crop, target size)
@@ -45,7 +46,7 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
 # The caption vocabulary: every word here is one token for both tokenizers; other words fall back
 # to single characters. "inverted" is deliberately here: the base model never sees it in training,
-# a LoRA teaches it (see data/make_base.py).
+# a LoRA teaches it (see data/make_lora_data.py).
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORDS = ("a", "an", "the", "digit", "number", "photo", "of", "image", "picture", "drawing",
          "handwritten", "white", "black", "on", "inverted", "style", "colours", "colors") + DIGIT_NAMES

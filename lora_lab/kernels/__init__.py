@@ -59,6 +59,18 @@ def require_triton() -> bool:
             "dora/adam8bit, e.g. `os.environ['TRITON_INTERPRET'] = '1'` at the top of the script or "
             "notebook, or `TRITON_INTERPRET=1 python ...`; or use backend='torch'."
         )
+    if interpreted:
+        # Triton's own library (tl.zeros, tl.sum, ...) is made when triton.language is first imported:
+        # if that happened before TRITON_INTERPRET=1 (diffusers, peft and torchao import it), our
+        # interpreted kernels would call compiled library functions and fail deep inside Triton.
+        import triton.language as tl
+
+        if type(tl.zeros).__name__ != "InterpretedFunction":
+            raise KernelBackendError(
+                "triton.language was imported before TRITON_INTERPRET=1 was set (diffusers, peft, torchao "
+                "and torch.compile import it), so the Triton interpreter cannot run lora_lab's kernels in "
+                "this process. Set TRITON_INTERPRET=1 before importing any of those, or use backend='torch'."
+            )
     return interpreted
 
 
