@@ -7,8 +7,8 @@ them into train and test sets with a seeded, stratified-by-shuffle split.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ def load_digits(
         x = F.interpolate(x[:, None], size=(size, size), mode="bilinear", align_corners=False)[:, 0]
     x = x.reshape(len(x), -1)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = round(len(x) * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
     return Split(x[train], y[train], x[test], y[test])
 

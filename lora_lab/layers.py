@@ -43,7 +43,7 @@ class Linear(nn.Module, Generic[Kind]):
             self.register_buffer("bias", bias.detach() if bias is not None else None)
 
     @classmethod
-    def frozen(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear[Frozen]":
+    def frozen(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear[Frozen]:
         """A layer whose weight and bias are buffers (shared with the tensors given, not copied)."""
         return cls(weight, bias, trainable=False)
 
@@ -56,7 +56,7 @@ class Linear(nn.Module, Generic[Kind]):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> "Linear[Trainable]":
+    ) -> Linear[Trainable]:
         """A layer of fresh parameters, initialised as the seeds do: weight ~ N(0, 0.02^2), bias = 0."""
         w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
         b = torch.zeros(out_features, device=device, dtype=dtype) if bias else None

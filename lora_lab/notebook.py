@@ -126,7 +126,7 @@ class Record:
     started: float = field(default_factory=time.time)
 
     @classmethod
-    def start(cls, name: str, namespace: dict[str, Any]) -> "Record":
+    def start(cls, name: str, namespace: dict[str, Any]) -> Record:
         """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
         inputs = namespace.get("In")
         if isinstance(inputs, list):
@@ -253,7 +253,7 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
             progress_bar=False,
             execution_timeout=timeout,
         )
-    except Exception as e:  # papermill's PapermillExecutionError carries the cell's error
+    except Exception as e:  # noqa: BLE001 (any failure of the notebook is recorded, not raised)
         name = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
         error = f"{name}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
     if result_path.exists():

@@ -61,7 +61,7 @@ def load_frozen(
     out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
                 t = f.get_tensor(key)
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)

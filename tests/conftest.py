@@ -15,7 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lora_lab.notebook import NOTEBOOKS, isolate_caches, run_notebook as _run
+from lora_lab.notebook import NOTEBOOKS, isolate_caches
+from lora_lab.notebook import run_notebook as _run
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Time the Triton kernels of lora_lab.kernels against PyTorch, PEFT and bitsandbytes on one GPU.
 
-    python benchmarks/kernels.py                 # the table for the README (needs a CUDA GPU)
-    python benchmarks/kernels.py --cpu-check     # tiny sizes on the CPU under the Triton interpreter:
+    python benchmarks/bench_kernels.py                 # the table for the README (needs a CUDA GPU)
+    python benchmarks/bench_kernels.py --cpu-check     # tiny sizes on the CPU under the Triton interpreter:
                                                  # checks this script runs; its times mean nothing
 
 Rows, all bf16 activations and base weights, fp32 adapter weights (as lora_lab trains them):
@@ -61,9 +61,9 @@ ARGS = parse_args()
 if ARGS.cpu_check:
     os.environ["TRITON_INTERPRET"] = "1"  # before lora_lab.kernels.* is imported
 elif not torch.cuda.is_available():
-    print("benchmarks/kernels.py times GPU kernels and needs a CUDA GPU; there is none here.")
+    print("benchmarks/bench_kernels.py times GPU kernels and needs a CUDA GPU; there is none here.")
     print("Correctness is covered on the CPU by tests/test_kernels.py under TRITON_INTERPRET=1;")
-    print("`python benchmarks/kernels.py --cpu-check` runs this script at tiny sizes under the interpreter.")
+    print("`python benchmarks/bench_kernels.py --cpu-check` runs this script at tiny sizes under the interpreter.")
     sys.exit(0)
 
 from torch import nn

@@ -1,6 +1,6 @@
 """Forward+backward time of one adapted Linear: lora_lab vs PEFT, LoRA and DoRA, fp32 (CPU by default).
 
-    python benchmarks/adapters.py [--reps 7] [--budget 10] [--threads 1] [--quick] [--device cpu|cuda]
+    python benchmarks/bench_adapters.py [--reps 7] [--budget 10] [--threads 1] [--quick] [--device cpu|cuda]
 
 Runs are interleaved (each repetition times every variant once, in turn), so a change in the machine's
 load hits all variants alike; the tables show medians and ratios taken from the same run. Each shape

@@ -1,6 +1,6 @@
 """Memory benchmark: gradient checkpointing (activation bytes, step time) and 8-bit Adam (state bytes, step time).
 
-    python benchmarks/memory.py [--threads 1] [--rounds 7] [--no-torchao]
+    python benchmarks/bench_memory.py [--threads 1] [--rounds 7] [--no-torchao]
 
 Activation and state bytes are exact counts (lora_lab.memory), not allocator readings. Times are
 medians of interleaved runs (each round runs every variant once), so a load change on the machine
