@@ -647,14 +647,22 @@ def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
     return meta
 
 
-def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file atomically: a temp file in the same folder, fsync, then rename over `path`."""
-    from safetensors.torch import save
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
-    data = save(tensors, metadata={"format": "pt", **metadata})
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically: a temp file in the same folder, fsync, then rename over `path`.
+
+    A crash leaves the old file or the new one, never half of one; a failed write leaves no temp file.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes the file 0600; a LoRA is shared like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -663,6 +671,14 @@ def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file atomically (`atomic_write_bytes`)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save(tensors, metadata={"format": "pt", **metadata}))
 
 
 # ----------------------------------------------------------------------------- from models / state dicts

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .formats import atomic_write_bytes
 from .params import LoraLabError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,11 +174,7 @@ class Record:
     def finish(self) -> dict[str, Any]:
         """Write <reports>/<name>.json (atomically), then raise ClaimFailed if a claim failed."""
         data = self.to_json()
-        path = report_dir() / f"{self.name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, default=_jsonable))
-        os.replace(tmp, path)
+        atomic_write_bytes(report_dir() / f"{self.name}.json", json.dumps(data, indent=2, default=_jsonable).encode())
         failed = [k for k, c in self.claims.items() if not c["held"]]
         if not self.claims:
             raise ClaimFailed(f"{self.name}: recorded no claims")
@@ -254,8 +251,8 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
             execution_timeout=timeout,
         )
     except Exception as e:  # noqa: BLE001 (any failure of the notebook is recorded, not raised)
-        name = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
-        error = f"{name}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
+        ename = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
+        error = f"{ename}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
     if result_path.exists():
         data = json.loads(result_path.read_text())
     else:

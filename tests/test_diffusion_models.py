@@ -102,6 +102,14 @@ def test_save_and_load_from_a_local_folder(kind, tmp_path):
     torch.testing.assert_close(_call(again, kind, e), _call(pipe, kind, e))
 
 
+def test_default_resolution_is_the_models_native_size():
+    from types import SimpleNamespace
+
+    assert M.default_resolution(M.build_pipeline("sd15")) == M.RESOLUTION  # tiny VAE, 2x
+    real_sdxl = SimpleNamespace(vae_scale_factor=8, unet=SimpleNamespace(config=SimpleNamespace(sample_size=128)))
+    assert M.default_resolution(real_sdxl) == 1024
+
+
 def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ModelLoadError, match="unknown model kind 'sd2'"):
         M.build_pipeline("sd2")

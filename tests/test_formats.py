@@ -192,6 +192,17 @@ def test_atomic_write_keeps_the_old_file_when_saving_fails(tmp_path):
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["keep.safetensors"]
 
 
+def test_saved_file_gets_the_usual_permissions(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = save_lora(tmp_path / "shared.safetensors", hand_lora())
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by a ComfyUI service, like any file written here
+
+
 # ----------------------------------------------------------------------------- bad files
 
 

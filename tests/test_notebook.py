@@ -93,6 +93,7 @@ def test_runner_records_pass_fail_and_bad_parameters(tmp_path):
     assert not data["passed"] and "ClaimFailed" in data["error"]
     data = run_notebook(good, out, parameters={"M": 3})
     assert not data["passed"] and "NotebookParameterError" in data["error"]
+    assert data["notebook"] == "tiny"  # the failure report still names the notebook
 
 
 def test_every_notebook_is_thin_clean_and_parameterized():

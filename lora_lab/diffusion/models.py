@@ -283,6 +283,13 @@ def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dty
     return pipe
 
 
+def default_resolution(pipe) -> int:
+    """The base's native image side: the tiny models' RESOLUTION, else latent sample size x VAE downsampling."""
+    if pipe.vae_scale_factor < 8:  # the tiny VAE (2x); real SD/SDXL/SD3/Flux VAEs downsample 8x
+        return RESOLUTION
+    return int(getattr(denoiser(pipe).config, "sample_size", None) or 128) * pipe.vae_scale_factor  # Flux: 1024
+
+
 def denoiser(pipe) -> torch.nn.Module:
     """The module a LoRA is trained on: the UNet (sd15, sdxl) or the transformer (sd3, flux)."""
     return pipe.unet if hasattr(pipe, "unet") and pipe.unet is not None else pipe.transformer

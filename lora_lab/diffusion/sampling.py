@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .models import RESOLUTION, denoiser, encode_prompts, kind_of, t5_length
+from .models import default_resolution, denoiser, encode_prompts, kind_of, t5_length
 
 
 @contextlib.contextmanager
@@ -57,8 +57,8 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     kind = kind_of(pipe)
-    height = height or RESOLUTION
-    width = width or RESOLUTION
+    height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
+    width = width or default_resolution(pipe)
     embeds = encode_prompts(pipe, prompts)
     embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind in ("sd3", "flux") else {}

@@ -15,6 +15,7 @@ continues exactly, and w processes with batch b compute the same step as one pro
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..formats import atomic_write_bytes
 from ..params import LoraLabError
 
 MODELS = ("sd15", "sdxl", "sd3", "flux")
@@ -228,13 +230,10 @@ def global_batch_indices(seed: int, step: int, global_batch: int, n: int) -> tor
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then os.replace: a kill never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save, written atomically (`formats.atomic_write_bytes`): a kill never leaves half a file."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def checkpoint_path(output: Path, step: int) -> Path:
@@ -389,7 +388,14 @@ def train(config: TrainConfig) -> TrainResult:
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     """
-    from .models import build_pipeline, denoiser, encode_images, encode_prompts, shipped_base
+    from .models import (
+        build_pipeline,
+        default_resolution,
+        denoiser,
+        encode_images,
+        encode_prompts,
+        shipped_base,
+    )
     from .objectives import objective_for
 
     t_start = time.perf_counter()
@@ -409,7 +415,7 @@ def train(config: TrainConfig) -> TrainResult:
     pipe = build_pipeline(config.model, base)
     pipe.to(device)
     model = denoiser(pipe)
-    resolution = config.resolution or _default_resolution(pipe, model)
+    resolution = config.resolution or default_resolution(pipe)
     latents, embeds, captions = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
     n_examples = len(captions)
     objective = objective_for(pipe)
@@ -443,7 +449,7 @@ def train(config: TrainConfig) -> TrainResult:
     log_path = out / "loss.jsonl"
     if env.main:
         _truncate_log(log_path, step)
-        (out / "config.json").write_text(json.dumps(asdict(resolved), indent=2) + "\n")
+        atomic_write_bytes(out / "config.json", (json.dumps(asdict(resolved), indent=2) + "\n").encode())
 
     # 4. the loop
     per_process = config.batch_size * config.grad_accum
@@ -596,9 +602,7 @@ def _truncate_log(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
 def _progress(config: TrainConfig, env: DistEnv, start: int):
@@ -606,15 +610,6 @@ def _progress(config: TrainConfig, env: DistEnv, start: int):
 
     return tqdm(total=config.steps, initial=start, desc=f"train {config.model}", unit="step",
                 disable=not (config.progress and env.main), dynamic_ncols=True)
-
-
-def _default_resolution(pipe, model) -> int:
-    """The base's native image side: the tiny models' RESOLUTION, else latent sample size x VAE downsampling."""
-    from .models import RESOLUTION
-
-    if pipe.vae_scale_factor < 8:  # the tiny VAE (2x); real SD/SDXL/SD3/Flux VAEs downsample 8x
-        return RESOLUTION
-    return int(getattr(model.config, "sample_size", None) or 128) * pipe.vae_scale_factor  # Flux: 1024
 
 
 def _dataset_dir(config: TrainConfig) -> Path:
@@ -670,10 +665,14 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path, gui
         without = sample(pipe, prompts, seed=seed, steps=steps, **kw)  # (P, 3, H, W) in [0, 1]
     with_lora = sample(pipe, prompts, seed=seed, steps=steps, **kw)
     grid = image_grid(torch.cat([without, with_lora]), rows=2, scale=max(1, 128 // without.shape[-1]))
-    tmp = path.with_name(f".{path.name}.tmp")
-    grid.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    _save_png(grid, path)
     return path
+
+
+def _save_png(image, path: Path) -> None:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, float]], prompts: list[str],
@@ -693,6 +692,5 @@ def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, fl
         apply_loras(denoiser(pipe), [(str(p), s) for p, s in loras], mode="runtime")
     with_loras = sample(pipe, prompts, seed=seed, steps=steps, **kw)
     grid = image_grid(torch.cat([without, with_loras]), rows=2, scale=max(1, 128 // without.shape[-1]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    _save_png(grid, path)
     return path
