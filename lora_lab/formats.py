@@ -342,18 +342,13 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
     if not tensors:
         raise LoraFormatError(f"{path}: holds no tensors")
     fmt = _detect_format(path, tensors)
-    parts: dict[str, dict[str, torch.Tensor]] = {}
     suffixes = _KOHYA_SUFFIXES if fmt == "kohya" else _PEFT_SUFFIXES
-    for key, t in tensors.items():
-        for suffix, role in suffixes.items():
-            if key.endswith(suffix):
-                parts.setdefault(key[: -len(suffix)], {})[role] = t
-                break
-        else:
-            raise LoraFormatError(
-                f"{path}: key {key!r} is not a plain LoRA tensor of a {fmt} file "
-                f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
-            )
+    parts, bad = _group_by_suffix(tensors, suffixes)
+    if bad is not None:
+        raise LoraFormatError(
+            f"{path}: key {bad!r} is not a plain LoRA tensor of a {fmt} file "
+            f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
+        )
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
     base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
     modules: dict[str, LoraModule] = {}
@@ -726,16 +721,24 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None]:
     raise TypeError(f"save_lora needs a LoraFile, a model, a dict of models or a state dict, got {type(lora).__name__}")
 
 
+def _group_by_suffix(
+    tensors: Mapping[str, torch.Tensor], suffixes: Mapping[str, str]
+) -> tuple[dict[str, dict[str, torch.Tensor]], str | None]:
+    """{module: {role: tensor}} by the first matching key suffix, and the first key matching none (or None)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        suffix = next((sfx for sfx in suffixes if key.endswith(sfx)), None)
+        if suffix is None:
+            return parts, key
+        parts.setdefault(key[: -len(suffix)], {})[suffixes[suffix]] = t
+    return parts, None
+
+
 def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None) -> LoraFile:
     """A canonical state dict (`{name}.lora_down.weight`, `.lora_up.weight`, `.alpha`, `.dora_scale`) -> LoraFile."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in state.items():
-        for suffix, role in _KOHYA_SUFFIXES.items():
-            if key.endswith(suffix):
-                parts.setdefault(key[: -len(suffix)], {})[role] = t
-                break
-        else:
-            raise LoraFormatError(f"state dict key {key!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
+    parts, bad = _group_by_suffix(state, _KOHYA_SUFFIXES)
+    if bad is not None:
+        raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
     modules = {}
     for name, p in parts.items():
         if name.split(".", 1)[0] not in COMPONENTS:

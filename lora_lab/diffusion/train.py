@@ -658,21 +658,24 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path, gui
     """
     from ..lora import lora_disabled
     from .models import denoiser
-    from .sampling import image_grid, sample
+    from .sampling import sample
 
     kw = {} if guidance is None else {"guidance": guidance}
     with lora_disabled(denoiser(pipe)):
         without = sample(pipe, prompts, seed=seed, steps=steps, **kw)  # (P, 3, H, W) in [0, 1]
     with_lora = sample(pipe, prompts, seed=seed, steps=steps, **kw)
-    grid = image_grid(torch.cat([without, with_lora]), rows=2, scale=max(1, 128 // without.shape[-1]))
-    _save_png(grid, path)
-    return path
+    return _save_pair_grid(without, with_lora, path)
 
 
-def _save_png(image, path: Path) -> None:
+def _save_pair_grid(top: torch.Tensor, bottom: torch.Tensor, path: Path) -> Path:
+    """Two rows of images (top above bottom) as one PNG, written atomically."""
+    from .sampling import image_grid
+
+    grid = image_grid(torch.cat([top, bottom]), rows=2, scale=max(1, 128 // top.shape[-1]))
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    grid.save(buf, format="PNG")
     atomic_write_bytes(path, buf.getvalue())
+    return path
 
 
 def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, float]], prompts: list[str],
@@ -680,17 +683,12 @@ def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, fl
                         path: Path = Path("sample.png")) -> Path:
     """`lora-lab sample`: the base model's images, and the same seed's images with LoRA files applied at
     run time at their strengths (stacked when several), as a two-row grid PNG."""
-    from ..merge import apply_loras
-    from .models import build_pipeline, denoiser, shipped_base
-    from .sampling import image_grid, sample
+    from .models import build_pipeline, shipped_base
+    from .sampling import sample
 
     pipe = build_pipeline(model, base if base is not None else shipped_base(model))
     pipe.to(resolve_device(device))
     kw = {} if guidance is None else {"guidance": guidance}
     without = sample(pipe, prompts, seed=seed, steps=steps, **kw)
-    if loras:
-        apply_loras(denoiser(pipe), [(str(p), s) for p, s in loras], mode="runtime")
-    with_loras = sample(pipe, prompts, seed=seed, steps=steps, **kw)
-    grid = image_grid(torch.cat([without, with_loras]), rows=2, scale=max(1, 128 // without.shape[-1]))
-    _save_png(grid, path)
-    return path
+    with_loras = sample(pipe, prompts, seed=seed, steps=steps, loras=[(str(p), s) for p, s in loras], **kw)
+    return _save_pair_grid(without, with_loras, path)
