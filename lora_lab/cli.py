@@ -173,6 +173,7 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     p.add_argument("--output", default="sample.png", help="PNG to write: [base | base+LoRAs] side by side")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--overwrite", action="store_true", help="allow --output to be a --lora or --base file")
     p.set_defaults(func=_run_sample)
     return p
 
@@ -183,6 +184,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
+    _check_output(Path(args.output), [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
+                  args.overwrite)
     out = sample_with_without(
         model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
         steps=args.steps, guidance=args.guidance, device=args.device, path=Path(args.output),

@@ -125,6 +125,14 @@ def test_the_cli_never_overwrites_its_input_without_overwrite(files, capsys, cas
     assert written.read_bytes() != before and load_file(str(written))
 
 
+def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
+    a = files / "a.safetensors"
+    before = a.read_bytes()
+    rc = main(["sample", "--model", "sd15", "--lora", f"{a}:1", "--prompt", "x", "--output", str(a)])
+    assert rc == 2 and "refusing to overwrite an input" in capsys.readouterr().err
+    assert a.read_bytes() == before
+
+
 @pytest.mark.parametrize("strength", ["nan", "inf", "-inf", "NaN"])
 def test_non_finite_strength_is_one_error_line(files, capsys, strength):
     rc, _ = _run(["merge", files / "base.safetensors", files / "m.safetensors",

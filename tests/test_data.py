@@ -228,3 +228,36 @@ def test_folder_fingerprint_changes_with_the_files(tmp_path):
     second = folder_fingerprint(tmp_path)
     _write(tmp_path, "b", 20, 20)
     assert len({first, second, folder_fingerprint(tmp_path)}) == 3
+
+
+def test_fuzzed_images_load_or_raise_dataset_error(tmp_path):
+    """240 seeded mutants of PNG, JPEG, WebP and BMP files: each loads or is a DatasetError naming the file."""
+    import random
+
+    rng = random.Random(SEED)
+    arr = np.random.default_rng(SEED).integers(0, 256, size=(24, 24, 3), dtype=np.uint8)
+    (tmp_path / "x.txt").write_text("a mutant")
+    refused = 0
+    for ext, mode in [(".png", "RGB"), (".png", "P"), (".png", "RGBA"), (".jpg", "RGB"), (".webp", "RGB"),
+                      (".bmp", "RGB")]:
+        for stale in tmp_path.glob("x.*"):
+            if stale.suffix != ".txt":
+                stale.unlink()
+        path = tmp_path / f"x{ext}"
+        Image.fromarray(arr).convert(mode).save(path)
+        data = path.read_bytes()
+        for _ in range(40):
+            b = bytearray(data)
+            if rng.random() < 0.5:
+                for _ in range(rng.randrange(1, 8)):
+                    b[rng.randrange(len(b))] = rng.randrange(256)
+            else:
+                del b[rng.randrange(len(b)):]
+            path.write_bytes(bytes(b))
+            try:
+                ds = ImageCaptionDataset(tmp_path, resolution=RES)
+                assert ds[0]["image"].shape == (3, RES, RES)
+            except DatasetError as e:
+                assert path.name in str(e)
+                refused += 1
+    assert refused > 40

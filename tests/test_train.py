@@ -374,3 +374,37 @@ def test_nan_weights_are_never_checkpointed(dataset, tmp_path, monkeypatch):
 def test_rank_and_resolution_the_base_cannot_take(dataset, tmp_path, model, change, message):
     with pytest.raises(TrainConfigError, match=message):
         train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=1, **{**FAST, **change}))
+
+
+def _mutants(data: bytes, n: int, seed: int):
+    """n seeded mutants of `data`: bytes overwritten, a cut, or bytes inserted."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(n):
+        b = bytearray(data)
+        op = rng.randrange(3)
+        if op == 0:
+            for _ in range(rng.randrange(1, 10)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op == 1:
+            del b[rng.randrange(len(b)):]
+        else:
+            i = rng.randrange(len(b))
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 30)))
+        yield bytes(b)
+
+
+def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_path):
+    """200 seeded mutants of a real checkpoint: each is a good checkpoint or a CheckpointError, within 2 s."""
+    path, outcomes = tmp_path / "step_0000002.pt", {"good": 0, "refused": 0}
+    for data in _mutants((two_checkpoints / "step_0000002.pt").read_bytes(), 200, SEED):
+        path.write_bytes(data)
+        t0 = time.perf_counter()
+        try:
+            load_checkpoint(path)
+            outcomes["good"] += 1
+        except CheckpointError:
+            outcomes["refused"] += 1
+        assert time.perf_counter() - t0 < 2.0
+    assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle

@@ -278,7 +278,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
-            KeyError, IndexError, AttributeError, ImportError) as e:  # what torch.load raises on bad bytes
+            KeyError, IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         raise CheckpointError(f"{path}: not a readable weights-only checkpoint ({why})") from None
     if not isinstance(state, dict):
@@ -291,6 +291,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{path}: '{key}' is a {type(state[key]).__name__}, expected a {kind.__name__}")
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["adapter"].items()):
         raise CheckpointError(f"{path}: 'adapter' must map parameter names to tensors")
+    rng = state["rng"]
+    if not (isinstance(rng.get("torch"), torch.Tensor) and isinstance(rng.get("numpy"), tuple)
+            and len(rng["numpy"]) == 5 and isinstance(rng.get("python"), tuple)):
+        raise CheckpointError(f"{path}: 'rng' does not hold the torch, numpy and python states train() writes")
     if len(state["losses"]) != state["step"] or not all(isinstance(x, float) for x in state["losses"]):
         raise CheckpointError(f"{path}: 'losses' must hold one float per step ({state['step']} steps)")
     if not all(math.isfinite(x) for x in state["losses"]):
@@ -497,6 +501,10 @@ def train(config: TrainConfig) -> TrainResult:
     step, losses = 0, []
     if resume_from is not None:
         _check_resumable(state, resolved, n_examples, fingerprint, resume_from)
+        unfit = [n for n, p in named if n not in state["adapter"] or state["adapter"][n].shape != p.shape]
+        if unfit or len(state["adapter"]) != len(named):
+            raise TrainConfigError(f"cannot resume from {resume_from}: its adapter weights do not fit this model's "
+                                   f"adapter ({unfit[0] if unfit else 'other parameter names'})")
         with torch.no_grad():
             for n, p in named:
                 p.copy_(state["adapter"][n])
