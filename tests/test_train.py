@@ -88,6 +88,11 @@ def test_cli_bad_value_exits_2(capsys, tmp_path):
         assert cli_main(["train", flag, "nan", "--output", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"TrainConfig.{flag[2:].replace('-', '_')}=nan: must be a finite" in err
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    assert cli_main(["train", "--model", "flux", "--output", str(taken), "--no-progress"]) == 2  # an OSError
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and str(taken) in err
 
 
 def test_lr_schedule_warmup_then_cosine_and_linear():
@@ -165,10 +170,10 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
     state = load_checkpoint(out / "checkpoints" / kept[0])  # finite weights and losses, or it raises
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
     assert not (out / "lora.safetensors").exists()
-    # the error's advice works: resume from the last good checkpoint with a lower lr (lr is resume-free)
+    # the error's advice works: resume from the last good checkpoint with a lower lr, clipping, another precision
     monkeypatch.undo()
     done = train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2, resume=True,
-                             **{**FAST, "lr": 5e-4}))
+                             max_grad_norm=0.5, mixed_precision="fp16", **{**FAST, "lr": 5e-4}))
     assert done.steps == 6 and done.losses[:2] == state["losses"] and all(math.isfinite(x) for x in done.losses)
 
 

@@ -509,7 +509,8 @@ def train(config: TrainConfig) -> TrainResult:
             for n, p in named:
                 p.copy_(state["adapter"][n])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved without fp16 (a resume may switch --mixed-precision)
+            scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         step, losses = state["step"], list(state["losses"])
     log_path = out / "loss.jsonl"
@@ -677,10 +678,11 @@ def _resolved(config: TrainConfig, base: Path | str | None, resolution: int) -> 
     )
 
 
-# What may differ between a run and its resumption: where and how it runs, not what it computes; and the
-# learning rate and its schedule, so that a run stopped by a non-finite loss can go on with a lower --lr.
+# What may differ between a run and its resumption: where and how it runs, not what it computes; and what
+# NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
+# a run stopped by a non-finite loss can go on from its last good checkpoint.
 _RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps",
-                "lr", "schedule", "warmup_steps"}
+                "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
 _PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
 
 
