@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
 import typing
 from pathlib import Path
@@ -19,9 +21,29 @@ def _lora_spec(text: str) -> tuple[Path, float]:
     if not sep:
         return Path(text), 1.0
     try:
-        return Path(path), float(strength)
+        value = float(strength)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected FILE:STRENGTH with a number after the colon") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: the strength must be a finite number, got {strength}")
+    return Path(path), value
+
+
+def _check_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Refuse an output path that is a folder, or that is one of the command's own inputs (the same file,
+    also through a symlink or a hard link) unless --overwrite was given."""
+    if out.is_dir():
+        raise LoraLabError(f"{out}: is a folder; give the path of a file to write")
+    for src in inputs:
+        if not overwrite and out.exists() and src.exists() and os.path.samefile(out, src):
+            raise LoraLabError(f"{out}: is the input file {src}; refusing to overwrite an input "
+                               "(pass --overwrite to replace it)")
+
+
+def _os_error(e: OSError) -> str:
+    """One line naming the path(s) an OSError is about: 'out.safetensors: No space left on device'."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    return f"{where}: {e.strerror}" if where and e.strerror else str(e)
 
 
 def _inspect(args) -> int:
@@ -34,6 +56,7 @@ def _inspect(args) -> int:
 def _convert(args) -> int:
     from .formats import convert_lora, load_lora
 
+    _check_output(args.dst, [args.src], args.overwrite)
     out = convert_lora(args.src, args.dst, to=args.to, base=args.base)
     print(f"wrote {out} ({args.to}, {len(load_lora(out).modules)} modules)")
     return 0
@@ -42,6 +65,7 @@ def _convert(args) -> int:
 def _merge(args) -> int:
     from .merge import merge_loras, save_merged
 
+    _check_output(args.out, [args.base, *(path for path, _ in args.lora)], args.overwrite)
     merged = merge_loras(args.base, args.lora, component=args.component, strict=not args.no_strict)
     save_merged(merged, args.out)
     print(f"wrote {args.out}: {len(merged.patched)} of {len(merged)} weights changed by {len(args.lora)} LoRA file(s)")
@@ -59,6 +83,7 @@ def add_lora_file_parsers(sub) -> None:
     p.add_argument("dst", type=Path)
     p.add_argument("--to", required=True, choices=["kohya", "peft"])
     p.add_argument("--base", choices=["sd15", "sdxl", "sd3", "flux"], help="base model kind (sets lora_te_/lora_te1_)")
+    p.add_argument("--overwrite", action="store_true", help="allow DST to be SRC (replaced atomically)")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("merge", help="merge LoRA files at strengths into a base weights file")
@@ -69,6 +94,7 @@ def add_lora_file_parsers(sub) -> None:
     p.add_argument("--component", choices=["unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"],
                    help="which component BASE is (default: the one the LoRA modules match)")
     p.add_argument("--no-strict", action="store_true", help="skip LoRA modules that match no weight (with a warning)")
+    p.add_argument("--overwrite", action="store_true", help="allow OUT to be BASE or a --lora file (replaced atomically)")
     p.set_defaults(func=_merge)
 
 
@@ -147,6 +173,7 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     p.add_argument("--output", default="sample.png", help="PNG to write: [base | base+LoRAs] side by side")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--overwrite", action="store_true", help="allow --output to be a --lora or --base file")
     p.set_defaults(func=_run_sample)
     return p
 
@@ -157,6 +184,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
+    _check_output(Path(args.output), [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
+                  args.overwrite)
     out = sample_with_without(
         model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
         steps=args.steps, guidance=args.guidance, device=args.device, path=Path(args.output),
@@ -175,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except LoraLabError as e:  # a user's mistake (a bad file, a wrong name): one line, exit code 2
         print(f"lora-lab: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system said no (read-only, full, a folder or file in the way): one line
+        print(f"lora-lab: error: {_os_error(e)}", file=sys.stderr)
         return 2
 
 

@@ -25,6 +25,7 @@ kohya files always get an `.alpha`: a missing alpha means scale 1 to ComfyUI and
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -648,25 +649,75 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` atomically: a temp file in the same folder, fsync, then rename over `path`.
+# Temp files of atomic_write_bytes: ".<name>.lora_lab-<pid>-<random>.tmp" beside the target. One whose
+# process is gone was left by a killed write; the next write to that folder removes it.
+_TEMP_PREFIX = ".lora_lab-"
+_TEMP_NAME = re.compile(r"\.lora_lab-(\d+)-[A-Za-z0-9_]+\.tmp$")
 
-    A crash leaves the old file or the new one, never half of one; a failed write leaves no temp file.
+
+def _remove_stale_temp_files(folder: Path) -> list[Path]:
+    """Remove lora_lab's own temp files in `folder` whose writing process no longer runs; returns them."""
+    removed = []
+    for tmp in folder.glob(f".*{_TEMP_PREFIX}*.tmp"):
+        m = _TEMP_NAME.search(tmp.name)
+        if m is None or int(m.group(1)) == os.getpid() or _process_alive(int(m.group(1))):
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process (or a pid no process can have)
+        return True
+    return True
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically: a temp file in the same folder, fsync, rename over `path`, fsync
+    the folder (so the rename itself survives a power cut).
+
+    A crash leaves the old file or the new one, never half of one; a failed write leaves no temp file, and
+    the temp files of killed writes are removed at the next write to the folder. An OSError names `path`.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_files(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TEMP_PREFIX}{os.getpid()}-", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes the file 0600; a LoRA is shared like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp = None
+        _fsync_folder(path.parent)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None and e.filename != str(path):
+            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e  # name the caller's file, not the temp file
         raise
     return path
+
+
+def _fsync_folder(folder: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems cannot fsync a folder; the data itself is already synced
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +87,128 @@ def test_exit_code_of_the_real_process(files):
     r = subprocess.run([sys.executable, "-m", "lora_lab.cli", "inspect", str(files / "nope.safetensors")],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("lora-lab: error:")
+
+
+# ----------------------------------------------------------------------------- never the input, OS errors (issue 12)
+
+
+def _run(argv) -> tuple[int, str]:
+    try:
+        return main([str(a) for a in argv]), ""
+    except SystemExit as e:  # argparse's own errors
+        return e.code, ""
+
+
+@pytest.mark.parametrize("case", ["merge_out_is_base", "merge_out_is_lora", "merge_out_links_to_base",
+                                  "convert_dst_is_src", "convert_dst_links_to_src"])
+def test_the_cli_never_overwrites_its_input_without_overwrite(files, capsys, case):
+    base, a = files / "base.safetensors", files / "a.safetensors"
+    link = files / "link.safetensors"
+    if case == "merge_out_links_to_base":
+        link.symlink_to(base)
+    if case == "convert_dst_links_to_src":
+        link.symlink_to(a)
+    argv, victim = {
+        "merge_out_is_base": (["merge", base, base, "--lora", f"{a}:0.5"], base),
+        "merge_out_is_lora": (["merge", base, a, "--lora", f"{a}:0.5"], a),
+        "merge_out_links_to_base": (["merge", base, link, "--lora", f"{a}:0.5"], base),
+        "convert_dst_is_src": (["convert", a, a, "--to", "peft"], a),
+        "convert_dst_links_to_src": (["convert", a, link, "--to", "peft"], a),
+    }[case]
+    before = victim.read_bytes()
+    rc, _ = _run(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "refusing to overwrite an input" in err and "--overwrite" in err, err
+    assert victim.read_bytes() == before
+    assert main([str(x) for x in argv] + ["--overwrite"]) == 0  # asked for: replaced atomically
+    written = link if "links" in case else victim
+    assert written.read_bytes() != before and load_file(str(written))
+
+
+def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
+    a = files / "a.safetensors"
+    before = a.read_bytes()
+    rc = main(["sample", "--model", "sd15", "--lora", f"{a}:1", "--prompt", "x", "--output", str(a)])
+    assert rc == 2 and "refusing to overwrite an input" in capsys.readouterr().err
+    assert a.read_bytes() == before
+
+
+@pytest.mark.parametrize("strength", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_strength_is_one_error_line(files, capsys, strength):
+    rc, _ = _run(["merge", files / "base.safetensors", files / "m.safetensors",
+                  "--lora", f"{files / 'a.safetensors'}:{strength}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the strength must be a finite number" in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert not (files / "m.safetensors").exists()
+
+
+def _read_only_folder(tmp_path):
+    """A folder this process cannot write to: a chmod 555 folder, or (as root, whom chmod does not stop) /sys."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return folder
+    if os.access("/sys", os.W_OK) and Path("/sys").stat().st_dev == Path("/").stat().st_dev:
+        pytest.skip("running as root without a read-only folder to write into")
+    return Path("/sys")
+
+
+@pytest.mark.parametrize("case", ["read_only_folder", "disk_full", "output_is_a_folder", "parent_is_a_file"])
+def test_os_errors_are_one_line_naming_the_path_and_leave_the_disk_as_it_was(files, capsys, monkeypatch, case):
+    src = files / "a.safetensors"
+    old = files / "old.safetensors"
+    old.write_bytes(b"the previous output")
+    dst = {"read_only_folder": lambda: _read_only_folder(files) / "out.safetensors",
+           "disk_full": lambda: old,
+           "output_is_a_folder": lambda: files,
+           "parent_is_a_file": lambda: src / "out.safetensors"}[case]()
+    if case == "disk_full":  # the file system reports ENOSPC when the data is synced (delayed allocation)
+        def full(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(os, "fsync", full)
+    listing = sorted(p.name for p in files.iterdir())
+    rc = main(["convert", str(src), str(dst), "--to", "peft"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("lora-lab: error: "), err
+    assert str(dst) in lines[0] and "Traceback" not in err
+    assert sorted(p.name for p in files.iterdir()) == listing  # no temp file, nothing new
+    assert old.read_bytes() == b"the previous output"
+    assert load_lora(src).modules  # the input is intact
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from lora_lab import formats
+def killed(src, dst):  # the process dies after writing its temp file, before the rename
+    os.kill(os.getpid(), signal.SIGKILL)
+formats.os.replace = killed
+formats.atomic_write_bytes(sys.argv[1], b"x" * 100000)
+"""
+
+
+def test_temp_files_of_a_killed_write_are_removed_at_the_next_write(files, monkeypatch):
+    folder = files / "out"
+    folder.mkdir()
+    r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(folder / "x.safetensors")], timeout=120,
+                       check=False, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert r.returncode == -signal.SIGKILL
+    left = [p.name for p in folder.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".x.safetensors.lora_lab-") and left[0].endswith(".tmp")
+    live = folder / f".y.safetensors.lora_lab-{os.getpid()}-abc123.tmp"  # a write in progress (this process)
+    foreign = folder / ".notes.tmp"  # not lora_lab's
+    live.write_bytes(b"busy")
+    foreign.write_bytes(b"someone else's")
+
+    synced = []  # (what, is a folder) in order: the folder must be fsynced after the rename
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(("fsync", stat.S_ISDIR(os.fstat(fd).st_mode))),
+                                                  real_fsync(fd))[-1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append(("replace", False)), real_replace(a, b))[-1])
+    assert main(["convert", str(files / "a.safetensors"), str(folder / "a.safetensors"), "--to", "peft"]) == 0
+    monkeypatch.undo()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["a.safetensors", live.name, foreign.name])
+    assert synced[-2:] == [("replace", False), ("fsync", True)]

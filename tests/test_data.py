@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import struct
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +19,7 @@ from lora_lab.diffusion.data import (
     ImageCaptionDataset,
     aspect_buckets,
     collate,
+    folder_fingerprint,
 )
 from lora_lab.params import LoraLabError
 
@@ -121,3 +126,138 @@ def test_aspect_buckets_and_batches_share_a_size(tmp_path):
     assert sorted(i for b in sampler for i in b) == list(range(len(ds)))
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
     assert sum(len(b["captions"]) for b in loader) == len(ds)
+
+
+# ----------------------------------------------------------------------------- bad files, image modes (issue 12)
+
+
+def _png(w: int, h: int, bit_depth: int, color_type: int, rows: bytes) -> bytes:
+    """A PNG written by hand (PIL cannot write every kind): IHDR, one IDAT of the filtered rows, IEND."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, bit_depth, color_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def _item(folder, resolution=RES):
+    return ImageCaptionDataset(folder, resolution=resolution)[0]["image"]
+
+
+def _pixels(values) -> torch.Tensor:
+    """uint8 RGB values (H, W, 3) -> the dataset's (3, H, W) in [-1, 1]."""
+    return torch.tensor(np.asarray(values, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
+
+
+def test_16_bit_grayscale_png_keeps_its_values(tmp_path):
+    v16 = np.array([[0, 1000, 30000, 65535]] * 4, dtype=">u2")  # (4, 4) 16-bit samples
+    (tmp_path / "g16.png").write_bytes(_png(4, 4, 16, 0, b"".join(b"\0" + r.tobytes() for r in v16)))
+    (tmp_path / "g16.txt").write_text("sixteen bits")
+    with Image.open(tmp_path / "g16.png") as im:
+        assert im.mode.startswith("I;16")  # PIL reads it as 16-bit; its convert("RGB") clips to white
+    v8 = np.rint(v16.astype(np.float64) / 257).astype(np.uint8)  # 0, 4, 117, 255
+    torch.testing.assert_close(_item(tmp_path, 4), _pixels(np.repeat(v8[..., None], 3, -1)), rtol=0, atol=0)
+
+
+def test_palette_grayscale_and_rgba_pngs_load_with_their_colours(tmp_path):
+    rgb = np.array([[[255, 0, 0], [0, 255, 0]], [[0, 0, 255], [40, 80, 120]]], dtype=np.uint8)  # (2, 2, 3)
+    Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE, colors=4).save(tmp_path / "pal.png")
+    (tmp_path / "pal.txt").write_text("palette")
+    torch.testing.assert_close(_item(tmp_path, 2), _pixels(rgb), rtol=0, atol=0)
+    (tmp_path / "pal.png").unlink()
+
+    gray = np.array([[0, 50], [200, 255]], dtype=np.uint8)
+    Image.fromarray(gray, mode="L").save(tmp_path / "pal.png")
+    torch.testing.assert_close(_item(tmp_path, 2), _pixels(np.repeat(gray[..., None], 3, -1)), rtol=0, atol=0)
+
+    rgba = np.dstack([rgb, np.array([[255, 0], [128, 255]], dtype=np.uint8)])  # opaque, clear, half, opaque
+    Image.fromarray(rgba, mode="RGBA").save(tmp_path / "pal.png")
+    a = rgba[..., 3:4].astype(np.float64) / 255  # composited over white
+    want = np.rint(rgb * a + 255 * (1 - a))
+    torch.testing.assert_close(_item(tmp_path, 2), _pixels(want), rtol=0, atol=1 / 127.5)
+    assert _item(tmp_path, 2)[:, 0, 1].tolist() == [1.0, 1.0, 1.0]  # the transparent pixel is white, not green
+
+
+def test_non_utf8_caption_is_a_dataset_error_naming_it(tmp_path):
+    _write(tmp_path, "good", 20, 20)
+    _write(tmp_path, "latin", 20, 20)
+    (tmp_path / "latin.txt").write_bytes("un caf\xe9".encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"latin\.txt: the caption is not UTF-8 text"):
+        ImageCaptionDataset(tmp_path)
+    with pytest.warns(UserWarning, match=r"skipped 1 of 2 images; first: .*latin\.txt"):
+        assert [p.name for p in ImageCaptionDataset(tmp_path, skip_bad=True).paths] == ["good.png"]
+
+
+def test_decompression_bomb_is_a_dataset_error_naming_the_file(tmp_path):
+    # 60000 x 60000 pixels declared in a ~100-byte file: PIL refuses it before allocating anything
+    (tmp_path / "bomb.png").write_bytes(_png(60000, 60000, 8, 0, b"\0"))
+    (tmp_path / "bomb.txt").write_text("boom")
+    with pytest.raises(DatasetError, match=r"bomb\.png: refused as a decompression bomb"):
+        ImageCaptionDataset(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "dangling_link", "fifo", "changed_after_the_check"])
+def test_unreadable_images_are_dataset_errors_naming_the_file(tmp_path, kind):
+    _write(tmp_path, "good", 20, 20)
+    bad = tmp_path / "bad.png"
+    (tmp_path / "bad.txt").write_text("bad")
+    if kind == "garbage":
+        bad.write_bytes(np.random.default_rng(SEED).integers(0, 256, 300, dtype=np.uint8).tobytes())
+    elif kind == "dangling_link":
+        bad.symlink_to(tmp_path / "gone.png")
+    elif kind == "fifo":  # opening a pipe would wait forever: it is refused without being opened
+        os.mkfifo(bad)
+    else:
+        _write(tmp_path, "bad", 20, 20)
+        ds = ImageCaptionDataset(tmp_path)
+        bad.write_bytes(b"overwritten while training")
+        with pytest.raises(DatasetError, match=r"bad\.png: unreadable image"):
+            ds[0]
+        return
+    with pytest.raises(DatasetError, match=r"bad\.png: unreadable image"):
+        ImageCaptionDataset(tmp_path)
+    with pytest.warns(UserWarning, match="skipped 1 of 2"):
+        assert len(ImageCaptionDataset(tmp_path, skip_bad=True)) == 1
+
+
+def test_folder_fingerprint_changes_with_the_files(tmp_path):
+    _write(tmp_path, "a", 20, 20)
+    first = folder_fingerprint(tmp_path)
+    assert folder_fingerprint(tmp_path) == first
+    (tmp_path / "a.txt").write_text("a digit seven\n")  # the same size, another text
+    second = folder_fingerprint(tmp_path)
+    _write(tmp_path, "b", 20, 20)
+    assert len({first, second, folder_fingerprint(tmp_path)}) == 3
+
+
+def test_fuzzed_images_load_or_raise_dataset_error(tmp_path):
+    """240 seeded mutants of PNG, JPEG, WebP and BMP files: each loads or is a DatasetError naming the file."""
+    import random
+
+    rng = random.Random(SEED)
+    arr = np.random.default_rng(SEED).integers(0, 256, size=(24, 24, 3), dtype=np.uint8)
+    (tmp_path / "x.txt").write_text("a mutant")
+    refused = 0
+    for ext, mode in [(".png", "RGB"), (".png", "P"), (".png", "RGBA"), (".jpg", "RGB"), (".webp", "RGB"),
+                      (".bmp", "RGB")]:
+        for stale in tmp_path.glob("x.*"):
+            if stale.suffix != ".txt":
+                stale.unlink()
+        path = tmp_path / f"x{ext}"
+        Image.fromarray(arr).convert(mode).save(path)
+        data = path.read_bytes()
+        for _ in range(40):
+            b = bytearray(data)
+            if rng.random() < 0.5:
+                for _ in range(rng.randrange(1, 8)):
+                    b[rng.randrange(len(b))] = rng.randrange(256)
+            else:
+                del b[rng.randrange(len(b)):]
+            path.write_bytes(bytes(b))
+            try:
+                ds = ImageCaptionDataset(tmp_path, resolution=RES)
+                assert ds[0]["image"].shape == (3, RES, RES)
+            except DatasetError as e:
+                assert path.name in str(e)
+                refused += 1
+    assert refused > 40

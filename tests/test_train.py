@@ -22,10 +22,12 @@ from safetensors.torch import load_file
 
 from lora_lab.cli import main as cli_main
 from lora_lab.diffusion.train import (
+    CheckpointError,
     NonFiniteLossError,
     TrainConfig,
     TrainConfigError,
     global_batch_indices,
+    load_checkpoint,
     lr_factor,
     train,
 )
@@ -66,7 +68,9 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize(
     "field, value",
     [("model", "sd2"), ("rank", 0), ("optimizer", "sgd"), ("mixed_precision", "fp8"), ("lr", -1.0),
-     ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step")],
+     ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step"),
+     ("lr", float("nan")), ("weight_decay", float("nan")), ("max_grad_norm", float("inf")),
+     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf"))],
 )
 def test_bad_config_is_a_clear_error(field, value):
     with pytest.raises(TrainConfigError, match=f"TrainConfig.{field}="):
@@ -79,6 +83,16 @@ def test_cli_bad_value_exits_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli_main(["train", "--rank", "many"])
     assert e.value.code == 2
+    capsys.readouterr()
+    for flag in ("--weight-decay", "--max-grad-norm", "--noise-offset", "--alpha"):
+        assert cli_main(["train", flag, "nan", "--output", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"TrainConfig.{flag[2:].replace('-', '_')}=nan: must be a finite" in err
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    assert cli_main(["train", "--model", "flux", "--output", str(taken), "--no-progress"]) == 2  # an OSError
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and str(taken) in err
 
 
 def test_lr_schedule_warmup_then_cosine_and_linear():
@@ -153,9 +167,14 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2, **FAST))
     kept = sorted(p.name for p in (out / "checkpoints").glob("*.pt"))
     assert kept == ["step_0000002.pt"]
-    state = torch.load(out / "checkpoints" / kept[0], weights_only=False)
+    state = load_checkpoint(out / "checkpoints" / kept[0])  # finite weights and losses, or it raises
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
     assert not (out / "lora.safetensors").exists()
+    # the error's advice works: resume from the last good checkpoint with a lower lr, clipping, another precision
+    monkeypatch.undo()
+    done = train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2, resume=True,
+                             max_grad_norm=0.5, mixed_precision="fp16", **{**FAST, "lr": 5e-4}))
+    assert done.steps == 6 and done.losses[:2] == state["losses"] and all(math.isfinite(x) for x in done.losses)
 
 
 # ----------------------------------------------------------------------------- the files in diffusers
@@ -227,3 +246,170 @@ def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_tra
         low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=True, **base))
         assert all(math.isfinite(x) for x in low.losses)
         assert low.losses[0] == pytest.approx(plain.losses[0], rel=0.05)  # the same batch, rounded inputs
+
+
+# ----------------------------------------------------------------------------- checkpoints that must not be trusted
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a malicious step_*.pt would do on torch.load(weights_only=False)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(dataset, tmp_path_factory) -> Path:
+    """A 2-step flux run with a checkpoint after each step: <out>/checkpoints/step_000000{1,2}.pt."""
+    out = tmp_path_factory.mktemp("two") / "out"
+    train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=2, save_every=1, **FAST))
+    return out / "checkpoints"
+
+
+def _spoil(path: Path, kind: str, good: Path, marker: Path) -> None:
+    """Turn `path` into a bad checkpoint of the given kind (from the good checkpoint `good`)."""
+    if path.exists():
+        path.unlink()
+    data = good.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "garbage":
+        path.write_bytes(np.random.default_rng(SEED).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "malicious_pickle":
+        torch.save({"step": 2, "adapter": _RunsCode(marker)}, path)
+    else:
+        state = torch.load(good, weights_only=True)
+        if kind == "wrong_keys":
+            state = {"weights": state["adapter"]}
+        elif kind == "nan_weights":
+            next(iter(state["adapter"].values()))[0] = float("nan")
+        elif kind == "nan_loss":
+            state["losses"][-1] = float("nan")
+        torch.save(state, path)
+
+
+BAD_KINDS = ["truncated", "empty", "garbage", "folder", "malicious_pickle", "wrong_keys", "nan_weights", "nan_loss"]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_load_checkpoint_refuses_a_bad_file_and_runs_no_code(two_checkpoints, tmp_path, kind):
+    good = two_checkpoints / "step_0000002.pt"
+    assert load_checkpoint(good)["step"] == 2
+    bad, marker = tmp_path / "step_0000003.pt", tmp_path / "code_ran"
+    _spoil(bad, kind, good, marker)
+    with pytest.raises(CheckpointError, match=r"step_0000003\.pt: "):
+        load_checkpoint(bad)
+    assert not marker.exists(), "unpickling the checkpoint ran code"
+
+
+def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(dataset, tmp_path):
+    """The two newest checkpoints spoilt (a pickle that would run code, a truncated file) and the loss log's
+    last line torn: --resume (through the CLI, via a symlink to the folder) warns, goes back to the newest
+    good checkpoint, and ends with the files of the run that was never disturbed; no code ran."""
+    out, steps = tmp_path / "run", 6
+    base = dict(model="flux", dataset=str(dataset), steps=steps, save_every=2, keep_checkpoints=3, **FAST)
+    whole = train(TrainConfig(output=str(out), **base))
+    want = {k: _tensors(whole.outputs[k]) for k in ("lora_kohya", "lora_diffusers")}
+    ckpts, marker = out / "checkpoints", tmp_path / "code_ran"
+    good = ckpts / "step_0000002.pt"
+    _spoil(ckpts / "step_0000006.pt", "malicious_pickle", good, marker)
+    _spoil(ckpts / "step_0000004.pt", "truncated", good, marker)
+    log = out / "loss.jsonl"
+    log.write_text(log.read_text() + '{"step": 7, "loss": 0.12')  # an append cut short by a kill
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    args = ["train", "--model", "flux", "--dataset", str(dataset), "--output", str(link), "--steps", str(steps),
+            "--save-every", "2", "--keep-checkpoints", "3", "--rank", "4", "--lr", "1e-3", "--batch-size", "2",
+            "--seed", str(SEED), "--sample-steps", "0", "--no-progress", "--resume"]
+    with pytest.warns(UserWarning) as record:
+        assert cli_main(args) == 0
+    said = "\n".join(str(w.message) for w in record)
+    assert "step_0000006.pt: not a readable weights-only checkpoint" in said
+    assert "step_0000004.pt: not a readable weights-only checkpoint" in said
+    assert "step_0000002.pt, the newest good checkpoint" in said and "loss.jsonl: dropped 1 line" in said
+    assert not marker.exists(), "the malicious checkpoint ran code"
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step_0000002.pt", "step_0000004.pt", "step_0000004.pt.bad", "step_0000006.pt", "step_0000006.pt.bad"]
+    for k, tensors in want.items():
+        assert _same_bits(_tensors(out / whole.outputs[k].name), tensors), k
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, steps + 1))
+
+
+def test_resume_refuses_a_changed_dataset(dataset, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    cfg = dict(model="flux", dataset=str(data), output=str(tmp_path / "out"), steps=2, save_every=1, **FAST)
+    train(TrainConfig(**cfg))
+    (data / "00.txt").write_text((data / "00.txt").read_text().replace("digit", "DIGIT"))  # the same size
+    with pytest.raises(TrainConfigError, match=r"files of the dataset .* changed"):
+        train(TrainConfig(resume=True, **cfg))
+
+
+def test_nan_weights_are_never_checkpointed(dataset, tmp_path, monkeypatch):
+    """A finite loss with an update that makes a weight NaN: the step's checkpoint is not written."""
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def nan_grads_at_step_2(params, max_norm):
+        calls.append(1)
+        if len(calls) == 2:
+            for p in params:
+                p.grad.fill_(float("nan"))
+        return real(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_grads_at_step_2)
+    out = tmp_path / "out"
+    with pytest.raises(NonFiniteLossError, match=r"adapter weights are not finite after step 2 .*step_0000001\.pt"):
+        train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=3, save_every=1, **FAST))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001.pt"]
+
+
+@pytest.mark.parametrize("model, change, message", [
+    ("flux", {"rank": 65}, r"TrainConfig.rank=65: larger than the targeted layer .* use --rank \d+ or less"),
+    ("sd3", {"resolution": 136}, r"TrainConfig.resolution=136: larger than the sd3 base's position embedding"),
+])
+def test_rank_and_resolution_the_base_cannot_take(dataset, tmp_path, model, change, message):
+    with pytest.raises(TrainConfigError, match=message):
+        train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=1, **{**FAST, **change}))
+
+
+def _mutants(data: bytes, n: int, seed: int):
+    """n seeded mutants of `data`: bytes overwritten, a cut, or bytes inserted."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(n):
+        b = bytearray(data)
+        op = rng.randrange(3)
+        if op == 0:
+            for _ in range(rng.randrange(1, 10)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op == 1:
+            del b[rng.randrange(len(b)):]
+        else:
+            i = rng.randrange(len(b))
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 30)))
+        yield bytes(b)
+
+
+def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_path):
+    """200 seeded mutants of a real checkpoint: each is a good checkpoint or a CheckpointError, within 2 s."""
+    path, outcomes = tmp_path / "step_0000002.pt", {"good": 0, "refused": 0}
+    for data in _mutants((two_checkpoints / "step_0000002.pt").read_bytes(), 200, SEED):
+        path.write_bytes(data)
+        t0 = time.perf_counter()
+        try:
+            load_checkpoint(path)
+            outcomes["good"] += 1
+        except CheckpointError:
+            outcomes["refused"] += 1
+        assert time.perf_counter() - t0 < 2.0
+    assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle

@@ -9,15 +9,22 @@ API:
     aspect_buckets(resolution, multiple=8, max_ratio=2.0) -> [(H, W), ...] of about resolution^2 pixels
     BucketBatchSampler(dataset, batch_size, seed=0, drop_last=False) -> batches of indices of one size
     collate(items) -> {"images": (B, 3, H, W), "captions": [str], "paths": [str]}
-    DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image, missing caption
+    DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
+        a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the file
+    folder_fingerprint(folder) -> hex digest of the images' names and sizes and the captions' text
+    to_rgb(img) -> the RGB image a PIL image shows (16-bit scaled to 8, alpha composited over white)
 
 Each image is resized (bicubic) so it covers its target size, then center-cropped to it. Without
 buckets every image becomes resolution x resolution; with buckets each image gets the bucket whose
 aspect ratio is closest to its own (kohya-style), and batches come from one bucket at a time.
+Every image mode PIL reads becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits (round(v/257)),
+palette and grayscale images are expanded, and transparent pixels (RGBA, LA, a palette with transparency)
+are composited over white.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
 from pathlib import Path
@@ -65,6 +72,20 @@ def resize_center_crop(img, height: int, width: int):
     return img.crop((left, top, left + width, top + height))
 
 
+def to_rgb(img):
+    """The RGB image a PIL image shows: 16-bit integer modes scaled to 8 bits (PIL's own convert("RGB") clips
+    them, so a 16-bit PNG would turn white), alpha and palette transparency composited over white."""
+    from PIL import Image
+
+    if img.mode.startswith("I"):  # "I;16", "I;16B", "I": 16-bit grayscale PNG samples, 0..65535
+        arr = np.asarray(img, dtype=np.float64)
+        img = Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), mode="L")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
+    return img.convert("RGB")
+
+
 def _to_tensor(img) -> torch.Tensor:
     """RGB PIL image -> (3, H, W) fp32 in [-1, 1]."""
     arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # (H, W, 3)
@@ -76,14 +97,12 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def __init__(self, folder: str | Path, resolution: int = RESOLUTION,
                  buckets: list[tuple[int, int]] | None = None, skip_bad: bool = False):
-        from PIL import Image, UnidentifiedImageError
-
         self.folder = Path(folder)
         self.resolution = resolution
         self.buckets = buckets
         if not self.folder.is_dir():
             raise DatasetError(f"{self.folder}: no such dataset folder")
-        files = sorted(p for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+        files = sorted(p for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.is_dir())
         if not files:
             raise DatasetError(f"{self.folder}: no images ({', '.join(IMAGE_EXTS)}) in the dataset folder")
 
@@ -93,23 +112,16 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         bad: list[str] = []
         for path in files:
             caption_path = path.with_suffix(".txt")
-            problem = None
-            if not caption_path.is_file():
-                problem = f"{path}: no caption file {caption_path.name}"
-            else:
-                try:
-                    with Image.open(path) as img:
-                        img.load()  # decode fully: a truncated file fails here, not mid-training
-                        h, w = img.height, img.width
-                except (UnidentifiedImageError, OSError, ValueError) as e:
-                    problem = f"{path}: unreadable image ({e})"
-            if problem is not None:
+            try:
+                caption = _read_caption(path, caption_path)
+                w, h = _open_image(path).size
+            except DatasetError as e:
                 if not skip_bad:
-                    raise DatasetError(problem + " (pass skip_bad=True to skip such files with a warning)")
-                bad.append(problem)
+                    raise DatasetError(f"{e} (pass skip_bad=True to skip such files with a warning)") from None
+                bad.append(str(e))
                 continue
             self.paths.append(path)
-            self.captions.append(caption_path.read_text(encoding="utf-8").strip())
+            self.captions.append(caption)
             self.sizes.append(_nearest_bucket(h, w, buckets) if buckets else (resolution, resolution))
         if bad:
             warnings.warn(f"{self.folder}: skipped {len(bad)} of {len(files)} images; first: {bad[0]}",
@@ -121,12 +133,51 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> dict:
-        from PIL import Image
-
         h, w = self.sizes[i]
-        with Image.open(self.paths[i]) as img:
-            img = resize_center_crop(img.convert("RGB"), h, w)
+        img = resize_center_crop(_open_image(self.paths[i]), h, w)
         return {"image": _to_tensor(img), "caption": self.captions[i], "path": str(self.paths[i])}
+
+
+def _read_caption(image: Path, path: Path) -> str:
+    if not path.is_file():
+        raise DatasetError(f"{image}: no caption file {path.name}")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: the caption is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DatasetError(f"{path}: unreadable caption ({e.strerror})") from None
+
+
+def _open_image(path: Path):
+    """The image at `path` as RGB (`to_rgb`), decoded fully; DatasetError naming the file if it cannot be.
+
+    PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS (DecompressionBombError) before decoding them."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():  # a dangling link, a pipe (opening it would wait forever), a device
+        raise DatasetError(f"{path}: unreadable image (not a regular file)")
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode fully: a truncated file fails here, not mid-training
+            return to_rgb(img)
+    except Image.DecompressionBombError as e:
+        raise DatasetError(f"{path}: refused as a decompression bomb ({e})") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DatasetError(f"{path}: unreadable image ({e})") from None
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """A digest that changes when a training folder's images or captions change: sha256 over the sorted
+    names and byte sizes of its image files, and the bytes of its .txt captions (images are not read)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).iterdir()):
+        suffix = p.suffix.lower()
+        if p.is_file() and (suffix in IMAGE_EXTS or suffix == ".txt"):
+            h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+            if suffix == ".txt":
+                h.update(p.read_bytes())
+    return h.hexdigest()
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):

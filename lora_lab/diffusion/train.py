@@ -19,8 +19,11 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import time
+import warnings
+import zipfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from ..formats import atomic_write_bytes
 from ..params import LoraLabError
+from .data import folder_fingerprint
 
 MODELS = ("sd15", "sdxl", "sd3", "flux")
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
@@ -47,6 +51,10 @@ class TrainConfigError(LoraLabError, ValueError):
 
 class NonFiniteLossError(LoraLabError, FloatingPointError):
     """The loss became NaN or infinite; training stopped and the last good checkpoint was kept."""
+
+
+class CheckpointError(LoraLabError, ValueError):
+    """A training checkpoint that cannot be resumed from: unreadable, not what train() writes, or not finite."""
 
 
 @dataclass
@@ -114,6 +122,10 @@ class TrainConfig:
         def bad(name: str, why: str) -> None:
             raise TrainConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
 
+        for f in fields(self):  # every float field, the ones added later too: NaN passes every < and > test
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                bad(f.name, "must be a finite number")
         for name, allowed in [
             ("model", MODELS),
             ("optimizer", OPTIMIZERS),
@@ -190,8 +202,11 @@ def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> tor
 
 
 def rng_state() -> dict[str, Any]:
-    """The global RNG states that anything in the step may draw from (dropout, augmentation)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The global RNG states that anything in the step may draw from (dropout, augmentation), as tensors,
+    numbers and tuples only: what torch.load(weights_only=True) reads back."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -199,7 +214,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -244,6 +260,49 @@ def latest_checkpoint(output: Path) -> Path | None:
     """The checkpoint with the highest step in <output>/checkpoints, or None."""
     found = sorted((output / "checkpoints").glob("step_*.pt"))
     return found[-1] if found else None
+
+
+# What train() writes into a checkpoint, and the type of each entry.
+CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": dict, "rng": dict, "losses": list,
+                   "config": dict, "n_examples": int}
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A training checkpoint, read without running any code (torch.load(weights_only=True)) and checked to
+    be a good one: the keys and types train() writes, one loss per step, every loss and adapter weight finite.
+
+    Raises CheckpointError naming the file and what is wrong (empty, truncated, garbage, a folder, a pickle
+    that would call a function, a missing key, NaN weights ...).
+    """
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
+            KeyError, IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        raise CheckpointError(f"{path}: not a readable weights-only checkpoint ({why})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a training checkpoint")
+    missing = sorted(set(CHECKPOINT_KEYS) - set(state))
+    if missing:
+        raise CheckpointError(f"{path}: not a training checkpoint (no {', '.join(missing)})")
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise CheckpointError(f"{path}: '{key}' is a {type(state[key]).__name__}, expected a {kind.__name__}")
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["adapter"].items()):
+        raise CheckpointError(f"{path}: 'adapter' must map parameter names to tensors")
+    rng = state["rng"]
+    if not (isinstance(rng.get("torch"), torch.Tensor) and isinstance(rng.get("numpy"), tuple)
+            and len(rng["numpy"]) == 5 and isinstance(rng.get("python"), tuple)):
+        raise CheckpointError(f"{path}: 'rng' does not hold the torch, numpy and python states train() writes")
+    if len(state["losses"]) != state["step"] or not all(isinstance(x, float) for x in state["losses"]):
+        raise CheckpointError(f"{path}: 'losses' must hold one float per step ({state['step']} steps)")
+    if not all(math.isfinite(x) for x in state["losses"]):
+        raise CheckpointError(f"{path}: a loss before this checkpoint is not finite")
+    nonfinite = [k for k, v in state["adapter"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise CheckpointError(f"{path}: adapter weights are not finite ({nonfinite[0]})")
+    return state
 
 
 @dataclass
@@ -405,10 +464,13 @@ def train(config: TrainConfig) -> TrainResult:
     if device.type == "cuda" and config.device in ("auto", "cuda"):
         device = torch.device("cuda", env.local_rank)
     out = Path(config.output)
-    resume_from = _resume_checkpoint(config, out)
+    resume_from, state, bad_checkpoints = _resume_checkpoint(config, out)
+    fingerprint = folder_fingerprint(_dataset_dir(config))
     if env.main:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     env.barrier()
+    if env.main:  # every rank holds its resume state now: move the bad newer checkpoints out of the way
+        _move_aside(bad_checkpoints)
 
     # 1. the frozen base, and the examples as cached latents and text embeddings
     base = config.base if config.base is not None else shipped_base(config.model)
@@ -416,6 +478,7 @@ def train(config: TrainConfig) -> TrainResult:
     pipe.to(device)
     model = denoiser(pipe)
     resolution = config.resolution or default_resolution(pipe)
+    check_config_for_base(config, pipe, resolution)
     latents, embeds, captions = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
     n_examples = len(captions)
     objective = objective_for(pipe)
@@ -437,13 +500,17 @@ def train(config: TrainConfig) -> TrainResult:
     # 3. resume: adapter, optimizer, scaler, RNG states; the data order and noise follow from the step
     step, losses = 0, []
     if resume_from is not None:
-        state = torch.load(resume_from, map_location="cpu", weights_only=False)
-        _check_resumable(state, resolved, n_examples, resume_from)
+        _check_resumable(state, resolved, n_examples, fingerprint, resume_from)
+        unfit = [n for n, p in named if n not in state["adapter"] or state["adapter"][n].shape != p.shape]
+        if unfit or len(state["adapter"]) != len(named):
+            raise TrainConfigError(f"cannot resume from {resume_from}: its adapter weights do not fit this model's "
+                                   f"adapter ({unfit[0] if unfit else 'other parameter names'})")
         with torch.no_grad():
             for n, p in named:
                 p.copy_(state["adapter"][n])
         optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved without fp16 (a resume may switch --mixed-precision)
+            scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         step, losses = state["step"], list(state["losses"])
     log_path = out / "loss.jsonl"
@@ -508,7 +575,8 @@ def train(config: TrainConfig) -> TrainResult:
         bar.set_postfix(loss=f"{step_loss:.4f}", s_per_step=f"{dt:.3f}")
         bar.update(1)
         if (config.save_every and step % config.save_every == 0) or step == config.steps:
-            last_good = _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env)
+            last_good = _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env,
+                                         fingerprint, last_good)
     bar.close()
     env.check_identical(params, "the adapter weights")
 
@@ -532,8 +600,10 @@ def train(config: TrainConfig) -> TrainResult:
 # ----------------------------------------------------------------------------- helpers of train()
 
 
-def _resume_checkpoint(config: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint to resume from (None for a fresh run); refuse to mix a fresh run into an old one."""
+def _resume_checkpoint(config: TrainConfig, out: Path) -> tuple[Path | None, dict | None, list[Path]]:
+    """(checkpoint, its state, the bad checkpoints newer than it) to resume from; (None, None, []) for a fresh
+    run. The newest good checkpoint (`load_checkpoint`) wins; each bad newer one is named in a warning.
+    Refuses to mix a fresh run into an old one."""
     latest = latest_checkpoint(out)
     if config.resume and latest is None:
         raise TrainConfigError(f"TrainConfig.resume=True but {out / 'checkpoints'} holds no checkpoint")
@@ -542,7 +612,57 @@ def _resume_checkpoint(config: TrainConfig, out: Path) -> Path | None:
             f"{out} already holds checkpoints of a run ({latest.name}); pass --resume to continue it, "
             "or choose another --output"
         )
-    return latest if config.resume else None
+    if not config.resume:
+        return None, None, []
+    bad: list[Path] = []
+    for path in sorted((out / "checkpoints").glob("step_*.pt"), reverse=True):
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as e:
+            warnings.warn(f"{e}; skipping it (it will be renamed {path.name}.bad)", stacklevel=3)
+            bad.append(path)
+            continue
+        if bad:
+            warnings.warn(f"resuming from {path}, the newest good checkpoint", stacklevel=3)
+        return path, state, bad
+    raise TrainConfigError(f"TrainConfig.resume=True but no checkpoint in {out / 'checkpoints'} is usable "
+                           f"(see the warnings); the newest is {latest}")
+
+
+def _move_aside(bad: list[Path]) -> None:
+    """Rename bad checkpoints to <name>.bad: kept for a look, never resumed from, never pruned as good."""
+    for path in bad:
+        target = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, target)
+        except OSError as e:
+            raise TrainConfigError(f"cannot rename the bad checkpoint {path} to {target.name} ({e}); "
+                                   "remove it and resume again") from None
+
+
+def check_config_for_base(config: TrainConfig, pipe, resolution: int) -> None:
+    """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
+    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
+    from ..lora import _matches
+    from .models import denoiser
+
+    model = denoiser(pipe)
+    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
+    widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
+              if name and _matches(name, targets) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    if widths and config.rank > min(widths)[0]:
+        width, name = min(widths)
+        raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
+                               f"(min(out, in) = {width}); use --rank {width} or less")
+    vae_factor = pipe.vae_scale_factor
+    patch = 2 if config.model == "flux" else int(getattr(model.config, "patch_size", None) or 1)  # Flux packs 2x2
+    if resolution % (vae_factor * patch):
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {config.model} base needs a multiple of "
+                               f"{vae_factor * patch} (VAE downsampling {vae_factor} x patch size {patch})")
+    max_patches = getattr(model.config, "pos_embed_max_size", None)
+    if max_patches and resolution > max_patches * patch * vae_factor:
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {config.model} base's "
+                               f"position embedding takes ({max_patches * patch * vae_factor} pixels at most)")
 
 
 def _resolved(config: TrainConfig, base: Path | str | None, resolution: int) -> TrainConfig:
@@ -558,13 +678,23 @@ def _resolved(config: TrainConfig, base: Path | str | None, resolution: int) -> 
     )
 
 
-# What may differ between a run and its resumption: where and how it runs, not what it computes.
-_RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps"}
+# What may differ between a run and its resumption: where and how it runs, not what it computes; and what
+# NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
+# a run stopped by a non-finite loss can go on from its last good checkpoint.
+_RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps",
+                "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
+_PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
 
 
-def _check_resumable(state: dict, resolved: TrainConfig, n_examples: int, path: Path) -> None:
+def _check_resumable(state: dict, resolved: TrainConfig, n_examples: int, fingerprint: str, path: Path) -> None:
     saved, now = state["config"], asdict(resolved)
-    changed = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+
+    def same(k: str) -> bool:
+        if k in _PATH_FIELDS and isinstance(saved.get(k), str) and isinstance(now[k], str):
+            return os.path.realpath(saved[k]) == os.path.realpath(now[k])
+        return saved.get(k) == now[k]
+
+    changed = sorted(k for k in now if k not in _RESUME_FREE and not same(k))
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
         raise TrainConfigError(f"cannot resume from {path}: the config changed ({detail})")
@@ -572,11 +702,25 @@ def _check_resumable(state: dict, resolved: TrainConfig, n_examples: int, path: 
         raise TrainConfigError(
             f"cannot resume from {path}: the dataset had {state['n_examples']} examples, now {n_examples}"
         )
+    if state.get("dataset_fingerprint", fingerprint) != fingerprint:
+        raise TrainConfigError(
+            f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was written "
+            "(names, sizes or captions); restore them, or start a new run in another --output"
+        )
 
 
-def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env) -> Path:
-    """Write checkpoints/step_NNNNNNN.pt atomically (rank 0), keep the newest `keep_checkpoints`."""
+def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_examples, config, env,
+                     fingerprint, last_good) -> Path:
+    """Write checkpoints/step_NNNNNNN.pt atomically (rank 0), keep the newest `keep_checkpoints`.
+    Only a good checkpoint is written: non-finite adapter weights raise NonFiniteLossError instead."""
     path = checkpoint_path(out, step)
+    nonfinite = [n for n, p in named if not torch.isfinite(p.detach()).all()]
+    if nonfinite:
+        raise NonFiniteLossError(
+            f"adapter weights are not finite after step {step} ({nonfinite[0]}); training stopped. "
+            f"The last good checkpoint is {last_good or 'none (no checkpoint was written yet)'}; "
+            "try a lower --lr, --mixed-precision no, or --max-grad-norm"
+        )
     if env.main:
         atomic_save(
             {
@@ -588,6 +732,7 @@ def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_ex
                 "losses": list(losses),
                 "config": asdict(resolved),
                 "n_examples": n_examples,
+                "dataset_fingerprint": fingerprint,
             },
             path,
         )
@@ -598,10 +743,22 @@ def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_ex
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Keep the loss log's lines of steps <= `step` (a resumed run rewrites what came after its checkpoint)."""
+    """Keep the loss log's lines of steps <= `step` (a resumed run rewrites what came after its checkpoint).
+    A line that is not a record (the torn last line of a killed append) is dropped with a warning."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    keep, torn = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            if record["step"] <= step:
+                keep.append(line)
+        except (ValueError, TypeError, KeyError):
+            if line:
+                torn.append(number)
+    if torn:
+        warnings.warn(f"{path}: dropped {len(torn)} line(s) that are not loss records (line {torn[0]}: "
+                      "a write cut short by a kill)", stacklevel=3)
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
