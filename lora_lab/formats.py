@@ -1,7 +1,8 @@
 """LoRA files: kohya/ComfyUI and PEFT/diffusers safetensors, the key-name maps between them, validation.
 
 In memory a LoRA is a set of modules, each named by its path in a diffusers pipeline
-(`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…`,
+(`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…` (transformers 4's
+layout, also under transformers 5: `canonical_name`),
 `transformer.transformer_blocks.0.attn.to_q`), each holding
 
     down (r, in) | (r, in, kh, kw)    up (out, r) | (out, r, 1, 1)    alpha    DoRA m (out, 1) | (out, 1, 1, 1)
@@ -12,7 +13,8 @@ or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (th
 On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
-                      lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders,
+                      lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
+                      (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
                       read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
                       whose fused projections split exactly into diffusers' modules by output rows
@@ -80,6 +82,18 @@ _COMPOUND_SEGMENTS = sorted(
     },
     key=lambda s: -s.count("_"),  # longest compound first
 )
+# CLIPTextModel's `text_model` level. transformers 5 flattened CLIPTextModel (its modules are
+# `encoder.layers.0.self_attn.q_proj`); transformers 4 had them under `text_model.`, and
+# CLIPTextModelWithProjection keeps the level in both. The consumers of LoRA files all spell it:
+# kohya's sd-scripts (pinned to transformers 4) writes and reads `lora_te_text_model_encoder_layers_0_...`,
+# ComfyUI's key map (comfy/lora.py `model_lora_keys_clip`) knows only `lora_te_/lora_te1_/lora_te2_text_model_...`
+# and `text_encoder.text_model.encoder.layers...`, and PEFT files made with transformers 4 have it too.
+# So lora_lab's module names (in memory and in both file formats) always have it, whatever transformers is
+# installed: `canonical_name` puts it back, `_live_paths` gives both spellings when matching a model's weights.
+# T5's encoder is `encoder.block.` (no such level in either version), so it is left alone.
+_TEXT_MODEL = "text_model."
+_CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.layers.", "final_layer_norm")
+
 _UNET_TOP = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding",
              "add_embedding", "encoder_hid_proj", "class_embedding")
 
@@ -214,22 +228,46 @@ class LoraFile:
 # ----------------------------------------------------------------------------- key-name maps
 
 
+def canonical_name(module: str) -> str:
+    """A pipeline path with a CLIP text encoder's `text_model.` level put back (transformers 5 drops it):
+    `text_encoder.encoder.layers.0.mlp.fc1` -> `text_encoder.text_model.encoder.layers.0.mlp.fc1`; others unchanged."""
+    comp, _, path = module.partition(".")
+    if comp.startswith("text_encoder") and path.startswith(_CLIP_TEXT_MODEL_CHILDREN):
+        return f"{comp}.{_TEXT_MODEL}{path}"
+    return module
+
+
+def _live_paths(path: str) -> tuple[str, ...]:
+    """The paths a canonical module path (component removed) may have in a live model: as is, and for a CLIP
+    text encoder also without `text_model.` (transformers 5's CLIPTextModel)."""
+    if path.startswith(_TEXT_MODEL):
+        return path, path[len(_TEXT_MODEL):]
+    return (path,)
+
+
+def _kohya_prefix(component: str, base: str | None) -> str:
+    """kohya's prefix of a component. The first text encoder is `lora_te_` for SD1.5 (and an unknown base),
+    `lora_te1_` where the model has several (SDXL, SD3, Flux: sd-scripts' sdxl/sd3/flux networks write te1 and
+    ComfyUI reads te1 for CLIP-L/-H everywhere); Flux's T5 (its text_encoder_2) is `lora_te3_`, as sd-scripts'
+    lora_flux.py writes it ("make ComfyUI compatible"; ComfyUI reads te2 and te3 for Flux's T5)."""
+    if component == "text_encoder":
+        return "lora_te1_" if base in ("sdxl", "sd3", "flux") else "lora_te_"
+    if component == "text_encoder_2" and base == "flux":
+        return "lora_te3_"
+    return {"unet": "lora_unet_", "text_encoder_2": "lora_te2_", "text_encoder_3": "lora_te3_",
+            "transformer": "lora_transformer_"}[component]
+
+
 def kohya_name(module: str, base: str | None = None) -> str:
     """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` -> `lora_unet_down_blocks_0_resnets_0_conv1`.
 
-    The first text encoder is `lora_te1_` for SDXL (kohya's SDXL spelling) and `lora_te_` otherwise.
+    CLIP text encoders get their `text_model_` level whatever transformers is installed
+    (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`); the prefixes are `_kohya_prefix`'s.
     """
-    comp, _, path = module.partition(".")
+    comp, _, path = canonical_name(module).partition(".")
     if comp not in COMPONENTS or not path:
         raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
-    prefix = {
-        "unet": "lora_unet_",
-        "text_encoder": "lora_te1_" if base == "sdxl" else "lora_te_",
-        "text_encoder_2": "lora_te2_",
-        "text_encoder_3": "lora_te3_",
-        "transformer": "lora_transformer_",
-    }[comp]
-    return prefix + path.replace(".", "_")
+    return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
 def diffusers_name(kohya: str, base: str | None = None) -> str:
@@ -239,6 +277,8 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
     transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
     original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
     mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
+    CLIP text-encoder names are read with or without `text_model_` and given it (`canonical_name`);
+    for base flux, `lora_te2_` and `lora_te3_` are both its T5 (text_encoder_2).
 
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
     `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
@@ -253,10 +293,12 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
         ldm = _ldm_unet_path(rest)
         if ldm is not None:
             return f"unet.{ldm}"
+    if comp == "text_encoder_3" and base == "flux":
+        comp = "text_encoder_2"
     segments = _segments(rest)
     if comp == "unet":
         comp = _unet_or_transformer(kohya, segments[0], base)
-    return f"{comp}.{'.'.join(segments)}"
+    return canonical_name(f"{comp}.{'.'.join(segments)}")
 
 
 def _segments(name: str) -> list[str]:
@@ -371,10 +413,12 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
         m = _checked_module(where, down, up, alpha, dora, key)
-        if fmt == "peft":
-            modules[key] = m
-        else:  # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
-            modules.update(_flux_bfl(where, key, m) or {diffusers_name(key, base): m})
+        # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
+        named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base): m}
+        for name, mod in named.items():
+            if name in modules:  # e.g. lora_te_X and lora_te1_X, or a name with and without text_model
+                raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module {name!r}")
+            modules[name] = mod
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
 
 
@@ -626,7 +670,8 @@ def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
     else:  # PEFT LoraConfig kwargs per component, as diffusers' save_lora_weights writes them
         adapter = {}
         for comp in lf.components():
-            mods = {n.split(".", 1)[1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
+            # names as PEFT suffixes: without `text_model.`, they match CLIP's modules in transformers 4 and 5
+            mods = {_live_paths(n.split(".", 1)[1])[-1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
             cr = Counter(m.rank for m in mods.values()).most_common(1)[0][0]
             ca = Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
             adapter.update({
@@ -740,7 +785,8 @@ def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None
     if bad is not None:
         raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
     modules = {}
-    for name, p in parts.items():
+    for key, p in parts.items():
+        name = key
         if name.split(".", 1)[0] not in COMPONENTS:
             if component is None:
                 raise LoraFormatError(
@@ -750,9 +796,12 @@ def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None
         if "down" not in p or "up" not in p:
             raise LoraFormatError(f"state dict module {name!r}: needs both lora_down and lora_up")
         alpha = float(p["alpha"].item()) if "alpha" in p else float(p["down"].shape[0])
+        name = canonical_name(name)
+        if name in modules:
+            raise LoraFormatError(f"state dict modules {modules[name].key!r} and {key!r} are both module {name!r}")
         modules[name] = _checked_module(f"state dict module {name!r}", p["down"].detach().float(),
                                         p["up"].detach().float(), alpha,
-                                        None if p.get("dora") is None else p["dora"].detach().float(), name)
+                                        None if p.get("dora") is None else p["dora"].detach().float(), key)
     return LoraFile(modules=dict(sorted(modules.items())))
 
 
@@ -779,11 +828,12 @@ def match_modules(
     where = str(lf.path) if lf.path else "LoRA"
 
     def find(name: str, m: LoraModule) -> str | None:
-        path = name.split(".", 1)[1]
-        if f"{path}.weight" in keys:
-            return f"{path}.weight"
+        for path in _live_paths(name.split(".", 1)[1]):
+            if f"{path}.weight" in keys:
+                return f"{path}.weight"
         tail = re.sub(r"^lora_(unet|te[123]?|transformer)_", "", m.key) if m.key.startswith("lora_") else None
-        return by_kohya.get(tail) if tail else None
+        tails = (tail, tail.removeprefix("text_model_")) if tail else ()  # kohya's spelling of `_live_paths`
+        return next((by_kohya[t] for t in tails if t in by_kohya), None)
 
     comps = lf.components()
     if component is None:
@@ -805,6 +855,8 @@ def match_modules(
                 f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
                 f"but the model's {key!r} is {shapes[key]}"
             )
+        if key in out:
+            raise LoraFormatError(f"{where}: modules {out[key].key or key!r} and {m.key or name!r} both adapt {key!r}")
         out[key] = m
     if unmatched:
         _unmatched(where, unmatched, strict, component, comps)
