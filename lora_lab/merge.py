@@ -18,6 +18,7 @@ or wraps the adapted modules in lora_lab adapters whose strengths can be changed
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,13 @@ class MergedState(Mapping):
             return w
         out = w.float()
         for p in self.patches[name]:
-            out = out + lora_change(w, p.module, p.strength)
+            change = lora_change(w, p.module, p.strength)
+            if not bool(torch.isfinite(change).all()):  # overflow (a huge strength or alpha), a DoRA row of norm 0
+                raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} is not finite")
+            out = out + change
+        if not bool(torch.isfinite(out.to(w.dtype)).all()) and bool(torch.isfinite(w).all()):
+            raise LoraFormatError(f"{name!r}: the merged weight overflows {w.dtype} "
+                                  f"(LoRAs {sorted({p.where for p in self.patches[name]})})")
         return out.to(w.dtype)
 
     def __iter__(self) -> Iterator[str]:
@@ -84,6 +91,7 @@ class Patch:
     module: LoraModule
     strength: float
     source: int  # index of the LoRA file in the list given
+    where: str = ""  # "<file>: module <key>", for errors
 
 
 def _patches(
@@ -95,9 +103,15 @@ def _patches(
         raise LoraFormatError("loras must be a list of (lora_file, strength) pairs")
     patches: dict[str, list[Patch]] = {}
     for i, (lora, strength) in enumerate(loras):
-        _, matched = match_modules(_load(lora), weights, component, strict=strict)
+        lf = _load(lora)
+        name = str(lf.path) if lf.path else f"LoRA #{i}"
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+            raise LoraFormatError(f"{name}: strength {strength!r} must be a finite number")
+        _, matched = match_modules(lf, weights, component, strict=strict)
         for key, m in matched.items():
-            patches.setdefault(key, []).append(Patch(m, float(strength), i))
+            where = f"{name}: module {m.key or key!r}"
+            m.check_finite(where)  # the values of a loaded file are read here, once, not at load
+            patches.setdefault(key, []).append(Patch(m, float(strength), i, where))
     return patches
 
 
@@ -133,9 +147,10 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
 
 
 def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
-    """Write every weight of `merged` (base dtype) to a safetensors file, atomically."""
+    """Write every weight of `merged` (base dtype) to a safetensors file, atomically, merging and writing one
+    weight at a time (a `MergedState` never holds more than one merged weight)."""
     path = Path(path)
-    atomic_save(path, {k: merged[k].contiguous() for k in merged}, metadata or {})
+    atomic_save(path, merged, metadata or {}, like=merged.base if isinstance(merged, MergedState) else None)
     return path
 
 
