@@ -139,6 +139,9 @@ class LoraFormatError(LoraLabError, ValueError):
 # ----------------------------------------------------------------------------- in memory
 
 
+_CHECK_CHUNK = 1 << 20  # elements per step of a value check (a few MB of temporaries at most)
+
+
 @dataclass
 class LoraModule:
     """One adapted module: W -> W + (alpha / rank) * up @ down (DoRA: renormalised rows times m)."""
@@ -171,8 +174,12 @@ class LoraModule:
     def check_finite(self, where: str) -> None:
         """LoraFormatError if a weight holds NaN or Inf (this reads the values; a loaded file's are memory-mapped)."""
         for role, t in (("down", self.down), ("up", self.up), ("dora_scale", self.dora_scale)):
-            if t is not None and not bool(torch.isfinite(t).all()):
-                raise LoraFormatError(f"{where}: {role} holds NaN or Inf values")
+            if t is None:
+                continue
+            flat = t.reshape(-1)
+            for i in range(0, flat.numel(), _CHECK_CHUNK):  # in chunks: isfinite makes full-size temporaries
+                if not bool(torch.isfinite(flat[i:i + _CHECK_CHUNK]).all()):
+                    raise LoraFormatError(f"{where}: {role} holds NaN or Inf values")
 
 
 @dataclass

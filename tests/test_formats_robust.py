@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import struct
@@ -346,7 +347,7 @@ def test_a_large_file_is_inspected_and_converted_in_bounded_memory(tmp_path):
         convert_lora(path, tmp_path / "big_peft.safetensors", to="peft")
     print(f"peak extra private memory: inspect {inspect.grew:.1f} MiB, convert {convert.grew:.1f} MiB")
     assert inspect.grew < 8  # a copy of the file would be 64
-    assert convert.grew < 24  # safetensors.torch.save builds the whole file in memory: > 64
+    assert convert.grew < 16  # safetensors.torch.save builds the whole file in memory: > 64
     back = load_lora(tmp_path / "big_peft.safetensors")
     assert torch.equal(back.modules[next(iter(back.modules))].down, lf.modules[next(iter(lf.modules))].down)
 
@@ -435,7 +436,7 @@ def exercise(path, out_dir) -> str:
     return "ok"
 
 
-FUZZ_CASES = 300
+FUZZ_CASES = int(os.environ.get("LORA_LAB_FUZZ_CASES", "300"))  # more for a longer search: LORA_LAB_FUZZ_CASES=4000
 
 
 def test_fuzz_mutated_lora_files_give_success_or_lora_format_error(tmp_path):
@@ -462,4 +463,5 @@ def test_fuzz_mutated_lora_files_give_success_or_lora_format_error(tmp_path):
             pytest.fail(f"case {case}: {type(e).__name__}: {e}")
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(outcomes)
-    assert sum(outcomes.values()) == FUZZ_CASES and outcomes.get("ok", 0) > 10 and outcomes.get("LoraFormatError", 0) > 100
+    assert sum(outcomes.values()) == FUZZ_CASES
+    assert outcomes.get("ok", 0) > FUZZ_CASES // 30 and outcomes.get("LoraFormatError", 0) > FUZZ_CASES // 3
