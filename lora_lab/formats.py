@@ -171,6 +171,37 @@ class LoraModule:
     def weight_shape(self) -> tuple[int, ...]:
         return (self.up.shape[0], *self.down.shape[1:])
 
+    def check(self, where: str, values: bool = True) -> None:
+        """LoraFormatError unless the dtypes, shapes and alpha make a LoRA (`values`: also `check_finite`)."""
+        down, up, dora = self.down, self.up, self.dora_scale
+        for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
+            if role != "dora_scale" and not isinstance(t, torch.Tensor):
+                raise LoraFormatError(f"{where}: {role} is a {type(t).__name__}, not a tensor")
+            if t is not None and t.dtype not in _WEIGHT_DTYPES:
+                raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, bfloat16, "
+                                      "float32 or float64")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            raise LoraFormatError(f"{where}: alpha is {alpha}: it must be a finite number > 0 (sd-scripts reads "
+                                  "alpha 0 as alpha = rank, ComfyUI as scale 0: write alpha = rank instead)")
+        if down.dim() not in (2, 4) or up.dim() != down.dim():
+            raise LoraFormatError(
+                f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
+            )
+        if down.shape[0] == 0:
+            raise LoraFormatError(f"{where}: rank 0 (down {tuple(down.shape)}): a LoRA needs rank >= 1")
+        if up.shape[1] != down.shape[0]:
+            raise LoraFormatError(
+                f"{where}: rank mismatch: down {tuple(down.shape)} has rank {down.shape[0]}, "
+                f"up {tuple(up.shape)} has rank {up.shape[1]}"
+            )
+        if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
+            raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
+        if dora is not None and dora.numel() != up.shape[0]:
+            raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
+        if values:
+            self.check_finite(where)
+
     def check_finite(self, where: str) -> None:
         """LoraFormatError if a weight holds NaN or Inf (this reads the values; a loaded file's are memory-mapped)."""
         for role, t in (("down", self.down), ("up", self.up), ("dora_scale", self.dora_scale)):
@@ -625,34 +656,12 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
 
 
 def _checked_module(where: str, down, up, alpha, dora, key: str, values: bool = True) -> LoraModule:
-    """A LoraModule whose shapes, dtypes and alpha are checked (`values`: its tensors' values too)."""
-    for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
-        if t is not None and t.dtype not in _WEIGHT_DTYPES:
-            raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, bfloat16, "
-                                  "float32 or float64")
-    if isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-        raise LoraFormatError(f"{where}: alpha is {alpha}: it must be a finite number > 0 (sd-scripts reads "
-                              "alpha 0 as alpha = rank, ComfyUI as scale 0: write alpha = rank instead)")
-    if down.dim() not in (2, 4) or up.dim() != down.dim():
-        raise LoraFormatError(
-            f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
-        )
-    if down.shape[0] == 0:
-        raise LoraFormatError(f"{where}: rank 0 (down {tuple(down.shape)}): a LoRA needs rank >= 1")
-    if up.shape[1] != down.shape[0]:
-        raise LoraFormatError(
-            f"{where}: rank mismatch: down {tuple(down.shape)} has rank {down.shape[0]}, "
-            f"up {tuple(up.shape)} has rank {up.shape[1]}"
-        )
-    if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
-        raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
-    if dora is not None and dora.numel() != up.shape[0]:
-        raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
-    if dora is not None:
+    """A LoraModule (a DoRA scale reshaped to the output axis) checked by `LoraModule.check`."""
+    if dora is not None and up.dim() in (2, 4) and dora.numel() == up.shape[0]:
         dora = dora.reshape(up.shape[0], *[1] * (up.dim() - 1))
-    m = LoraModule(down=down, up=up, alpha=float(alpha), dora_scale=dora, key=key)
-    if values:
-        m.check_finite(where)
+    m = LoraModule(down=down, up=up, alpha=alpha, dora_scale=dora, key=key)
+    m.check(where, values=values)
+    m.alpha = float(alpha)
     return m
 
 

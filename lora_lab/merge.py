@@ -107,10 +107,12 @@ def _patches(
         name = str(lf.path) if lf.path else f"LoRA #{i}"
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
             raise LoraFormatError(f"{name}: strength {strength!r} must be a finite number")
+        for n, m in lf.modules.items():  # a LoraFile made in memory is checked here (load_lora checked a file's)
+            m.check(f"{name}: module {m.key or n!r}", values=False)
         _, matched = match_modules(lf, weights, component, strict=strict)
         for key, m in matched.items():
             where = f"{name}: module {m.key or key!r}"
-            m.check_finite(where)  # the values of a loaded file are read here, once, not at load
+            m.check_finite(where)  # a loaded file's values are read here, where they are used, not at load
             patches.setdefault(key, []).append(Patch(m, float(strength), i, where))
     return patches
 

@@ -465,3 +465,30 @@ def test_fuzz_mutated_lora_files_give_success_or_lora_format_error(tmp_path):
     print(outcomes)
     assert sum(outcomes.values()) == FUZZ_CASES
     assert outcomes.get("ok", 0) > FUZZ_CASES // 30 and outcomes.get("LoraFormatError", 0) > FUZZ_CASES // 3
+
+
+def test_two_modules_for_one_weight_are_an_error():
+    """One by its path, one by its kohya spelling (as ComfyUI matches): both would change `a.b.weight`."""
+    from lora_lab.formats import match_modules
+
+    g = torch.Generator().manual_seed(3)
+    m = LoraModule(torch.randn(2, 4, generator=g), torch.randn(4, 2, generator=g), 2.0)
+    lf = LoraFile({"unet.a.b": m, "unet.a_b": LoraModule(m.down, m.up, 2.0, key="lora_unet_a_b")})
+    with pytest.raises(LoraFormatError, match="LoRA: modules .* and 'lora_unet_a_b' both adapt 'a.b.weight'"):
+        match_modules(lf, {"a.b.weight": torch.zeros(4, 4)})
+
+
+@pytest.mark.parametrize(("down", "up", "alpha", "said"), [
+    (torch.ones(0, 6), torch.ones(8, 0), 1.0, "rank 0"),
+    (torch.ones(2, 6), torch.ones(8, 2), float("nan"), "alpha is nan"),
+    (torch.ones(2, 6), torch.ones(8, 2), 0.0, "alpha is 0.0"),
+    (torch.ones(2, 6), torch.ones(8, 3), 1.0, "rank mismatch"),
+    (torch.ones(2, 6, dtype=torch.int64), torch.ones(8, 2), 1.0, "down has dtype torch.int64"),
+])
+def test_a_lora_made_in_memory_is_checked_by_merge_and_apply(down, up, alpha, said):
+    lf = LoraFile({"unet.lin": LoraModule(down, up, alpha, key="lin")})
+    base = {"lin.weight": torch.zeros(8, 6)}
+    with pytest.raises(LoraFormatError, match=f"LoRA #0: module 'lin': {said}"):
+        merge_loras(base, [(lf, 1.0)])
+    with pytest.raises(LoraFormatError, match=f"LoRA #0: module 'lin': {said}"):
+        apply_loras(nested_modules(base), [(lf, 1.0)], mode="runtime")
