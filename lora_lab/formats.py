@@ -489,7 +489,7 @@ _SAFETENSORS_DTYPES = {
 }
 _DTYPE_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _MAX_INT_DIGITS = 19  # a JSON integer in a header or in metadata: offsets and sizes fit 63 bits
 
 
@@ -516,15 +516,15 @@ def _parse_json(where: str, raw: bytes | str):
         raise LoraFormatError(f"{where}: not valid JSON ({e})") from None
 
 
-def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
-    """A safetensors header, checked: {key: (dtype, shape)} and the metadata; LoraFormatError naming the key."""
+def _read_header(path: Path) -> tuple[list[str], dict[str, str]]:
+    """A safetensors header, checked: the tensor keys and the metadata; LoraFormatError naming the key."""
     if not path.is_file():
         raise LoraFormatError(f"{path}: no such file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if n is None or n > size - 8 or n > MAX_HEADER_BYTES:
+        if n is None or n > size - 8 or n > _MAX_HEADER_BYTES:
             raise LoraFormatError(
                 f"{path}: not a safetensors file (header length {n} does not fit the file's {size} bytes)"
             )
@@ -532,11 +532,12 @@ def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ..
     header = _parse_json(f"{path}: not a safetensors file: garbage header", raw)
     if not isinstance(header, dict):
         raise LoraFormatError(f"{path}: not a safetensors file: the header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise LoraFormatError(f"{path}: key '__metadata__' must map names to strings")
     data = size - 8 - n
-    spans, out = [], {}
+    spans = []
     for key, v in header.items():
         where = f"{path}: key {key!r}"
         if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
@@ -557,7 +558,6 @@ def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ..
             raise LoraFormatError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
                                   f"shape {shape} {v['dtype']} needs {nbytes}")
         spans.append((offsets[0], offsets[1], key))
-        out[key] = (dtype, tuple(shape))
     end = 0
     for begin, stop, key in sorted(spans):  # the tensors tile the data section: no gap, no overlap
         if begin != end:
@@ -565,7 +565,7 @@ def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ..
         end = stop
     if end != data:
         raise LoraFormatError(f"{path}: {data - end} bytes after the last tensor's data")
-    return out, meta
+    return list(header), meta
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -573,10 +573,10 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     header `_read_header` has checked; LoraFormatError for anything else."""
     from safetensors import SafetensorError, safe_open
 
-    entries, metadata = _read_header(path)
+    keys, metadata = _read_header(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            tensors = {key: f.get_tensor(key) for key in entries}
+            tensors = {key: f.get_tensor(key) for key in keys}
     except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as e:
         raise LoraFormatError(f"{path}: not a readable safetensors file ({e})") from e
     metadata.pop("format", None)
@@ -599,7 +599,7 @@ def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
     )
 
 
-_PATTERN_NAME = re.compile(r"[\w.\-]+")  # a module name, the only kind of alpha_pattern / rank_pattern key read
+_PATTERN_NAME = re.compile(r"[\w.\-]+")  # a module name, the only kind of alpha_pattern key read
 
 
 def _peft_alphas(path: Path, metadata: Mapping[str, str]):
@@ -609,7 +609,7 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
 
     Pattern keys are read as module names (`re.escape`d or not) matched by suffix, which is PEFT's rule
     `(.*[.])?(pattern)$` for a name; a key with other regex syntax is refused, so that no file can make the
-    reader backtrack for ever (`(.*)*b`)."""
+    reader backtrack for ever (`(.*)*b`). rank_pattern is not read: a module's rank is its weights'."""
     raw = metadata.get(METADATA_KEY)
     where = f"{path}: metadata {METADATA_KEY!r}"
     meta = _parse_json(where, raw) if raw else {}

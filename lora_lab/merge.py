@@ -65,10 +65,11 @@ class MergedState(Mapping):
             if not bool(torch.isfinite(change).all()):  # overflow (a huge strength or alpha), a DoRA row of norm 0
                 raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} is not finite")
             out = out + change
-        if not bool(torch.isfinite(out.to(w.dtype)).all()) and bool(torch.isfinite(w).all()):
-            raise LoraFormatError(f"{name!r}: the merged weight overflows {w.dtype} "
-                                  f"(LoRAs {sorted({p.where for p in self.patches[name]})})")
-        return out.to(w.dtype)
+        merged = out.to(w.dtype)
+        if not bool(torch.isfinite(merged).all()) and bool(torch.isfinite(w).all()):
+            raise LoraFormatError(f"{sorted({p.where for p in self.patches[name]})}: the merged {name!r} "
+                                  f"overflows {w.dtype}")
+        return merged
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.base)

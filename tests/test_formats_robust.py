@@ -95,6 +95,7 @@ HEADERS = {  # case -> (header, data, what the error must say after the file nam
     "entry_extra_field": ({"k.alpha": {**F32, "x": 1}}, b"\0" * 16, "key 'k.alpha': a tensor entry"),
     "metadata_not_strings": ({"__metadata__": {"a": 1}, "k.alpha": F32}, b"\0" * 16, "key '__metadata__'"),
     "metadata_list": ({"__metadata__": [1], "k.alpha": F32}, b"\0" * 16, "key '__metadata__'"),
+    "metadata_zero": ({"__metadata__": 0, "k.alpha": F32}, b"\0" * 16, "key '__metadata__'"),
     "repeated_key": ((b'{"k.alpha":{"dtype":"F32","shape":[],"data_offsets":[0,4]},'
                       b'"k.alpha":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}'), b"\0" * 4, "'k.alpha' appears twice"),
     "header_not_object": (b"[1, 2, 3]", b"", "not a JSON object"),
