@@ -1,7 +1,8 @@
 """LoRA files: kohya/ComfyUI and PEFT/diffusers safetensors, the key-name maps between them, validation.
 
 In memory a LoRA is a set of modules, each named by its path in a diffusers pipeline
-(`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…`,
+(`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…` (transformers 4's
+layout, also under transformers 5: `canonical_name`),
 `transformer.transformer_blocks.0.attn.to_q`), each holding
 
     down (r, in) | (r, in, kh, kw)    up (out, r) | (out, r, 1, 1)    alpha    DoRA m (out, 1) | (out, 1, 1, 1)
@@ -12,7 +13,8 @@ or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (th
 On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
-                      lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders,
+                      lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
+                      (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
                       read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
                       whose fused projections split exactly into diffusers' modules by output rows
@@ -81,6 +83,18 @@ _COMPOUND_SEGMENTS = sorted(
     },
     key=lambda s: -s.count("_"),  # longest compound first
 )
+# CLIPTextModel's `text_model` level. transformers 5 flattened CLIPTextModel (its modules are
+# `encoder.layers.0.self_attn.q_proj`); transformers 4 had them under `text_model.`, and
+# CLIPTextModelWithProjection keeps the level in both. The consumers of LoRA files all spell it:
+# kohya's sd-scripts (pinned to transformers 4) writes and reads `lora_te_text_model_encoder_layers_0_...`,
+# ComfyUI's key map (comfy/lora.py `model_lora_keys_clip`) knows only `lora_te_/lora_te1_/lora_te2_text_model_...`
+# and `text_encoder.text_model.encoder.layers...`, and PEFT files made with transformers 4 have it too.
+# So lora_lab's module names (in memory and in both file formats) always have it, whatever transformers is
+# installed: `canonical_name` puts it back, `_live_paths` gives both spellings when matching a model's weights.
+# T5's encoder is `encoder.block.` (no such level in either version), so it is left alone.
+_TEXT_MODEL = "text_model."
+_CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.layers.", "final_layer_norm")
+
 _UNET_TOP = ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding",
              "add_embedding", "encoder_hid_proj", "class_embedding")
 
@@ -126,6 +140,9 @@ class LoraFormatError(LoraLabError, ValueError):
 # ----------------------------------------------------------------------------- in memory
 
 
+_CHECK_CHUNK = 1 << 20  # elements per step of a value check (a few MB of temporaries at most)
+
+
 @dataclass
 class LoraModule:
     """One adapted module: W -> W + (alpha / rank) * up @ down (DoRA: renormalised rows times m)."""
@@ -155,6 +172,47 @@ class LoraModule:
     def weight_shape(self) -> tuple[int, ...]:
         return (self.up.shape[0], *self.down.shape[1:])
 
+    def check(self, where: str, values: bool = True) -> None:
+        """LoraFormatError unless the dtypes, shapes and alpha make a LoRA (`values`: also `check_finite`)."""
+        down, up, dora = self.down, self.up, self.dora_scale
+        for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
+            if role != "dora_scale" and not isinstance(t, torch.Tensor):
+                raise LoraFormatError(f"{where}: {role} is a {type(t).__name__}, not a tensor")
+            if t is not None and t.dtype not in _WEIGHT_DTYPES:
+                raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, bfloat16, "
+                                      "float32 or float64")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            raise LoraFormatError(f"{where}: alpha is {alpha}: it must be a finite number > 0 (sd-scripts reads "
+                                  "alpha 0 as alpha = rank, ComfyUI as scale 0: write alpha = rank instead)")
+        if down.dim() not in (2, 4) or up.dim() != down.dim():
+            raise LoraFormatError(
+                f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
+            )
+        if down.shape[0] == 0:
+            raise LoraFormatError(f"{where}: rank 0 (down {tuple(down.shape)}): a LoRA needs rank >= 1")
+        if up.shape[1] != down.shape[0]:
+            raise LoraFormatError(
+                f"{where}: rank mismatch: down {tuple(down.shape)} has rank {down.shape[0]}, "
+                f"up {tuple(up.shape)} has rank {up.shape[1]}"
+            )
+        if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
+            raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
+        if dora is not None and dora.numel() != up.shape[0]:
+            raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
+        if values:
+            self.check_finite(where)
+
+    def check_finite(self, where: str) -> None:
+        """LoraFormatError if a weight holds NaN or Inf (this reads the values; a loaded file's are memory-mapped)."""
+        for role, t in (("down", self.down), ("up", self.up), ("dora_scale", self.dora_scale)):
+            if t is None:
+                continue
+            flat = t.reshape(-1)
+            for i in range(0, flat.numel(), _CHECK_CHUNK):  # in chunks: isfinite makes full-size temporaries
+                if not bool(torch.isfinite(flat[i:i + _CHECK_CHUNK]).all()):
+                    raise LoraFormatError(f"{where}: {role} holds NaN or Inf values")
+
 
 @dataclass
 class LoraFile:
@@ -168,7 +226,7 @@ class LoraFile:
     @property
     def base(self) -> str | None:
         """The base model kind the file says it is for ("sd15", "sdxl", "sd3", "flux"), if it says."""
-        return self.metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(self.metadata)
+        return _base_from_metadata(self.metadata)
 
     def components(self) -> list[str]:
         return sorted({name.split(".", 1)[0] for name in self.modules})
@@ -215,22 +273,46 @@ class LoraFile:
 # ----------------------------------------------------------------------------- key-name maps
 
 
+def canonical_name(module: str) -> str:
+    """A pipeline path with a CLIP text encoder's `text_model.` level put back (transformers 5 drops it):
+    `text_encoder.encoder.layers.0.mlp.fc1` -> `text_encoder.text_model.encoder.layers.0.mlp.fc1`; others unchanged."""
+    comp, _, path = module.partition(".")
+    if comp.startswith("text_encoder") and path.startswith(_CLIP_TEXT_MODEL_CHILDREN):
+        return f"{comp}.{_TEXT_MODEL}{path}"
+    return module
+
+
+def _live_paths(path: str) -> tuple[str, ...]:
+    """The paths a canonical module path (component removed) may have in a live model: as is, and for a CLIP
+    text encoder also without `text_model.` (transformers 5's CLIPTextModel)."""
+    if path.startswith(_TEXT_MODEL):
+        return path, path[len(_TEXT_MODEL):]
+    return (path,)
+
+
+def _kohya_prefix(component: str, base: str | None) -> str:
+    """kohya's prefix of a component. The first text encoder is `lora_te_` for SD1.5 (and an unknown base),
+    `lora_te1_` where the model has several (SDXL, SD3, Flux: sd-scripts' sdxl/sd3/flux networks write te1 and
+    ComfyUI reads te1 for CLIP-L/-H everywhere); Flux's T5 (its text_encoder_2) is `lora_te3_`, as sd-scripts'
+    lora_flux.py writes it ("make ComfyUI compatible"; ComfyUI reads te2 and te3 for Flux's T5)."""
+    if component == "text_encoder":
+        return "lora_te1_" if base in ("sdxl", "sd3", "flux") else "lora_te_"
+    if component == "text_encoder_2" and base == "flux":
+        return "lora_te3_"
+    return {"unet": "lora_unet_", "text_encoder_2": "lora_te2_", "text_encoder_3": "lora_te3_",
+            "transformer": "lora_transformer_"}[component]
+
+
 def kohya_name(module: str, base: str | None = None) -> str:
     """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` -> `lora_unet_down_blocks_0_resnets_0_conv1`.
 
-    The first text encoder is `lora_te1_` for SDXL (kohya's SDXL spelling) and `lora_te_` otherwise.
+    CLIP text encoders get their `text_model_` level whatever transformers is installed
+    (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`); the prefixes are `_kohya_prefix`'s.
     """
-    comp, _, path = module.partition(".")
+    comp, _, path = canonical_name(module).partition(".")
     if comp not in COMPONENTS or not path:
         raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
-    prefix = {
-        "unet": "lora_unet_",
-        "text_encoder": "lora_te1_" if base == "sdxl" else "lora_te_",
-        "text_encoder_2": "lora_te2_",
-        "text_encoder_3": "lora_te3_",
-        "transformer": "lora_transformer_",
-    }[comp]
-    return prefix + path.replace(".", "_")
+    return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
 def diffusers_name(kohya: str, base: str | None = None) -> str:
@@ -240,6 +322,8 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
     transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
     original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
     mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
+    CLIP text-encoder names are read with or without `text_model_` and given it (`canonical_name`);
+    for base flux, `lora_te2_` and `lora_te3_` are both its T5 (text_encoder_2).
 
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
     `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
@@ -254,10 +338,12 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
         ldm = _ldm_unet_path(rest)
         if ldm is not None:
             return f"unet.{ldm}"
+    if comp == "text_encoder_3" and base == "flux":
+        comp = "text_encoder_2"
     segments = _segments(rest)
     if comp == "unet":
         comp = _unet_or_transformer(kohya, segments[0], base)
-    return f"{comp}.{'.'.join(segments)}"
+    return canonical_name(f"{comp}.{'.'.join(segments)}")
 
 
 def _segments(name: str) -> list[str]:
@@ -337,7 +423,13 @@ _PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_magni
 
 
 def load_lora(path: str | os.PathLike) -> LoraFile:
-    """Read and check a kohya or PEFT LoRA safetensors file (format detected from its keys)."""
+    """Read and check a kohya or PEFT LoRA safetensors file (format detected from its keys).
+
+    Everything is checked from the header, which is parsed here with bounds before safetensors sees the
+    file (JSON depth and integer sizes, dtypes, shapes, data offsets that tile the data exactly), and from
+    the few alpha scalars. The weights are memory-mapped, not read: a large file loads in a few MB; their
+    values (NaN / Inf) are checked where they are used (`LoraModule.check_finite`: merge, apply, save).
+    """
     path = Path(path)
     tensors, metadata = _read_safetensors(path)
     if not tensors:
@@ -351,7 +443,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
         )
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
-    base = metadata.get("lora_lab.base_model") or _base_from_kohya_metadata(metadata)
+    base = _base_from_metadata(metadata)
     modules: dict[str, LoraModule] = {}
     spelled = {"down": "lora_down", "up": "lora_up"} if fmt == "kohya" else {"down": "lora_A", "up": "lora_B"}
     for key, p in parts.items():
@@ -363,19 +455,23 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             present = spelled["up" if missing[0] == spelled["down"] else "down"]
             raise LoraFormatError(f"{where}: has {present} but no {missing[0]}")
         down, up, dora = p["down"], p["up"], p.get("dora")
+        if down.dim() == 0 or down.shape[0] == 0:
+            raise LoraFormatError(f"{where}: rank 0 (down {tuple(down.shape)}): a LoRA needs rank >= 1")
         if fmt == "kohya":
             alpha = _scalar(where, p["alpha"]) if "alpha" in p else None
         else:
-            alpha = alpha_of(key)
+            alpha = alpha_of(key, down.shape[0])
             if dora is not None:  # PEFT: (out,) linear, (1, out, 1, 1) conv
                 dora = dora.reshape(-1, *[1] * (down.dim() - 1))
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
-        m = _checked_module(where, down, up, alpha, dora, key)
-        if fmt == "peft":
-            modules[key] = m
-        else:  # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
-            modules.update(_flux_bfl(where, key, m) or {diffusers_name(key, base): m})
+        m = _checked_module(where, down, up, alpha, dora, key, values=False)
+        # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
+        named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base): m}
+        for name, mod in named.items():
+            if name in modules:  # e.g. lora_te_X and lora_te1_X, or a name with and without text_model
+                raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module {name!r}")
+            modules[name] = mod
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
 
 
@@ -383,43 +479,106 @@ def _scalar(where: str, t: torch.Tensor) -> float:
     """A kohya alpha: one number, of any real dtype (tools write fp16, fp32, bf16 and int64 alphas)."""
     if t.numel() != 1 or t.is_complex() or t.dtype == torch.bool:
         raise LoraFormatError(f"{where}: alpha must be one real number, got shape {tuple(t.shape)} {t.dtype}")
-    return float(t.item())
+    return float(t.float().item())
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors and the metadata of a safetensors file; LoraFormatError for anything else."""
-    from safetensors import SafetensorError, safe_open
+# safetensors' dtype names; LoRA weights must be one of _WEIGHT_DTYPES (alphas: any real one)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_MAX_INT_DIGITS = 19  # a JSON integer in a header or in metadata: offsets and sizes fit 63 bits
 
+
+def _parse_json(where: str, raw: bytes | str):
+    """JSON with bounds: integers of more than 19 digits stay strings (so the field that holds one fails its
+    type check, naming it), nesting deeper than Python's recursion limit and repeated keys are errors."""
+
+    def bounded_int(s: str):
+        return int(s) if len(s.lstrip("-")) <= _MAX_INT_DIGITS else s
+
+    def no_repeats(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise ValueError(f"key {k!r} appears twice")
+            out[k] = v
+        return out
+
+    try:
+        return json.loads(raw, parse_int=bounded_int, object_pairs_hook=no_repeats)
+    except RecursionError:
+        raise LoraFormatError(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LoraFormatError(f"{where}: not valid JSON ({e})") from None
+
+
+def _read_header(path: Path) -> tuple[list[str], dict[str, str]]:
+    """A safetensors header, checked: the tensor keys and the metadata; LoraFormatError naming the key."""
     if not path.is_file():
         raise LoraFormatError(f"{path}: no such file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if n is None or n > size - 8 or n > 100_000_000:
+        if n is None or n > size - 8 or n > _MAX_HEADER_BYTES:
             raise LoraFormatError(
                 f"{path}: not a safetensors file (header length {n} does not fit the file's {size} bytes)"
             )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LoraFormatError(f"{path}: not a safetensors file: garbage header ({e})") from e
+        raw = f.read(n)
+    header = _parse_json(f"{path}: not a safetensors file: garbage header", raw)
     if not isinstance(header, dict):
         raise LoraFormatError(f"{path}: not a safetensors file: the header is not a JSON object")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-               and "data_offsets" in v), default=0)
-    if 8 + n + end > size:
-        raise LoraFormatError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise LoraFormatError(f"{path}: key '__metadata__' must map names to strings")
+    data = size - 8 - n
+    spans = []
+    for key, v in header.items():
+        where = f"{path}: key {key!r}"
+        if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
+            raise LoraFormatError(f"{where}: a tensor entry must have exactly dtype, shape and data_offsets")
+        dtype = _SAFETENSORS_DTYPES.get(v["dtype"]) if isinstance(v["dtype"], str) else None
+        if dtype is None:
+            raise LoraFormatError(f"{where}: dtype {v['dtype']!r} is not one of {list(_SAFETENSORS_DTYPES)}")
+        shape, offsets = v["shape"], v["data_offsets"]
+        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+            raise LoraFormatError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise LoraFormatError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        if offsets[1] > data:
+            raise LoraFormatError(f"{path}: truncated: key {key!r} ends at byte {offsets[1]} of a {data}-byte data section")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise LoraFormatError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                                  f"shape {shape} {v['dtype']} needs {nbytes}")
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):  # the tensors tile the data section: no gap, no overlap
+        if begin != end:
+            raise LoraFormatError(f"{path}: key {key!r}: data_offsets begin at {begin}, the previous tensor ends at {end}")
+        end = stop
+    if end != data:
+        raise LoraFormatError(f"{path}: {data - end} bytes after the last tensor's data")
+    return list(header), meta
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (memory-mapped: nothing is read until used) and the metadata of a safetensors file whose
+    header `_read_header` has checked; LoraFormatError for anything else."""
+    from safetensors import SafetensorError, safe_open
+
+    keys, metadata = _read_header(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {}
-            for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                try:
-                    tensors[key] = f.get_tensor(key)
-                except (SafetensorError, TypeError, ValueError, RuntimeError) as e:
-                    raise LoraFormatError(f"{path}: key {key!r}: unreadable tensor ({e})") from e
-    except (SafetensorError, OSError, RuntimeError) as e:
+            tensors = {key: f.get_tensor(key) for key in keys}
+    except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as e:
         raise LoraFormatError(f"{path}: not a readable safetensors file ({e})") from e
     metadata.pop("format", None)
     return tensors, metadata
@@ -432,70 +591,85 @@ def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
     peft = [k for k in tensors if k.startswith(tuple(f"{c}." for c in COMPONENTS))]
     if len(peft) == len(tensors):
         return "peft"
-    odd = next(k for k in tensors if k not in kohya and k not in peft)
+    odd = next((k for k in tensors if k not in kohya and k not in peft), None)
+    if odd is None:
+        raise LoraFormatError(f"{path}: mixes kohya names ({kohya[0]!r}, ...) and PEFT names ({peft[0]!r}, ...)")
     raise LoraFormatError(
         f"{path}: key {odd!r} is neither a kohya name ({', '.join(_KOHYA_PREFIXES)}...) nor a PEFT/diffusers "
         f"name ({', '.join(c + '.' for c in COMPONENTS)}...)"
     )
 
 
+_PATTERN_NAME = re.compile(r"[\w.\-]+")  # a module name, the only kind of alpha_pattern key read
+
+
 def _peft_alphas(path: Path, metadata: Mapping[str, str]):
-    """module -> alpha of a PEFT file, from diffusers' `lora_adapter_metadata` (PEFT LoraConfig kwargs per
+    """(module, rank) -> alpha of a PEFT file, from diffusers' `lora_adapter_metadata` (PEFT LoraConfig kwargs per
     component: alpha_pattern, else lora_alpha; rsLoRA folded in as alpha * sqrt(r), so that alpha / r is
-    PEFT's alpha / sqrt(r)). None where the metadata says nothing: diffusers then takes alpha = rank."""
+    PEFT's alpha / sqrt(r)). None where the metadata says nothing: diffusers then takes alpha = rank.
+
+    Pattern keys are read as module names (`re.escape`d or not) matched by suffix, which is PEFT's rule
+    `(.*[.])?(pattern)$` for a name; a key with other regex syntax is refused, so that no file can make the
+    reader backtrack for ever (`(.*)*b`). rank_pattern is not read: a module's rank is its weights'."""
     raw = metadata.get(METADATA_KEY)
-    try:
-        meta = json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
-        raise LoraFormatError(f"{path}: metadata {METADATA_KEY!r} is not JSON ({e})") from e
+    where = f"{path}: metadata {METADATA_KEY!r}"
+    meta = _parse_json(where, raw) if raw else {}
+    if not isinstance(meta, dict):
+        raise LoraFormatError(f"{where}: must be a JSON object, got {type(meta).__name__}")
 
-    def pattern_value(patterns, name, default):
-        for pattern, value in (patterns or {}).items():  # PEFT's rule: the pattern matches the name's end
-            if re.match(rf"(.*\.)?({pattern})$", name):
-                return float(value)
-        return default
+    def number(key: str, v) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise LoraFormatError(f"{where} key {key!r}: must be a finite number > 0, got {v!r}")
+        return float(v)
 
-    def alpha_of(module: str) -> float | None:
-        comp, _, name = module.partition(".")
+    def patterns(key: str) -> dict[str, float]:
+        table = meta.get(key) or {}
+        if not isinstance(table, dict):
+            raise LoraFormatError(f"{where} key {key!r}: must be an object {{module name: value}}, got {table!r:.80}")
+        out = {}
+        for pattern, v in table.items():
+            name = re.sub(r"\\(.)", r"\1", pattern)  # undo re.escape
+            if not _PATTERN_NAME.fullmatch(name):
+                raise LoraFormatError(f"{where} key {key!r}: pattern {pattern!r:.80} is not a module name "
+                                      "(lora_lab matches module names by suffix, as PEFT does, and reads no regex)")
+            out[name] = number(f"{key}[{pattern!r}]", v)
+        return out
+
+    tables = {}  # component -> (lora_alpha, alpha_pattern, use_rslora)
+    for comp in COMPONENTS:
         if f"{comp}.lora_alpha" not in meta:
+            continue
+        rslora = meta.get(f"{comp}.use_rslora", False)
+        if not isinstance(rslora, bool):
+            raise LoraFormatError(f"{where} key {comp + '.use_rslora'!r}: must be true or false, got {rslora!r}")
+        tables[comp] = (number(f"{comp}.lora_alpha", meta[f"{comp}.lora_alpha"]),
+                        patterns(f"{comp}.alpha_pattern"), rslora)
+
+    def alpha_of(module: str, rank: int) -> float | None:
+        comp, _, name = module.partition(".")
+        if comp not in tables:
             return None
-        alpha = pattern_value(meta.get(f"{comp}.alpha_pattern"), name, float(meta[f"{comp}.lora_alpha"]))
-        if meta.get(f"{comp}.use_rslora"):
-            alpha *= math.sqrt(pattern_value(meta.get(f"{comp}.rank_pattern"), name, float(meta[f"{comp}.r"])))
-        return alpha
+        alpha, pattern, rslora = tables[comp]
+        alpha = next((a for p, a in pattern.items() if name == p or name.endswith("." + p)), alpha)
+        return alpha * math.sqrt(rank) if rslora else alpha
 
     return alpha_of
 
 
-def _checked_module(where: str, down, up, alpha, dora, key: str) -> LoraModule:
-    for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
-        if t is None:
-            continue
-        if not t.is_floating_point():
-            raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be floating point")
-        if not torch.isfinite(t).all():
-            raise LoraFormatError(f"{where}: {role} holds NaN or Inf values")
-    if not math.isfinite(alpha):
-        raise LoraFormatError(f"{where}: alpha is {alpha}")
-    if down.dim() not in (2, 4) or up.dim() != down.dim():
-        raise LoraFormatError(
-            f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
-        )
-    if up.shape[1] != down.shape[0]:
-        raise LoraFormatError(
-            f"{where}: rank mismatch: down {tuple(down.shape)} has rank {down.shape[0]}, "
-            f"up {tuple(up.shape)} has rank {up.shape[1]}"
-        )
-    if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
-        raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
-    if dora is not None and dora.numel() != up.shape[0]:
-        raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
-    if dora is not None:
+def _checked_module(where: str, down, up, alpha, dora, key: str, values: bool = True) -> LoraModule:
+    """A LoraModule (a DoRA scale reshaped to the output axis) checked by `LoraModule.check`."""
+    if dora is not None and up.dim() in (2, 4) and dora.numel() == up.shape[0]:
         dora = dora.reshape(up.shape[0], *[1] * (up.dim() - 1))
-    return LoraModule(down=down, up=up, alpha=float(alpha), dora_scale=dora, key=key)
+    m = LoraModule(down=down, up=up, alpha=alpha, dora_scale=dora, key=key)
+    m.check(where, values=values)
+    m.alpha = float(alpha)
+    return m
 
 
-def _base_from_kohya_metadata(metadata: Mapping[str, str]) -> str | None:
+def _base_from_metadata(metadata: Mapping[str, str]) -> str | None:
+    """lora_lab's own entry, else kohya's ss_base_model_version; a value it does not know means unknown."""
+    if metadata.get("lora_lab.base_model") in BASES:
+        return metadata["lora_lab.base_model"]
     v = metadata.get("ss_base_model_version", "")
     for prefix, base in (("sdxl", "sdxl"), ("sd_v1", "sd15"), ("sd3", "sd3"), ("flux", "flux")):
         if v.startswith(prefix):
@@ -519,14 +693,11 @@ def _flux_bfl(where: str, key: str, m: LoraModule) -> dict[str, LoraModule] | No
     else:
         return None
     out = m.up.shape[0]
-    if len(targets) == 3:  # q, k, v of equal size
-        rows = [out // 3] * 3
-    elif len(targets) == 4:  # q, k, v of size d and the 4d MLP input
-        rows = [out // 7] * 3 + [4 * (out // 7)]
-    else:
-        rows = [out]
-    if sum(rows) != out:
-        raise LoraFormatError(f"{where}: a fused Flux projection with {out} outputs cannot split into {targets}")
+    parts = {3: 3, 4: 7}.get(len(targets), 2 if name == "final_layer_adaLN_modulation_1" else 1)
+    if out % parts:  # q, k, v of equal size d; linear1 = [q; k; v; mlp (4d)]; adaLN = [shift; scale]
+        raise LoraFormatError(f"{where}: a fused Flux projection with {out} outputs does not split into "
+                              f"{parts} equal parts for {targets}")
+    rows = [out // 7] * 3 + [4 * (out // 7)] if len(targets) == 4 else [out // len(targets)] * len(targets)
     up, dora = m.up, m.dora_scale
     if name == "final_layer_adaLN_modulation_1":
         up, dora = _swap_halves(up), None if dora is None else _swap_halves(dora)
@@ -602,6 +773,8 @@ def save_lora(
 def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, base: str | None = None) -> Path:
     """Read `src` (kohya or PEFT) and write it to `dst` in format `to`; the tensors are not changed."""
     lf = load_lora(src)
+    for m in lf.modules.values():  # read here, so that the error names the file and key they come from
+        m.check_finite(f"{lf.path}: module {m.key!r}")
     keep = {k: v for k, v in lf.metadata.items() if not k.startswith("lora_lab.") and k != METADATA_KEY}
     return save_lora(dst, lf, format=to, base=base, metadata=keep)
 
@@ -627,7 +800,8 @@ def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
     else:  # PEFT LoraConfig kwargs per component, as diffusers' save_lora_weights writes them
         adapter = {}
         for comp in lf.components():
-            mods = {n.split(".", 1)[1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
+            # names as PEFT suffixes: without `text_model.`, they match CLIP's modules in transformers 4 and 5
+            mods = {_live_paths(n.split(".", 1)[1])[-1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
             cr = Counter(m.rank for m in mods.values()).most_common(1)[0][0]
             ca = Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
             adapter.update({
@@ -677,9 +851,9 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` atomically: a temp file in the same folder, fsync, rename over `path`, fsync
-    the folder (so the rename itself survives a power cut).
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> Path:
+    """Write `data` (bytes, or chunks of bytes written as they come) to `path` atomically: a temp file in the
+    same folder, fsync, rename over `path`, fsync the folder (so the rename itself survives a power cut).
 
     A crash leaves the old file or the new one, never half of one; a failed write leaves no temp file, and
     the temp files of killed writes are removed at the next write to the folder. An OSError names `path`.
@@ -692,7 +866,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TEMP_PREFIX}{os.getpid()}-", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes the file 0600; a LoRA is shared like any file
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -720,11 +895,34 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file atomically (`atomic_write_bytes`)."""
-    from safetensors.torch import save
+def atomic_save(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str], like: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Write a safetensors file atomically (`atomic_write_bytes`), one tensor at a time.
 
-    atomic_write_bytes(path, save(tensors, metadata={"format": "pt", **metadata}))
+    The header comes from `like` (default: `tensors`; each tensor's dtype and shape), then each tensor of
+    `tensors` is taken, written and dropped: with a mapping that computes tensors on access (merge.MergedState)
+    and `like` its base, at most one computed tensor exists at a time, and no copy of the file is made.
+    """
+    like = tensors if like is None else like
+    header, offset = {"__metadata__": {"format": "pt", **metadata}}, 0
+    for key, t in like.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+
+    def chunks():
+        yield struct.pack("<Q", len(head)) + head
+        for key, t0 in like.items():
+            t = tensors[key].detach().to("cpu").contiguous()
+            if t.dtype != t0.dtype or t.shape != t0.shape:
+                raise LoraFormatError(f"{path}: key {key!r} is {t.dtype} {tuple(t.shape)}, its header says "
+                                      f"{t0.dtype} {tuple(t0.shape)}")
+            yield t.reshape(-1).view(torch.uint8).numpy().data  # little-endian, as safetensors; no copy
+
+    atomic_write_bytes(path, chunks())
 
 
 # ----------------------------------------------------------------------------- from models / state dicts
@@ -791,7 +989,8 @@ def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None
     if bad is not None:
         raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
     modules = {}
-    for name, p in parts.items():
+    for key, p in parts.items():
+        name = key
         if name.split(".", 1)[0] not in COMPONENTS:
             if component is None:
                 raise LoraFormatError(
@@ -801,9 +1000,12 @@ def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None
         if "down" not in p or "up" not in p:
             raise LoraFormatError(f"state dict module {name!r}: needs both lora_down and lora_up")
         alpha = float(p["alpha"].item()) if "alpha" in p else float(p["down"].shape[0])
+        name = canonical_name(name)
+        if name in modules:
+            raise LoraFormatError(f"state dict modules {modules[name].key!r} and {key!r} are both module {name!r}")
         modules[name] = _checked_module(f"state dict module {name!r}", p["down"].detach().float(),
                                         p["up"].detach().float(), alpha,
-                                        None if p.get("dora") is None else p["dora"].detach().float(), name)
+                                        None if p.get("dora") is None else p["dora"].detach().float(), key)
     return LoraFile(modules=dict(sorted(modules.items())))
 
 
@@ -830,11 +1032,12 @@ def match_modules(
     where = str(lf.path) if lf.path else "LoRA"
 
     def find(name: str, m: LoraModule) -> str | None:
-        path = name.split(".", 1)[1]
-        if f"{path}.weight" in keys:
-            return f"{path}.weight"
+        for path in _live_paths(name.split(".", 1)[1]):
+            if f"{path}.weight" in keys:
+                return f"{path}.weight"
         tail = re.sub(r"^lora_(unet|te[123]?|transformer)_", "", m.key) if m.key.startswith("lora_") else None
-        return by_kohya.get(tail) if tail else None
+        tails = (tail, tail.removeprefix("text_model_")) if tail else ()  # kohya's spelling of `_live_paths`
+        return next((by_kohya[t] for t in tails if t in by_kohya), None)
 
     comps = lf.components()
     if component is None:
@@ -856,6 +1059,8 @@ def match_modules(
                 f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
                 f"but the model's {key!r} is {shapes[key]}"
             )
+        if key in out:
+            raise LoraFormatError(f"{where}: modules {out[key].key or key!r} and {m.key or name!r} both adapt {key!r}")
         out[key] = m
     if unmatched:
         _unmatched(where, unmatched, strict, component, comps)

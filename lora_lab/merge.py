@@ -18,6 +18,7 @@ or wraps the adapted modules in lora_lab adapters whose strengths can be changed
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +61,15 @@ class MergedState(Mapping):
             return w
         out = w.float()
         for p in self.patches[name]:
-            out = out + lora_change(w, p.module, p.strength)
-        return out.to(w.dtype)
+            change = lora_change(w, p.module, p.strength)
+            if not bool(torch.isfinite(change).all()):  # overflow (a huge strength or alpha), a DoRA row of norm 0
+                raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} is not finite")
+            out = out + change
+        merged = out.to(w.dtype)
+        if not bool(torch.isfinite(merged).all()) and bool(torch.isfinite(w).all()):
+            raise LoraFormatError(f"{sorted({p.where for p in self.patches[name]})}: the merged {name!r} "
+                                  f"overflows {w.dtype}")
+        return merged
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.base)
@@ -84,6 +92,7 @@ class Patch:
     module: LoraModule
     strength: float
     source: int  # index of the LoRA file in the list given
+    where: str = ""  # "<file>: module <key>", for errors
 
 
 def _patches(
@@ -95,9 +104,17 @@ def _patches(
         raise LoraFormatError("loras must be a list of (lora_file, strength) pairs")
     patches: dict[str, list[Patch]] = {}
     for i, (lora, strength) in enumerate(loras):
-        _, matched = match_modules(_load(lora), weights, component, strict=strict)
+        lf = _load(lora)
+        name = str(lf.path) if lf.path else f"LoRA #{i}"
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+            raise LoraFormatError(f"{name}: strength {strength!r} must be a finite number")
+        for n, m in lf.modules.items():  # a LoraFile made in memory is checked here (load_lora checked a file's)
+            m.check(f"{name}: module {m.key or n!r}", values=False)
+        _, matched = match_modules(lf, weights, component, strict=strict)
         for key, m in matched.items():
-            patches.setdefault(key, []).append(Patch(m, float(strength), i))
+            where = f"{name}: module {m.key or key!r}"
+            m.check_finite(where)  # a loaded file's values are read here, where they are used, not at load
+            patches.setdefault(key, []).append(Patch(m, float(strength), i, where))
     return patches
 
 
@@ -133,9 +150,10 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
 
 
 def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
-    """Write every weight of `merged` (base dtype) to a safetensors file, atomically."""
+    """Write every weight of `merged` (base dtype) to a safetensors file, atomically, merging and writing one
+    weight at a time (a `MergedState` never holds more than one merged weight)."""
     path = Path(path)
-    atomic_save(path, {k: merged[k].contiguous() for k in merged}, metadata or {})
+    atomic_save(path, merged, metadata or {}, like=merged.base if isinstance(merged, MergedState) else None)
     return path
 
 
