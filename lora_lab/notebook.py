@@ -19,7 +19,7 @@ inside lists and dicts), or NaN/Inf where the parameter's comment does not say i
 Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
 notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `--out` sets it).
 
-Batch: `python -m lora_lab.notebook [--out reports] [NAME ...]` executes the notebooks with
+Batch: `python -m lora_lab.notebook [--out DIR] [-p NAME VALUE ...] [NAME ...]` executes the notebooks with
 papermill into the output folder and writes `summary.json`; it exits 1 if any claim failed. The
 kernels it starts draw with matplotlib's inline backend, so the executed copies hold the figures.
 """
@@ -293,7 +293,7 @@ class Record:
         width = max((len(k) for _, k, _ in rows), default=0)
         text = "\n".join([head] + [f"  {v}  {k:{width}s}  {d}".rstrip() for v, k, d in rows])
         cells = "".join(
-            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold">'
+            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold;white-space:nowrap">'
             f"{'&#10003;' if v == 'PASS' else '&#10007;'} {v.lower()}</td>"
             f'<td style="text-align:left">{html.escape(k)}</td><td style="text-align:left">{html.escape(d)}</td></tr>'
             for v, k, d in rows
@@ -433,9 +433,19 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
     return data
 
 
+def _cli_value(text: str) -> Any:
+    """`-p NAME VALUE`: a Python literal (3, 0.5, True, [1, 2], float('nan')), else the text as a string."""
+    try:
+        return _value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook", description="Execute the notebooks with papermill.")
     ap.add_argument("names", nargs="*", help="notebook names (default: all in notebooks/)")
+    ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                    help="inject a parameter (a Python literal, else a string), as papermill's -p; repeatable")
     ap.add_argument("--out", default=None,
                     help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
     args = ap.parse_args(argv)
@@ -446,11 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no notebooks found in {NOTEBOOKS} matching {args.names}", file=sys.stderr)
         return 2
+    parameters = {name: _cli_value(value) for name, value in args.parameter}
     results = []
     for p in paths:
         t0 = time.time()
         print(f"running {p.name} ...", flush=True)
-        r = run_notebook(p, out)
+        r = run_notebook(p, out, parameters)
         r["wall_seconds"] = round(time.time() - t0, 1)
         results.append(r)
     summary = {"notebooks": results, "passed": all(r["passed"] for r in results)}

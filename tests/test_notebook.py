@@ -12,6 +12,7 @@ from lora_lab.notebook import (
     ClaimFailed,
     NotebookParameterError,
     Record,
+    _cli_value,
     _literal_assignments,
     _parameters_from_history,
     check_parameters,
@@ -73,6 +74,11 @@ def test_parameters_from_history_reads_papermill_values_and_comments():
         Record.start("x", ns)
     with pytest.raises(NotebookParameterError, match=r"injected parameter LR: cannot read 'LR = os\.getcwd\(\)'"):
         _parameters_from_history(["", cell, "# Parameters\nLR = os.getcwd()\n"])
+
+
+def test_runner_cli_values_are_literals_else_strings():
+    assert [_cli_value(v) for v in ("3", "0.5", "True", "[1, 2]", "sdxl", "'x'")] == [3, 0.5, True, [1, 2], "sdxl", "x"]
+    assert math.isinf(_cli_value("float('inf')")) and _cli_value("os.getcwd()") == "os.getcwd()"
 
 
 def test_report_dir_is_the_repository_reports_folder_whatever_the_cwd(tmp_path, monkeypatch):
