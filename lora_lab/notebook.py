@@ -237,9 +237,6 @@ class Record:
     @classmethod
     def start(cls, name: str, namespace: dict[str, Any]) -> Record:
         """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
-        from .quiet import install_log_filters
-
-        install_log_filters()
         inputs = namespace.get("In")
         if isinstance(inputs, list):
             defaults, injected, nonfinite_ok = _parameter_cells(inputs)
@@ -266,8 +263,9 @@ class Record:
         return held
 
     def figure(self, fig, key: str) -> Path:
-        """Save a matplotlib figure as PNG beside the report and return its path."""
-        out = report_dir() / "figures" / f"{self.name}_{key}.png"
+        """Save a matplotlib figure as PNG beside the report and return its path (which a notebook does
+        not echo under the cell: the figure itself is shown inline)."""
+        out = _FigurePath(report_dir() / "figures" / f"{self.name}_{key}.png")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110, bbox_inches="tight")
         self.figures.append(str(out.relative_to(report_dir())))
@@ -315,6 +313,13 @@ class Record:
         if failed:
             raise ClaimFailed(f"{self.name}: claim(s) did not hold: {failed}")
         return data
+
+
+class _FigurePath(type(Path())):
+    """A saved figure's path: IPython does not echo it (the figure is on screen already)."""
+
+    def _ipython_display_(self) -> None:
+        pass
 
 
 class _Shown(dict):

@@ -133,7 +133,7 @@ def _tiny_notebook(path, claim_src):
         nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nfrom lora_lab.notebook import Record"),
         params,
         nbformat.v4.new_code_cell("nb = Record.start('tiny', globals())"),
-        nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\nnb.figure(fig, 'line');"),
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\nnb.figure(fig, 'line')"),
         nbformat.v4.new_code_cell(f"nb.number('n', N)\nnb.claim('claim', {claim_src})\nnb.finish()"),
     ]
     nbformat.write(nb, path)
@@ -149,6 +149,7 @@ def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     executed = nbformat.read(out / "tiny.ipynb", as_version=4)
     outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 1  # the figure, inline
+    assert [o.output_type for o in executed.cells[-2].outputs] == ["display_data"]  # no echoed path
     record = [o for o in executed.cells[-1].outputs]
     assert len(record) == 1 and "text/html" in record[0]["data"]  # one table, no echoed dict
     assert "tiny: 1 of 1 claims held" in record[0]["data"]["text/plain"]
