@@ -51,7 +51,8 @@ test-lab: setup
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing Debian's chromium for the browser test (apt-get) ..."; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else echo "make test-lab needs Chromium at $(CHROMIUM): sudo apt-get install -y chromium (or CHROMIUM=/path)"; exit 2; fi; }
+	  fi; }
+	@test -x $(CHROMIUM) || { echo "make test-lab needs Chromium at $(CHROMIUM): sudo apt-get install -y chromium (or CHROMIUM=/path)"; exit 2; }
 	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_lab.py -q
 
 # JupyterLab on 127.0.0.1 (LAB_ARGS="--ip=0.0.0.0" to listen elsewhere; other flags likewise). It

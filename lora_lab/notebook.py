@@ -67,7 +67,7 @@ def report_dir() -> Path:
     return REPO / "reports" if NOTEBOOKS.is_dir() else Path("reports").resolve()
 
 
-_NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "infinity": math.inf}
+_NONFINITE_NAMES = {"nan", "inf", "infinity"}
 
 
 def _value(node: ast.AST) -> Any:
@@ -95,7 +95,7 @@ def _assignments(source: str) -> dict[str, tuple[Any, str]] | None:
     """{name: (value, comment)} if `source` is only `name = value  # comment` lines, else None."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         return None
     if not tree.body:
         return None
@@ -108,8 +108,8 @@ def _assignments(source: str) -> dict[str, tuple[Any, str]] | None:
             value = _value(stmt.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
-        line = lines[stmt.end_lineno - 1][stmt.end_col_offset:]
-        out[stmt.targets[0].id] = (value, line.partition("#")[2].strip())
+        rest = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode(errors="replace")  # offsets: bytes
+        out[stmt.targets[0].id] = (value, rest.partition("#")[2].strip())
     return out
 
 
