@@ -258,6 +258,24 @@ def _wait_new_image(cell, old: list[str], timeout_s: float) -> float | None:
     return None
 
 
+def _check_the_checks(page) -> None:
+    """The error/stderr detector is not blind: a cell typed in (never saved: autosave is off) that writes
+    to stderr and raises must show up as both."""
+    page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputArea-editor").last.click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # a new cell below
+    page.keyboard.press("Enter")
+    page.keyboard.type('import sys; print("lab-test to stderr", file=sys.stderr); 1 / 0')
+    page.keyboard.press("Shift+Enter")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen = page.evaluate(_STATE_JS)["stderr"]
+        if any("lab-test to stderr" in t for t in seen) and any("ZeroDivisionError" in t for t in seen):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the test did not see a stderr line and an error: {seen}")
+
+
 # ----------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("name", NOTEBOOK_NAMES)
@@ -305,6 +323,8 @@ def test_notebook_runs_in_jupyterlab(lab, name):
             print(f"{name}: widget {i}: {kind} showed a new image in {took:.2f} s")
         state = page.evaluate(_STATE_JS)
         assert not state["stderr"], f"{name}: the widgets wrote errors or stderr: {state['stderr']}"
+        if name == NOTEBOOK_NAMES[0]:
+            _check_the_checks(page)
     finally:
         server.shutdown_kernels()
         page.close()
