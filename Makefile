@@ -1,5 +1,5 @@
 # Two commands: `make run` (set-up + every notebook through papermill into reports/)
-# and `make test` (set-up + pytest). Both are idempotent: set-up runs again only when
+# and `make test` (set-up + pytest); `make lab` opens the workbook, `make test-lab` tests it in a browser. Both are idempotent: set-up runs again only when
 # pyproject.toml or constraints.txt change.
 PYTHON ?= python3
 VENV   := .venv
@@ -14,10 +14,11 @@ export JUPYTER_RUNTIME_DIR     := $(CURDIR)/$(VENV)/cache/jupyter_runtime
 export JUPYTER_DATA_DIR        := $(CURDIR)/$(VENV)/cache/jupyter_data
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/cache/inductor
 export TRITON_CACHE_DIR        := $(CURDIR)/$(VENV)/cache/triton
-export MPLBACKEND              := Agg
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
+# No MPLBACKEND here: a kernel that inherits one shows no figure inline in JupyterLab. The runner
+# gives its kernels the inline backend (figures in the executed copies); pytest draws with Agg.
 
-.PHONY: setup run test lab lint clean
+.PHONY: setup run test test-lab lab lint clean
 
 setup: $(STAMP) $(VENV)/cache
 
@@ -37,13 +38,31 @@ run: setup
 
 # Two test workers on two cores: one torch thread each (the notebook kernels inherit it), else
 # the workers' thread pools fight and small notebooks run several times slower.
+# The browser test (tests/test_lab.py) runs here too where Chromium is installed, else it is skipped.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
+	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
 
-# JupyterLab refuses to start as root unless told; add the flag only where we are root (containers).
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+# The workbook in a real browser: JupyterLab on a free loopback port, driven by Playwright on
+# Debian's Chromium (installed here with apt-get when missing and we are root); fails, not skips,
+# without it. Screenshots: reports/lab/.
+CHROMIUM ?= /usr/bin/chromium
+test-lab: setup
+	@test -x $(CHROMIUM) || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's chromium for the browser test (apt-get) ..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  fi; }
+	@test -x $(CHROMIUM) || { echo "make test-lab needs Chromium at $(CHROMIUM): sudo apt-get install -y chromium (or CHROMIUM=/path)"; exit 2; }
+	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_lab.py -q
+
+# JupyterLab on 127.0.0.1 (LAB_ARGS="--ip=0.0.0.0" to listen elsewhere; other flags likewise). It
+# prints the URL with its token. JupyterLab refuses to start as root unless told: the flag is added
+# where we are root (containers), whatever LAB_ARGS holds.
+LAB_ARGS ?=
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+LAB_IP    = $(if $(findstring --ip,$(LAB_ARGS))$(findstring .ip=,$(LAB_ARGS)),,--ip=127.0.0.1)
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_IP) $(LAB_ROOT) $(LAB_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check lora_lab tests benchmarks data

@@ -61,6 +61,7 @@ from .params import (
     var_from_tensor,
 )
 from .precision import MixedPrecision, PrecisionError
+from .quiet import install_log_filters as _install_log_filters
 
 __all__ = [
     "Adam8bit",
@@ -133,3 +134,5 @@ __all__ = [
     "train",
     "unmerge_lora",
     "var_from_tensor",]
+
+_install_log_filters()  # the few third-party import-time log lines that say nothing here (see quiet.py)

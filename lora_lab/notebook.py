@@ -10,20 +10,30 @@ In a notebook:
     nb.finish()                                   # writes the JSON, then fails if a claim failed
 
 `Record.start` reads the defaults from the notebook's `parameters` cell (from the IPython input
-history, so it works in JupyterLab and under papermill alike) and rejects injected names that
-the notebook does not define, and injected values whose type differs from the default's.
+history, so it works in JupyterLab and under papermill alike) and checks every injected parameter:
+a name the notebook does not define (in any case), a value of another type than the default's (also
+inside lists and dicts), or NaN/Inf where the parameter's comment does not say it takes them is a
+`NotebookParameterError` naming the parameter, raised in the cell right after the parameters.
+`finish()` shows one table of the claims (held or not) and writes the JSON.
 
-Batch: `python -m lora_lab.notebook [--out reports] [NAME ...]` executes the notebooks with
-papermill into the output folder and writes `summary.json`; it exits 1 if any claim failed.
+Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
+notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `--out` sets it).
+
+Batch: `python -m lora_lab.notebook [--out DIR] [-p NAME VALUE ...] [NAME ...]` executes the notebooks with
+papermill into the output folder and writes `summary.json`; it exits 1 if any claim failed. The
+kernels it starts draw with matplotlib's inline backend, so the executed copies hold the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import html
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,10 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 REPORTS_ENV = "LORA_LAB_REPORTS"
 KERNEL_NAME = "lora-lab"
+# The kernels the runner starts draw inline (figures in the executed copies), headless as Agg is.
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 class NotebookParameterError(LoraLabError):
-    """An injected parameter that the notebook does not define, or of the wrong type."""
+    """An injected parameter that the notebook does not define, of the wrong type, or NaN/Inf where not allowed."""
 
 
 class ClaimFailed(LoraLabError):
@@ -48,71 +60,167 @@ class ClaimFailed(LoraLabError):
 
 
 def report_dir() -> Path:
-    """Where results go: $LORA_LAB_REPORTS (set by the runner and the tests), else ./reports."""
-    return Path(os.environ.get(REPORTS_ENV, "reports")).resolve()
+    """Where results go: $LORA_LAB_REPORTS if set, else reports/ at the repository root (else ./reports
+    where lora_lab is installed outside a checkout)."""
+    if os.environ.get(REPORTS_ENV):
+        return Path(os.environ[REPORTS_ENV]).expanduser().resolve()
+    return REPO / "reports" if NOTEBOOKS.is_dir() else Path("reports").resolve()
 
 
-def _literal_assignments(source: str) -> dict[str, Any] | None:
-    """{NAME: value} if `source` is only `UPPER_CASE = literal` lines (and comments), else None."""
+_NONFINITE_NAMES = {"nan", "inf", "infinity"}
+
+
+def _value(node: ast.AST) -> Any:
+    """A literal, or float('nan') / float('inf') (as papermill writes them), also inside containers and signed."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" \
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant) \
+            and str(node.args[0].value).strip().lower().lstrip("+-") in _NONFINITE_NAMES:
+        return float(node.args[0].value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _value(node.operand)
+        if isinstance(v, bool) or not isinstance(v, (int, float, complex)):
+            raise TypeError("a sign before a non-number")
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_value(e) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_value(k): _value(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)  # constants (and binary complex numbers); anything else: ValueError
+
+
+def _assignments(source: str) -> dict[str, tuple[Any, str]] | None:
+    """{name: (value, comment)} if `source` is only `name = value  # comment` lines, else None."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         return None
     if not tree.body:
         return None
+    lines = source.splitlines()
     out = {}
     for stmt in tree.body:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             return None
-        name = stmt.targets[0].id
-        if not name.isupper():
-            return None
         try:
-            out[name] = ast.literal_eval(stmt.value)
-        except ValueError:
+            value = _value(stmt.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
+        rest = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode(errors="replace")  # offsets: bytes
+        out[stmt.targets[0].id] = (value, rest.partition("#")[2].strip())
     return out
 
 
-def _same_kind(default: Any, value: Any) -> bool:
+def _literal_assignments(source: str) -> dict[str, Any] | None:
+    """{NAME: value} if `source` is only `UPPER_CASE = literal` lines (and comments), else None."""
+    found = _assignments(source)
+    if found is None or not all(name.isupper() for name in found):
+        return None
+    return {name: value for name, (value, _) in found.items()}
+
+
+def _injected_assignments(source: str) -> dict[str, Any]:
+    """papermill's injected cell as {name: value}, names in any case; NotebookParameterError if unreadable."""
+    found = _assignments(source)
+    if found is None:
+        bad = next((ln for ln in source.splitlines()[1:] if ln.strip() and _assignments(ln) is None), source)
+        name = bad.partition("=")[0].strip() or "?"
+        raise NotebookParameterError(f"injected parameter {name}: cannot read {bad.strip()!r} "
+                                     "(each must be NAME = a literal value)")
+    return {name: value for name, (value, _) in found.items()}
+
+
+def _kind_error(default: Any, value: Any) -> str | None:
+    """Why `value` cannot replace `default` (None if it can): the same type, also inside lists and dicts."""
     if isinstance(default, bool) or isinstance(value, bool):
-        return type(default) is type(value)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))  # papermill injects 1 for 1.0
-    if isinstance(default, (list, tuple)):
-        return isinstance(value, (list, tuple))  # papermill turns tuples into lists
-    return type(default) is type(value)
+        ok = type(default) is type(value)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))  # papermill injects 1 for 1.0
+    elif isinstance(default, (list, tuple)):
+        ok = isinstance(value, (list, tuple))  # papermill turns tuples into lists
+        kinds = {type(d) for d in default}
+        if ok and default and (len(kinds) == 1 or kinds == {int, float}):  # a homogeneous list: so are its items
+            model = float(default[0]) if float in kinds else default[0]
+            for i, item in enumerate(value):
+                why = _kind_error(model, item)
+                if why:
+                    return f"item {i}: {why}"
+    elif isinstance(default, dict):
+        ok = isinstance(value, dict)
+        for key, item in value.items() if ok else ():
+            if key not in default:
+                return f"key {key!r} is not one of {sorted(map(str, default))}"
+            why = _kind_error(default[key], item)
+            if why:
+                return f"key {key!r}: {why}"
+    elif default is None:
+        ok = True  # None: the notebook says in the comment what else it takes
+    else:
+        ok = type(default) is type(value)
+    if ok:
+        return None
+    return f"{value!r} is a {type(value).__name__}, but the default {default!r} is a {type(default).__name__}"
 
 
-def check_parameters(defaults: dict[str, Any], injected: dict[str, Any]) -> None:
-    """Raise NotebookParameterError for unknown names or changed types."""
+def _nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple, set)):
+        return any(map(_nonfinite, value))
+    if isinstance(value, dict):
+        return any(map(_nonfinite, value.values()))
+    return False
+
+
+def _takes_nonfinite(comment: str) -> bool:
+    """A parameter takes NaN/Inf only where its comment names them (e.g. `# float; inf = no limit`)."""
+    return re.search(r"\b(nan|inf|infinity)\b", comment, re.IGNORECASE) is not None
+
+
+def check_parameters(defaults: dict[str, Any], injected: dict[str, Any], nonfinite_ok: frozenset[str] = frozenset()) -> None:
+    """Raise NotebookParameterError naming the parameter for an unknown name (any case), a value of
+    another type than its default, or NaN/Inf in a parameter not listed in `nonfinite_ok`."""
     unknown = sorted(set(injected) - set(defaults))
     if unknown:
+        near = {u: [d for d in defaults if d.lower() == u.lower()] for u in unknown}
+        hint = "".join(f" ({u!r}: did you mean {n[0]!r}?)" for u, n in near.items() if n)
         raise NotebookParameterError(
-            f"unknown parameter(s) {unknown}; this notebook takes {sorted(defaults)}"
+            f"unknown parameter(s) {unknown}{hint}; this notebook takes {sorted(defaults)}"
         )
     for name, value in injected.items():
-        if not _same_kind(defaults[name], value):
-            raise NotebookParameterError(
-                f"parameter {name}={value!r} is a {type(value).__name__}, "
-                f"but its default {defaults[name]!r} is a {type(defaults[name]).__name__}"
-            )
+        why = _kind_error(defaults[name], value)
+        if why:
+            raise NotebookParameterError(f"parameter {name}: {why}")
+        if name not in nonfinite_ok and _nonfinite(value):
+            raise NotebookParameterError(f"parameter {name}={value!r}: NaN and Inf are not allowed here "
+                                         "(its comment in the parameters cell says what is)")
 
 
 def _parameters_from_history(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(defaults, injected) from the executed cells: the last literal-only cell is the
     defaults; papermill's injected cell (it begins with '# Parameters') follows it."""
+    defaults, injected, _ = _parameter_cells(inputs)
+    return defaults, injected
+
+
+def _parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], frozenset[str]]:
+    """(defaults, injected, names whose comment allows NaN/Inf) from the executed cells."""
     defaults: dict[str, Any] = {}
     injected: dict[str, Any] = {}
+    nonfinite_ok: frozenset[str] = frozenset()
     for src in inputs:
-        values = _literal_assignments(src)
-        if values is None:
-            continue
         if src.lstrip().startswith("# Parameters"):
-            injected = values
-        else:
-            defaults, injected = values, {}
-    return defaults, injected
+            injected = _injected_assignments(src)
+            continue
+        found = _assignments(src)
+        if found is None or not all(name.isupper() for name in found):
+            continue
+        defaults = {name: value for name, (value, _) in found.items()}
+        nonfinite_ok = frozenset(name for name, (_, comment) in found.items() if _takes_nonfinite(comment))
+        injected = {}
+    return defaults, injected, nonfinite_ok
 
 
 @dataclass
@@ -131,8 +239,11 @@ class Record:
         """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
         inputs = namespace.get("In")
         if isinstance(inputs, list):
-            defaults, injected = _parameters_from_history(inputs)
-            check_parameters(defaults, injected)
+            defaults, injected, nonfinite_ok = _parameter_cells(inputs)
+            check_parameters(defaults, injected, nonfinite_ok)
+            # the values in use, typed into the parameters cell too (NaN/Inf there)
+            current = {k: namespace[k] for k in defaults if k in namespace}
+            check_parameters(defaults, {k: v for k, v in current.items() if k not in injected}, nonfinite_ok)
         else:  # not IPython: nothing injected, take the UPPER_CASE globals as they are
             defaults = {}
         params = {k: namespace[k] for k in defaults if k in namespace}
@@ -146,15 +257,15 @@ class Record:
         return value
 
     def claim(self, key: str, held: bool, detail: str = "") -> bool:
-        """Record whether a claim held; `finish()` fails the notebook if any did not."""
+        """Record whether a claim held; `finish()` shows them all and fails the notebook if any did not."""
         held = bool(held)
         self.claims[key] = {"held": held, "detail": detail}
-        print(f"[{'PASS' if held else 'FAIL'}] {key}" + (f"  ({detail})" if detail else ""))
         return held
 
     def figure(self, fig, key: str) -> Path:
-        """Save a matplotlib figure as PNG beside the report and return its path."""
-        out = report_dir() / "figures" / f"{self.name}_{key}.png"
+        """Save a matplotlib figure as PNG beside the report and return its path (which a notebook does
+        not echo under the cell: the figure itself is shown inline)."""
+        out = _FigurePath(report_dir() / "figures" / f"{self.name}_{key}.png")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110, bbox_inches="tight")
         self.figures.append(str(out.relative_to(report_dir())))
@@ -171,16 +282,64 @@ class Record:
             "seconds": round(time.time() - self.started, 2),
         }
 
+    def summary(self) -> tuple[str, str]:
+        """The claims as a small table: (plain text, HTML)."""
+        held = sum(c["held"] for c in self.claims.values())
+        where = report_dir() / f"{self.name}.json"
+        head = f"{self.name}: {held} of {len(self.claims)} claims held (results: {where})"
+        rows = [(("PASS" if c["held"] else "FAIL"), k, c["detail"]) for k, c in self.claims.items()]
+        width = max((len(k) for _, k, _ in rows), default=0)
+        text = "\n".join([head] + [f"  {v}  {k:{width}s}  {d}".rstrip() for v, k, d in rows])
+        cells = "".join(
+            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold;white-space:nowrap">'
+            f"{'&#10003;' if v == 'PASS' else '&#10007;'} {v.lower()}</td>"
+            f'<td style="text-align:left">{html.escape(k)}</td><td style="text-align:left">{html.escape(d)}</td></tr>'
+            for v, k, d in rows
+        )
+        table = (f'<table><caption style="text-align:left">{html.escape(head)}</caption>'
+                 f'<tr><th>held</th><th style="text-align:left">claim</th><th style="text-align:left">measured</th></tr>'
+                 f"{cells}</table>")
+        return text, table
+
     def finish(self) -> dict[str, Any]:
-        """Write <reports>/<name>.json (atomically), then raise ClaimFailed if a claim failed."""
-        data = self.to_json()
+        """Write <reports>/<name>.json (atomically), show the table of claims, then raise ClaimFailed if a
+        claim failed. Returns the recorded dict (which IPython does not echo: the table says it)."""
+        data = _Shown(self.to_json())
         atomic_write_bytes(report_dir() / f"{self.name}.json", json.dumps(data, indent=2, default=_jsonable).encode())
+        _show(*self.summary())
         failed = [k for k, c in self.claims.items() if not c["held"]]
         if not self.claims:
             raise ClaimFailed(f"{self.name}: recorded no claims")
         if failed:
             raise ClaimFailed(f"{self.name}: claim(s) did not hold: {failed}")
         return data
+
+
+class _FigurePath(type(Path())):
+    """A saved figure's path: IPython does not echo it (the figure is on screen already)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+class _Shown(dict):
+    """A dict that a notebook does not echo under its cell: `finish()` has shown it as a table."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def _show(text: str, table: str) -> None:
+    """The table as HTML in a notebook (plain text in its text/plain part), else printed."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(text)
+        return
+    display({"text/plain": text, "text/html": table}, raw=True)
 
 
 def _jsonable(x: Any) -> Any:
@@ -208,8 +367,24 @@ def isolate_caches(root: Path | None = None) -> None:
         ("TRITON_CACHE_DIR", "triton"),
     ]:
         os.environ.setdefault(var, str(root / sub))
-    os.environ.setdefault("MPLBACKEND", "Agg")
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+
+@contextlib.contextmanager
+def kernel_environment(reports: Path):
+    """What a kernel started by the runner inherits: results in `reports`, figures inline (not a forced
+    MPLBACKEND=Agg from the calling shell, which would leave the executed copies without images)."""
+    saved = {k: os.environ.get(k) for k in (REPORTS_ENV, "MPLBACKEND")}
+    os.environ[REPORTS_ENV] = str(reports)
+    os.environ["MPLBACKEND"] = INLINE_BACKEND
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def ensure_kernel() -> str:
@@ -234,22 +409,22 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
 
     isolate_caches()
     out_dir.mkdir(parents=True, exist_ok=True)
-    os.environ[REPORTS_ENV] = str(out_dir)
     name = path.stem
     result_path = out_dir / f"{name}.json"
     result_path.unlink(missing_ok=True)
     error = None
     try:
-        pm.execute_notebook(
-            str(path),
-            str(out_dir / path.name),
-            parameters=parameters or {},
-            kernel_name=ensure_kernel(),
-            language="python",
-            cwd=str(path.parent),
-            progress_bar=False,
-            execution_timeout=timeout,
-        )
+        with kernel_environment(out_dir):
+            pm.execute_notebook(
+                str(path),
+                str(out_dir / path.name),
+                parameters=parameters or {},
+                kernel_name=ensure_kernel(),
+                language="python",
+                cwd=str(path.parent),
+                progress_bar=False,
+                execution_timeout=timeout,
+            )
     except Exception as e:  # noqa: BLE001 (any failure of the notebook is recorded, not raised)
         ename = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
         error = f"{ename}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
@@ -263,23 +438,35 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
     return data
 
 
+def _cli_value(text: str) -> Any:
+    """`-p NAME VALUE`: a Python literal (3, 0.5, True, [1, 2], float('nan')), else the text as a string."""
+    try:
+        return _value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook", description="Execute the notebooks with papermill.")
     ap.add_argument("names", nargs="*", help="notebook names (default: all in notebooks/)")
-    ap.add_argument("--out", default="reports", help="output folder (default: reports)")
+    ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                    help="inject a parameter (a Python literal, else a string), as papermill's -p; repeatable")
+    ap.add_argument("--out", default=None,
+                    help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
     args = ap.parse_args(argv)
-    out = Path(args.out).resolve()
+    out = Path(args.out).resolve() if args.out else report_dir()
     paths = sorted(NOTEBOOKS.glob("*.ipynb"))
     if args.names:
         paths = [p for p in paths if p.stem in args.names or p.name in args.names]
     if not paths:
         print(f"no notebooks found in {NOTEBOOKS} matching {args.names}", file=sys.stderr)
         return 2
+    parameters = {name: _cli_value(value) for name, value in args.parameter}
     results = []
     for p in paths:
         t0 = time.time()
         print(f"running {p.name} ...", flush=True)
-        r = run_notebook(p, out)
+        r = run_notebook(p, out, parameters)
         r["wall_seconds"] = round(time.time() - t0, 1)
         results.append(r)
     summary = {"notebooks": results, "passed": all(r["passed"] for r in results)}

@@ -1,18 +1,22 @@
 """notebook.py (parameter checks, records, the runner), the foundation notebooks, and every notebook's shape."""
 
 import json
+import math
 
 import nbformat
 import pytest
 
 from lora_lab.notebook import (
     NOTEBOOKS,
+    REPO,
     ClaimFailed,
     NotebookParameterError,
     Record,
+    _cli_value,
     _literal_assignments,
     _parameters_from_history,
     check_parameters,
+    report_dir,
     run_notebook,
 )
 
@@ -31,12 +35,60 @@ def test_check_parameters_rejects_unknown_names_and_type_changes():
     check_parameters(DEFAULTS, {"EPOCHS": 5, "LR": 1, "SIZES": [3], "FLAG": False})  # int for float, list for tuple
     with pytest.raises(NotebookParameterError, match="EPOCH.*takes"):
         check_parameters(DEFAULTS, {"EPOCH": 5})
-    with pytest.raises(NotebookParameterError, match="EPOCHS='5' is a str"):
+    with pytest.raises(NotebookParameterError, match="EPOCHS: '5' is a str"):
         check_parameters(DEFAULTS, {"EPOCHS": "5"})
     with pytest.raises(NotebookParameterError, match="FLAG"):
         check_parameters(DEFAULTS, {"FLAG": 1})
     with pytest.raises(NotebookParameterError, match="EPOCHS"):
         check_parameters(DEFAULTS, {"EPOCHS": 2.5})
+
+
+def test_check_parameters_any_case_nested_types_and_nonfinite():
+    with pytest.raises(NotebookParameterError, match=r"\['epochs'\].*did you mean 'EPOCHS'"):
+        check_parameters(DEFAULTS, {"epochs": 5})  # a lower-case name is unknown, not ignored
+    with pytest.raises(NotebookParameterError, match="SIZES: item 1: 'x' is a str"):
+        check_parameters(DEFAULTS, {"SIZES": [3, "x"]})
+    with pytest.raises(NotebookParameterError, match="key 'b'"):
+        check_parameters({"D": {"a": 1.0}}, {"D": {"b": 2.0}})
+    check_parameters({"D": {"a": 1.0}, "L": [0.5, 1.0]}, {"D": {"a": 2}, "L": [1, 2.5]})
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(NotebookParameterError, match="LR=.*NaN and Inf"):
+            check_parameters(DEFAULTS, {"LR": bad})
+    with pytest.raises(NotebookParameterError, match="L=.*NaN and Inf"):
+        check_parameters({"L": [0.5]}, {"L": [0.5, math.nan]})
+    check_parameters(DEFAULTS, {"LR": math.inf}, nonfinite_ok=frozenset({"LR"}))
+
+
+def test_parameters_from_history_reads_papermill_values_and_comments():
+    cell = "LIMIT = 1.0  # float; inf = no limit\nLR = 0.1  # float > 0"
+    injected = "# Parameters\nLIMIT = float(\"inf\")\nLR = float('nan')\n"
+    assert _parameters_from_history(["", cell, injected])[1] == {"LIMIT": math.inf, "LR": pytest.approx(math.nan, nan_ok=True)}
+    ns = {"In": ["", cell, "# Parameters\nLIMIT = float('inf')\n"], "LIMIT": math.inf, "LR": 0.1}
+    assert Record.start("x", ns).parameters["LIMIT"] == math.inf  # its comment names inf
+    ns = {"In": ["", cell, injected], "LIMIT": math.inf, "LR": math.nan}
+    with pytest.raises(NotebookParameterError, match="LR=nan"):
+        Record.start("x", ns)
+    # typed into the parameters cell in JupyterLab (nothing injected): refused at Record.start too
+    ns = {"In": ["", "LR = float('nan')  # float > 0"], "LR": math.nan}
+    with pytest.raises(NotebookParameterError, match="LR=nan"):
+        Record.start("x", ns)
+    with pytest.raises(NotebookParameterError, match=r"injected parameter LR: cannot read 'LR = os\.getcwd\(\)'"):
+        _parameters_from_history(["", cell, "# Parameters\nLR = os.getcwd()\n"])
+
+
+def test_runner_cli_values_are_literals_else_strings():
+    assert [_cli_value(v) for v in ("3", "0.5", "True", "[1, 2]", "sdxl", "'x'")] == [3, 0.5, True, [1, 2], "sdxl", "x"]
+    assert math.isinf(_cli_value("float('inf')")) and _cli_value("os.getcwd()") == "os.getcwd()"
+
+
+def test_report_dir_is_the_repository_reports_folder_whatever_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORA_LAB_REPORTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert report_dir() == REPO / "reports"
+    monkeypatch.chdir(NOTEBOOKS)  # where JupyterLab and papermill run a notebook
+    assert report_dir() == REPO / "reports"
+    monkeypatch.setenv("LORA_LAB_REPORTS", str(tmp_path / "elsewhere"))
+    assert report_dir() == tmp_path / "elsewhere"
 
 
 def test_parameters_from_history_finds_defaults_and_papermill_injection():
@@ -62,6 +114,10 @@ def test_record_finish_writes_json_then_fails_on_a_failed_claim(tmp_path, monkey
     nb.claim("does not hold", False, "because")
     with pytest.raises(ClaimFailed, match="does not hold"):
         nb.finish()
+    text, table = nb.summary()
+    assert text.splitlines()[0].startswith("demo: 1 of 2 claims held")
+    assert "PASS  holds" in text and "FAIL  does not hold  because" in text
+    assert table.count("<tr>") == 3 and "because" in table
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["passed"] is False and data["numbers"] == {"loss": 0.5}
     assert data["claims"]["holds"]["held"] and not data["claims"]["does not hold"]["held"]
@@ -71,28 +127,39 @@ def test_record_finish_writes_json_then_fails_on_a_failed_claim(tmp_path, monkey
 
 def _tiny_notebook(path, claim_src):
     nb = nbformat.v4.new_notebook()
-    params = nbformat.v4.new_code_cell("N = 2  # int")
+    params = nbformat.v4.new_code_cell("N = 2  # int\nX = 0.5  # float")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [
-        nbformat.v4.new_code_cell("from lora_lab.notebook import Record"),
+        nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nfrom lora_lab.notebook import Record"),
         params,
         nbformat.v4.new_code_cell("nb = Record.start('tiny', globals())"),
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\nnb.figure(fig, 'line')"),
         nbformat.v4.new_code_cell(f"nb.number('n', N)\nnb.claim('claim', {claim_src})\nnb.finish()"),
     ]
     nbformat.write(nb, path)
     return path
 
 
-def test_runner_records_pass_fail_and_bad_parameters(tmp_path):
+def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # a batch shell's setting must not reach the kernel
     good = _tiny_notebook(tmp_path / "tiny.ipynb", "N == 3")
     out = tmp_path / "out"
     data = run_notebook(good, out, parameters={"N": 3})
-    assert data["passed"] and data["numbers"] == {"n": 3} and data["parameters"] == {"N": 3}
-    assert (out / "tiny.ipynb").exists()
+    assert data["passed"] and data["numbers"] == {"n": 3} and data["parameters"] == {"N": 3, "X": 0.5}
+    executed = nbformat.read(out / "tiny.ipynb", as_version=4)
+    outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 1  # the figure, inline
+    assert [o.output_type for o in executed.cells[-2].outputs] == ["display_data"]  # no echoed path
+    record = [o for o in executed.cells[-1].outputs]
+    assert len(record) == 1 and "text/html" in record[0]["data"]  # one table, no echoed dict
+    assert "tiny: 1 of 1 claims held" in record[0]["data"]["text/plain"]
+    assert not [o for o in outputs if o.get("name") == "stderr"]
+    assert (out / "figures" / "tiny_line.png").is_file()
     data = run_notebook(good, out, parameters={"N": 2})
     assert not data["passed"] and "ClaimFailed" in data["error"]
-    data = run_notebook(good, out, parameters={"M": 3})
-    assert not data["passed"] and "NotebookParameterError" in data["error"]
+    for bad, name in (({"M": 3}, "M"), ({"n": 3}, "n"), ({"X": float("inf")}, "X"), ({"X": "a"}, "X")):
+        data = run_notebook(good, out, parameters=bad)
+        assert not data["passed"] and "NotebookParameterError" in data["error"] and name in data["error"], data
     assert data["notebook"] == "tiny"  # the failure report still names the notebook
 
 
@@ -110,6 +177,11 @@ def test_every_notebook_is_thin_clean_and_parameterized():
             f"{path.name}: each parameter needs a comment naming its allowed values"
         )
         assert nb.metadata["kernelspec"]["name"] == "lora-lab"
+        intro = nb.cells[0]
+        assert intro.cell_type == "markdown" and intro.source.startswith("# "), f"{path.name}: opens with a title"
+        assert "parameters" in intro.source and "lora_lab.notebook" in intro.source, (
+            f"{path.name}: the opening cell says how to change the parameters"
+        )
         assert f'Record.start("{path.stem}"' in "".join(c.source for c in code), path.name
         assert code[-1].source.rstrip().endswith("nb.finish();") or "nb.finish()" in code[-1].source
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..params import LoraLabError
+from ..quiet import quiet_loading
 
 KINDS = ("sd15", "sdxl", "sd3", "flux")
 TEXT_LEN = 16  # tokens per prompt; the tiny CLIP encoders have this many positions
@@ -270,9 +271,11 @@ def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dty
             if path.is_dir():
                 if not (path / "model_index.json").is_file():
                     raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json)")
-                pipe = cls.from_pretrained(str(path), local_files_only=True, **kwargs)
+                with quiet_loading():
+                    pipe = cls.from_pretrained(str(path), local_files_only=True, **kwargs)
             else:
-                pipe = cls.from_single_file(str(path), local_files_only=True, **kwargs)
+                with quiet_loading():
+                    pipe = cls.from_single_file(str(path), local_files_only=True, **kwargs)
         except ModelLoadError:
             raise
         except Exception as e:  # diffusers raises many types here (OSError, ValueError, KeyError, ...)
