@@ -14,9 +14,10 @@ but which holds trainable adapters inside works. Paper: Chen et al. 2016, https:
 Policies of `enable_checkpointing(model, blocks, policy=...)`:
 
     "full"       each block keeps its inputs and is recomputed whole (the default)
-    "selective"  each block also keeps the outputs of its matmuls, convolutions and attention; the
-                 recomputation replays those from memory and recomputes only pointwise ops, norms and
-                 activations (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198)
+    "selective"  each block also keeps the outputs of its matmuls, convolutions and attention that
+                 backward needs (autograd saves them: so never more than the unchecked run keeps); the
+                 recomputation replays those from memory and recomputes only pointwise ops, norms,
+                 activations and the rest (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198)
     "every_k"    k consecutive block calls form one segment that keeps only its first inputs
                  (k = ceil(sqrt(n blocks)) unless given: Chen et al.'s sqrt(n) segments); backward
                  recomputes a whole segment at once
@@ -113,20 +114,38 @@ def _detach(out):
 
 
 class _Record(TorchDispatchMode):
-    """Forward of one block call: keeps the outputs of the ops `keep(func, args, kwargs, index)` picks."""
+    """Forward of one block call: keeps the outputs of the ops `keep(func, args, kwargs, index)` picks.
 
-    def __init__(self, keep: Callable[..., bool]):
+    only_saved: in the end keep only those whose output autograd saves for backward (so a policy never
+    keeps more than the unchecked run would)."""
+
+    def __init__(self, keep: Callable[..., bool], only_saved: bool = False):
         super().__init__()
         self.keep, self.n, self.kept = keep, 0, {}
+        self.storages: dict[int, int] | None = {} if only_saved else None  # storage address -> op index
+        self.saved: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.keep(func, args, kwargs, self.n):
             kept = _detach(out)
-            self.kept[self.n] = (func, kept, [t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor)])
+            tensors = [t for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]
+            self.kept[self.n] = (func, kept, [t._version for t in tensors])
+            if self.storages is not None:
+                self.storages.update((t.untyped_storage()._cdata, self.n) for t in tensors)
         self.n += 1
         return out
+
+    def on_save(self, t: torch.Tensor) -> None:
+        if self.storages is not None:
+            i = self.storages.get(t.untyped_storage()._cdata)
+            if i is not None:
+                self.saved.add(i)
+
+    def wanted(self, stop_op: int) -> dict[int, tuple]:
+        """Outputs worth keeping: made before the last save (the recomputation stops there), and saved if asked."""
+        return {i: v for i, v in self.kept.items() if i < stop_op and (self.storages is None or i in self.saved)}
 
 
 class _Replay(TorchDispatchMode):
@@ -173,17 +192,23 @@ class _Call:
             if dev == "cpu" or torch.cuda.is_available()
         }
         self.n_saved = 0
+        self.record: _Record | None = None  # set while a policy records op outputs
+        self.stop_op = 0  # ops dispatched before the last save: the recomputation never runs past it
         self.kept_ops: dict[int, tuple] = {}
         self.outputs: list[tuple[weakref.ref, int, bool]] = []
 
     def pack(self, _t: torch.Tensor) -> tuple[int, int]:
         self.n_saved += 1
+        if self.record is not None:
+            self.stop_op = self.record.n
+            self.record.on_save(_t)
         return (self.index, self.n_saved - 1)
 
-    def finish(self, out, kept_ops: dict[int, tuple]) -> None:
+    def finish(self, out) -> None:
         """After the forward: save the inputs to keep and the kept op outputs through autograd."""
-        self.kept_ops = kept_ops
-        kept_out = [t for _, o, _ in kept_ops.values() for t in tree_leaves(o) if isinstance(t, torch.Tensor)]
+        self.kept_ops = self.record.wanted(self.stop_op) if self.record is not None else {}
+        self.record = None
+        kept_out = [t for _, o, _ in self.kept_ops.values() for t in tree_leaves(o) if isinstance(t, torch.Tensor)]
         # anchor requires grad, so the saver node exists even when no input requires grad
         self.keeper = _KeepInputs.apply(torch.empty(0, requires_grad=True), *self.to_keep, *kept_out)
         self.n_keep = len(self.to_keep)
@@ -256,17 +281,16 @@ class _Segment:
                     return (c.index, i)
         return None
 
-    def run(self, fn, args, kwargs, keep: Callable[..., bool] | None = None):
+    def run(self, fn, args, kwargs, keep: Callable[..., bool] | None = None, only_saved: bool = False):
         call = _Call(self, len(self.calls), fn, args, kwargs)
         self.calls.append(call)
         with torch.autograd.graph.saved_tensors_hooks(call.pack, self.unpack):
             if keep is None:
-                out, kept = fn(*args, **kwargs), {}
+                out = fn(*args, **kwargs)
             else:
-                with _Record(keep) as rec:
+                with _Record(keep, only_saved) as call.record:
                     out = fn(*args, **kwargs)
-                kept = rec.kept
-        call.finish(out, kept)
+        call.finish(out)
         return out
 
     def unpack(self, key: tuple[int, int]) -> torch.Tensor:
@@ -334,7 +358,7 @@ class _Selective(_Full):
     name = "selective"
 
     def call(self, fn, args, kwargs):
-        return _Segment().run(fn, args, kwargs, keep=lambda func, a, kw, _i: _is_costly(func, a, kw))
+        return _Segment().run(fn, args, kwargs, keep=lambda func, a, kw, _i: _is_costly(func, a, kw), only_saved=True)
 
 
 class _EveryK(_Full):
@@ -448,26 +472,31 @@ class _Profile(TorchDispatchMode):
             ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out), _replayable(func) and bool(made)))
         return out
 
-    def saved(self, into: set[int]):
+    def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
         def pack(t: torch.Tensor) -> None:
             o = self.origin_of(t)
             if o is not None:
                 into.add(o)
+            if stop is not None:
+                stop[0] = len(ops)  # ops dispatched before this save
             # nothing is kept: the profiling forward is thrown away
 
         return pack
 
     def run_call(self, fn, args, kwargs):
         """A block call inside the profiling forward: run plainly, note its inputs, ops and saves."""
-        self.calls.append([])
+        ops, stop = [], [0]
+        self.calls.append(ops)
         self.inputs.append({o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for o in [self.origin_of(t)] if o is not None})
         self.inside.append(set())
         outer, self.call = self.call, len(self.calls) - 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.saved(self.inside[-1]), _unpack_nothing):
+            with torch.autograd.graph.saved_tensors_hooks(self.saved(self.inside[-1], ops, stop), _unpack_nothing):
                 return fn(*args, **kwargs)
         finally:
             self.call = outer
+            for op in ops[stop[0] :]:  # the recomputation stops at the last save: these never run again
+                op.cost, op.replayable = 0.0, False
 
     def plan(self, budget: float) -> CheckpointPlan:
         n = len(self.calls)
