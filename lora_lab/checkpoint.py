@@ -66,6 +66,9 @@ _COSTLY = {
 # counted cost of an op that does few FLOPs per byte: bytes read and written times this (a CPU core
 # moves ~10 GB/s and multiplies ~100 GFLOP/s; a GPU's ratio is larger, which only favours keeping matmuls more)
 _FLOPS_PER_BYTE = 10.0
+# counted cost of running one op through a Python dispatch mode (~10 us at ~100 GFLOP/s): a block that keeps
+# op outputs records its forward and replays its recomputation op by op, which only pays for costly ops
+_DISPATCH_COST = 1e6
 
 
 class CheckpointError(LoraLabError, RuntimeError):
@@ -519,8 +522,9 @@ class _Profile(TorchDispatchMode):
         base = kept([set() for _ in range(n)])
         full_bytes = size(base)
         full_cost = sum(op.cost for ops in self.calls for op in ops)
-        items = sorted(
-            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable),
+        items = sorted(  # an op worth keeping saves more than recording and replaying its block op by op costs
+            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c])
+             if op.replayable and op.cost > 2 * _DISPATCH_COST * len(self.calls[c])),
             key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
         )
 
