@@ -104,12 +104,22 @@ def _is_costly(func, args, kwargs) -> bool:
     return True
 
 
-def _replayable(func) -> bool:
-    """An op whose output can be kept and replayed: no aliasing, no mutation, no RNG."""
+@functools.cache
+def _counted(func) -> bool:
+    """An op that makes new tensors (no view, no in-place): the ops that policies number, keep and replay.
+    Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
+    view_as) during the recomputation cannot shift it."""
     s = func._schema
-    return not (
-        s.is_mutable or any(r.alias_info is not None for r in s.returns) or torch.Tag.nondeterministic_seeded in func.tags
-    )
+    return not (s.is_mutable or any(r.alias_info is not None for r in s.returns))
+
+
+def _replayable(func, args, kwargs) -> bool:
+    """An op whose output can be kept and replayed: counted, and draws no RNG (attention with p = 0 does not)."""
+    return _counted(func) and (torch.Tag.nondeterministic_seeded not in func.tags or _is_costly(func, args, kwargs))
+
+
+def _shapes(args, kwargs) -> list:
+    return [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _detach(out):
@@ -131,10 +141,12 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not _counted(func):
+            return out
         if self.keep(func, args, kwargs, self.n):
             kept = _detach(out)
             tensors = [t for t in tree_leaves(kept) if isinstance(t, torch.Tensor)]
-            self.kept[self.n] = (func, kept, [t._version for t in tensors])
+            self.kept[self.n] = (func, _shapes(args, kwargs), kept, [t._version for t in tensors])
             if self.storages is not None:
                 self.storages.update((t.untyped_storage()._cdata, self.n) for t in tensors)
         self.n += 1
@@ -159,13 +171,16 @@ class _Replay(TorchDispatchMode):
         self.kept, self.n, self.paused = kept, 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.paused:  # an op of the pack hook, not of the block
+        if self.paused or not _counted(func):  # an op of the pack hook, or a view / in-place op
             return func(*args, **(kwargs or {}))
         entry, self.n = self.kept.get(self.n), self.n + 1
         if entry is not None:
-            kfunc, out, versions = entry
-            if kfunc is not func:
-                raise CheckpointError(f"recomputation ran {func} where the forward ran {kfunc}: the block must run the same ops")
+            kfunc, shapes, out, versions = entry
+            if kfunc is not func or shapes != _shapes(args, kwargs):
+                raise CheckpointError(
+                    f"recomputation ran {func} on {_shapes(args, kwargs)} where the forward ran {kfunc} on {shapes}: "
+                    "the block must run the same ops (no data-dependent branches, no state changed between runs)"
+                )
             if [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)] == versions:
                 return _detach(out)  # unchanged since the forward: replay it
         return func(*args, **(kwargs or {}))  # recomputed (or kept, then changed in place: recomputed too)
@@ -211,7 +226,7 @@ class _Call:
         """After the forward: save the inputs to keep and the kept op outputs through autograd."""
         self.kept_ops = self.record.wanted(self.stop_op) if self.record is not None else {}
         self.record = None
-        kept_out = [t for _, o, _ in self.kept_ops.values() for t in tree_leaves(o) if isinstance(t, torch.Tensor)]
+        kept_out = [t for _, _, o, _ in self.kept_ops.values() for t in tree_leaves(o) if isinstance(t, torch.Tensor)]
         # anchor requires grad, so the saver node exists even when no input requires grad
         self.keeper = _KeepInputs.apply(torch.empty(0, requires_grad=True), *self.to_keep, *kept_out)
         self.n_keep = len(self.to_keep)
@@ -385,6 +400,7 @@ class _Op:
     origins: list[int]  # the output storages this op created
     cost: float
     replayable: bool
+    key: int | None  # its number among the block call's counted ops (what _Record and _Replay number)
 
 
 @dataclass
@@ -440,6 +456,7 @@ class _Profile(TorchDispatchMode):
         self.nbytes: list[int] = []
         self.owner: dict[int, tuple[int, int]] = {}  # origin -> (call, op) that made it
         self.calls: list[list[_Op]] = []  # per block call, its ops in order
+        self.counted: list[int] = []  # per block call, how many counted ops it has run so far
         self.inputs: list[set[int]] = []  # per block call, origins of its tensor inputs
         self.inside: list[set[int]] = []  # per block call, origins autograd saves inside it
         self.outside: set[int] = set()  # origins autograd saves outside the blocks
@@ -472,7 +489,11 @@ class _Profile(TorchDispatchMode):
             ops = self.calls[self.call]
             for o in made:
                 self.owner[o] = (self.call, len(ops))
-            ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out), _replayable(func) and bool(made)))
+            key = self.counted[self.call] if _counted(func) else None
+            if key is not None:
+                self.counted[self.call] += 1
+            ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out),
+                           key is not None and bool(made) and _replayable(func, args, kwargs), key))
         return out
 
     def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
@@ -490,6 +511,7 @@ class _Profile(TorchDispatchMode):
         """A block call inside the profiling forward: run plainly, note its inputs, ops and saves."""
         ops, stop = [], [0]
         self.calls.append(ops)
+        self.counted.append(0)
         self.inputs.append({o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for o in [self.origin_of(t)] if o is not None})
         self.inside.append(set())
         outer, self.call = self.call, len(self.calls) - 1
@@ -569,7 +591,7 @@ class _Profile(TorchDispatchMode):
             budget=budget, plain_bytes=plain, kept_bytes=size(kept(decisions)), full_bytes=full_bytes,
             recompute_cost=cost, full_recompute_cost=full_cost, kept_ops=dict(kept_ops),
             unchecked=sum(d is None for d in decisions), n_calls=n,
-            decisions=[None if d is None else frozenset(d) for d in decisions],
+            decisions=[None if d is None else frozenset(self.calls[c][i].key for i in d) for c, d in enumerate(decisions)],
         )
 
 

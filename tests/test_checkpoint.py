@@ -12,6 +12,7 @@ import torch
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from lora_lab import Linear, LoRAConfig, add_lora
 from lora_lab.checkpoint import (
@@ -345,6 +346,24 @@ def test_selective_recomputes_no_matmul_and_full_recomputes_up_to_the_last_save(
     # full recomputes fc1 once per block: fc2 and the residual add come after the block's last save
     assert backward_matmuls["full"] == backward_matmuls["none"] + N_BLOCKS
     assert backward_matmuls["selective"] == backward_matmuls["none"]  # fc1's output is replayed from memory
+
+
+def test_recomputation_under_a_module_tracker_that_adds_views():
+    """FlopCounterMode's module tracker runs view_as in every module's pre-hook during the backward only:
+    the replay numbers only ops that make new tensors, so the extra views cannot shift it."""
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    _, plain = _grads(model, lambda: model(x).square().mean())
+    for policy in ("selective", "budget:0.5"):
+        enable_checkpointing(model, model.blocks, policy)
+        _grads(model, lambda: model(x).square().mean())  # plans the budget
+        torch.manual_seed(1)
+        loss = model(x).square().mean()
+        with FlopCounterMode(display=False):
+            loss.backward()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, plain[n]), (policy, n)
+        model.zero_grad(set_to_none=True)
 
 
 def test_policies_on_meta_tensors():
