@@ -544,18 +544,19 @@ class _Profile(TorchDispatchMode):
         base = kept([set() for _ in range(n)])
         full_bytes = size(base)
         full_cost = sum(op.cost for ops in self.calls for op in ops)
-        items = sorted(  # an op worth keeping saves more than recording and replaying its block op by op costs
-            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c])
-             if op.replayable and op.cost > 2 * _DISPATCH_COST * len(self.calls[c])),
+        items = sorted(
+            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable),
             key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
         )
+        overhead = [2 * _DISPATCH_COST * len(ops) for ops in self.calls]  # recording and replaying op by op
 
         def cost_of(decisions) -> float:
             return sum(op.cost for c, d in enumerate(decisions) if d is not None for i, op in enumerate(self.calls[c]) if i not in d)
 
-        def greedy(blocks_first: bool) -> list:
+        def greedy(blocks_first: bool, no_ops: set[int]) -> list:
             """Most cost saved per byte first: op outputs to keep, and whole blocks to leave unchecked
-            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller)."""
+            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller).
+            no_ops: block calls whose kept outputs would save less than their op-by-op overhead: none there."""
             decisions: list = [set() for _ in range(n)]
             have, total = set(base), full_bytes
 
@@ -563,7 +564,7 @@ class _Profile(TorchDispatchMode):
                 nonlocal total
                 for c, i, op in items:
                     more = size(set(op.origins) - have)
-                    if decisions[c] is not None and total + more <= cap:
+                    if c not in no_ops and decisions[c] is not None and total + more <= cap:
                         decisions[c].add(i)
                         have.update(op.origins)
                         total += more
@@ -582,9 +583,19 @@ class _Profile(TorchDispatchMode):
                 step()
             return decisions
 
+        def paying(blocks_first: bool) -> list:
+            """greedy(), then without the blocks whose kept outputs do not pay for the dispatch mode, refilled."""
+            no_ops: set[int] = set()
+            while True:
+                found = greedy(blocks_first, no_ops)
+                poor = {c for c, d in enumerate(found) if d and sum(self.calls[c][i].cost for i in d) < overhead[c]}
+                if not poor:
+                    return found
+                no_ops |= poor
+
         decisions = [set() for _ in range(n)]
         if full_bytes <= cap:
-            decisions = min(greedy(True), greedy(False), key=cost_of)
+            decisions = min(paying(True), paying(False), key=cost_of)
         kept_ops = Counter(self.calls[c][i].name for c, d in enumerate(decisions) if d is not None for i in d)
         cost = cost_of(decisions)
         return CheckpointPlan(
