@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
-
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -160,8 +159,8 @@ def checkpointing_rows(rounds: int, budgets: list[float]) -> list[dict]:
                 assert kept[k] - exact in (0, 4), (name, k, kept[k], exact)
                 kept[k] = exact
         times = _median_times({k: functools.partial(step, m) for k, m in variants.items()}, rounds)
-        for k in variants:
-            plan = checkpoint_plan(variants[k])
+        for k, m in variants.items():
+            plan = checkpoint_plan(m)
             rows.append({"model": name, "variant": k, "bytes": kept[k], "ratio": kept[k] / plain, "s": times[k],
                          "overhead": times[k] / times["none"] - 1, "plan": str(plan) if plan else ""})
         print(f"  {name}: done", flush=True)

@@ -39,13 +39,17 @@ def _stack():
     return BlockStack(N_BLOCKS, WIDTH, HIDDEN, out=10, dropout=DROPOUT).train()
 
 
-def _loss_and_grads(model, x, seed=1):
+def _grads(model, loss_fn, seed=1):
     torch.manual_seed(seed)  # the same dropout masks for every run
-    loss = model(x).square().mean()
+    loss = loss_fn()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def _loss_and_grads(model, x, seed=1):
+    return _grads(model, lambda: model(x).square().mean(), seed)
 
 
 def test_12_block_stack_saves_60_percent_with_identical_grads():
@@ -266,15 +270,6 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
     assert saved_activation_bytes(forward) == plain_bytes
     assert kept["every_k"] <= kept["full"] < kept["selective"] < plain_bytes
     return plain_bytes, kept
-
-
-def _grads(model, loss_fn):
-    torch.manual_seed(1)  # the same dropout masks for every run
-    loss = loss_fn()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def test_every_policy_on_the_12_block_stack_with_dropout():
