@@ -1,6 +1,11 @@
-"""Memory benchmark: gradient checkpointing (activation bytes, step time) and 8-bit Adam (state bytes, step time).
+"""Memory benchmark: gradient checkpointing policies (activation bytes, step time) and 8-bit Adam (state bytes, step time).
 
-    python benchmarks/bench_memory.py [--threads 1] [--rounds 7] [--no-torchao]
+    python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png]
+
+Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer, each with no checkpointing,
+lora_lab's policies (full, selective, every_k, budgets) and torch.utils.checkpoint with and without its
+selective policy API on the same blocks, all timed in the same interleaved rounds; a table, the targets,
+and a Pareto plot of bytes kept against step time.
 
 Activation and state bytes are exact counts (lora_lab.memory), not allocator readings. Times are
 medians of interleaved runs (each round runs every variant once), so a load change on the machine
@@ -12,13 +17,21 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
+import io
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lora_lab import Adam8bit, AdamW8bit, BlockStack, enable_checkpointing, optimizer_state_bytes
+from lora_lab.checkpoint import _is_costly, checkpoint_plan
+from lora_lab.formats import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
 from lora_lab.notebook import isolate_caches
 
@@ -31,6 +44,12 @@ TINY_UNET = {
     "cross_attention_dim": 32, "norm_num_groups": 32, "attention_head_dim": 8,
 }
 UNET_BATCH = 4
+# the project's tiny SD3 config with 4 joint blocks, on 32x32 latents (256 image tokens)
+TINY_SD3 = {
+    "sample_size": 32, "patch_size": 2, "in_channels": 4, "num_layers": 4, "attention_head_dim": 8, "num_attention_heads": 4,
+    "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64, "out_channels": 4,
+}
+SD3_BATCH = 4
 WEIGHT = (4096, 4096)  # 16.7M parameters
 
 
@@ -44,49 +63,160 @@ def _median_times(fns: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def checkpointing_rows(rounds: int) -> list[dict]:
-    rows = []
+def held_bytes(fn, *args) -> int:
+    """Bytes of the storages made during fn(*args) that are still alive when it returns (the graph
+    holds them): the same measure for lora_lab and for torch's selective checkpointing, which keeps
+    its outputs outside autograd's saved tensors. For lora_lab's policies it equals
+    saved_activation_bytes plus the loss itself (checked below)."""
+    refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):  # views and in-place results make nothing new (weights seen through t())
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage()._cdata not in ins:
+                    s = t.untyped_storage()
+                    refs[s._cdata] = (StorageWeakRef(s), s.nbytes())
+            return out
+
+    with Made():
+        out = fn(*args)
+    gc.collect()
+    held = sum(n for ref, n in refs.values() if not ref.expired())
+    del out
+    return held
+
+
+def _torch_checkpoint(blocks, selective: bool) -> None:
+    """PyTorch's non-reentrant checkpoint on the same blocks; selective: its per-op policy API keeping
+    the same ops as lora_lab's "selective" (matmuls, convolutions, attention)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if _is_costly(op, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for b in blocks:
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)} if selective else {}
+        b.forward = functools.partial(torch.utils.checkpoint.checkpoint, b.forward, use_reentrant=False, **extra)
+
+
+def _subjects() -> list[tuple]:
+    """(name, model, loss(model), blocks(model)) for the stack, the tiny UNet and the tiny SD3 transformer."""
     torch.manual_seed(0)
     stack = BlockStack(**STACK).train()
     x = torch.randn(STACK_BATCH, STACK["width"])
-
-    def torch_reference(m):  # PyTorch's own non-reentrant checkpoint on each block
-        for b in m.blocks:
-            b.forward = functools.partial(torch.utils.checkpoint.checkpoint, b.forward, use_reentrant=False)
-
-    subjects = [("12-block residual MLP stack", stack, lambda m: m(x).square().mean(), lambda m: m.blocks,
-                 "torch.utils.checkpoint", torch_reference)]
+    out = [("12-block residual MLP stack", stack, lambda m: m(x).square().mean(), lambda m: m.blocks)]
     try:
         import diffusers
+        from diffusers.models.attention import JointTransformerBlock
         from diffusers.models.resnet import ResnetBlock2D
         from diffusers.models.transformers.transformer_2d import Transformer2DModel
-
-        unet = diffusers.UNet2DConditionModel(**TINY_UNET).train()
-        sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
-        subjects.append(("tiny diffusers UNet2DConditionModel", unet,
-                         lambda m: m(sample, t, encoder_hidden_states=text).sample.square().mean(),
-                         lambda m: (ResnetBlock2D, Transformer2DModel),
-                         "diffusers' enable_gradient_checkpointing", lambda m: m.enable_gradient_checkpointing()))
     except ImportError:
-        print("diffusers not installed: UNet rows skipped")
-    for name, model, loss_fn, blocks, ref_name, make_reference in subjects:
+        print("diffusers not installed: UNet and transformer rows skipped")
+        return out
+    unet = diffusers.UNet2DConditionModel(**TINY_UNET).train()
+    sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
+    out.append(("tiny diffusers UNet2DConditionModel", unet,
+                lambda m: m(sample, t, encoder_hidden_states=text).sample.square().mean(),
+                lambda m: (ResnetBlock2D, Transformer2DModel)))
+    sd3 = diffusers.SD3Transformer2DModel(**TINY_SD3).train()
+    latents, prompt, pooled = torch.randn(SD3_BATCH, 4, 32, 32), torch.randn(SD3_BATCH, 16, 32), torch.randn(SD3_BATCH, 64)
+    steps = torch.tensor([100.0, 400.0, 700.0, 900.0])
+    out.append(("tiny diffusers SD3Transformer2DModel", sd3,
+                lambda m: m(latents, prompt, pooled, steps).sample.square().mean(),
+                lambda m: JointTransformerBlock))
+    return out
+
+
+def checkpointing_rows(rounds: int, budgets: list[float]) -> list[dict]:
+    """One row per (model, variant); every variant of a model is timed in the same interleaved rounds."""
+    rows = []
+    for name, model, loss_fn, blocks in _subjects():
+        variants = {"none": model}
+        for policy in ["full", "selective", "every_k"] + [f"budget:{b:g}" for b in budgets]:
+            m = copy.deepcopy(model)  # the same weights
+            enable_checkpointing(m, blocks(m), policy)
+            variants[policy] = m
+        probe = copy.deepcopy(model)
+        names = enable_checkpointing(probe, blocks(probe))  # the names of the blocks, for torch's checkpoint
+        for ref, selective in (("torch.utils.checkpoint", False), ("torch selective (SAC)", True)):
+            m = copy.deepcopy(model)
+            _torch_checkpoint([m.get_submodule(n) for n in names], selective)
+            variants[ref] = m
+
         def step(m, f=loss_fn):
             f(m).backward()
             m.zero_grad(set_to_none=True)
 
-        ckpt_model = copy.deepcopy(model)  # the same weights
-        enable_checkpointing(ckpt_model, blocks(ckpt_model))
-        ref_model = copy.deepcopy(model)
-        make_reference(ref_model)
+        for m in variants.values():
+            step(m)  # warm-up (and the budget's planning forward)
         plain = saved_activation_bytes(loss_fn, model)
-        ckpt = saved_activation_bytes(loss_fn, ckpt_model)
-        ref = saved_activation_bytes(loss_fn, ref_model)
-        step(model), step(ckpt_model), step(ref_model)  # warm-up
-        times = _median_times({k: functools.partial(step, m) for k, m in
-                               (("plain", model), ("ckpt", ckpt_model), ("ref", ref_model))}, rounds)
-        rows.append({"model": name, "plain_bytes": plain, "ckpt_bytes": ckpt, "ref_bytes": ref, "ref_name": ref_name,
-                     "plain_s": times["plain"], "ckpt_s": times["ckpt"], "ref_s": times["ref"]})
+        kept = {k: held_bytes(loss_fn, m) for k, m in variants.items()}
+        for k, m in variants.items():  # the held measure agrees with the exact count for lora_lab's policies
+            if not k.startswith("torch"):
+                exact = saved_activation_bytes(loss_fn, m)
+                assert kept[k] - exact in (0, 4), (name, k, kept[k], exact)
+                kept[k] = exact
+        times = _median_times({k: functools.partial(step, m) for k, m in variants.items()}, rounds)
+        for k, m in variants.items():
+            plan = checkpoint_plan(m)
+            rows.append({"model": name, "variant": k, "bytes": kept[k], "ratio": kept[k] / plain, "s": times[k],
+                         "overhead": times[k] / times["none"] - 1, "plan": str(plan) if plan else ""})
+        print(f"  {name}: done", flush=True)
     return rows
+
+
+def pareto_plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for r in mine:
+            ref = r["variant"].startswith("torch")
+            budget = r["variant"].startswith("budget")
+            ax.scatter(r["ratio"], 100 * r["overhead"], marker="s" if ref else "o",
+                       color="tab:orange" if ref else ("tab:green" if budget else "tab:blue"))
+            ax.annotate(r["variant"].replace("torch.utils.checkpoint", "torch full"), (r["ratio"], 100 * r["overhead"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+        budgets = sorted((r for r in mine if r["variant"].startswith("budget")), key=lambda r: r["ratio"])
+        ax.plot([r["ratio"] for r in budgets], [100 * r["overhead"] for r in budgets], color="tab:green", lw=0.8)
+        ax.set_xlabel("activation bytes kept / unchecked")
+        ax.set_ylabel("step time overhead, %")
+        ax.set_title(model, fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_bytes(path, buf.getvalue())
+    print(f"Pareto plot: {path}")
+
+
+def print_checkpointing(rows: list[dict]) -> None:
+    print("| model | policy | activation bytes kept | kept / unchecked | step s | overhead vs none |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['variant']} | {r['bytes']:,} | {r['ratio']:.3f} | {r['s']:.4f} | {r['overhead']:+.0%} |")
+    print("\nTargets:")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        v = {r["variant"]: r for r in rows if r["model"] == model}
+        ratio = v["full"]["s"] / v["torch.utils.checkpoint"]["s"]
+        print(f"- {model}: whole-block time / torch.utils.checkpoint's = {ratio:.3f} (target <= 1.0: {'met' if ratio <= 1.0 else 'not met'})")
+        if not model.startswith("12-block"):
+            s = v["selective"]
+            ok = s["ratio"] <= 0.35 and s["overhead"] <= 0.15
+            print(f"- {model}: selective keeps {s['ratio']:.3f} at {s['overhead']:+.0%} (target <= 0.35 at <= +15%: {'met' if ok else 'not met'})")
+        if "budget:0.3" in v:
+            b = v["budget:0.3"]
+            ok = b["ratio"] <= 0.30 + 0.02 and b["s"] < v["full"]["s"]
+            print(f"- {model}: budget 0.3 keeps {b['ratio']:.3f}, {b['s'] / v['full']['s']:.3f} x whole-block's time "
+                  f"(target <= 0.32 and < 1: {'met' if ok else 'not met'})")
+            print(f"    plan: {b['plan']}")
 
 
 def optimizer_rows(rounds: int, use_torchao: bool) -> list[dict]:
@@ -129,20 +259,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see the README note)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
+    ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5], help="checkpoint budgets to measure")
+    ap.add_argument("--plot", type=Path, default=Path("docs/checkpoint_pareto.png"), help="Pareto plot path ('' for none)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
+    ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
     args = ap.parse_args()
     isolate_caches()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds\n", flush=True)
 
-    print("| model | activation bytes, plain | lora_lab checkpointing | ratio (target <= 0.40) | step s, plain "
-          "| lora_lab checkpointing | time overhead (target <= +35%) | reference checkpointing: bytes ratio, overhead |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in checkpointing_rows(args.rounds):
-        ratio = r["ckpt_bytes"] / r["plain_bytes"]
-        over = r["ckpt_s"] / r["plain_s"] - 1
-        print(f"| {r['model']} | {r['plain_bytes']:,} | {r['ckpt_bytes']:,} | {ratio:.3f} ({'met' if ratio <= 0.40 else 'not met'}) "
-              f"| {r['plain_s']:.4f} | {r['ckpt_s']:.4f} | {over:+.0%} ({'met' if over <= 0.35 else 'not met'}) "
-              f"| {r['ref_name']}: {r['ref_bytes'] / r['plain_bytes']:.3f}, {r['ref_s'] / r['plain_s'] - 1:+.0%} |")
+    if not args.no_checkpointing:
+        rows = checkpointing_rows(args.rounds, args.budgets)
+        print()
+        print_checkpointing(rows)
+        if args.plot:
+            pareto_plot(rows, args.plot)
+    if args.no_optimizers:
+        return
     print()
     rows = optimizer_rows(args.rounds, not args.no_torchao)
     n = WEIGHT[0] * WEIGHT[1]

@@ -2,7 +2,14 @@
 
 __version__ = "0.1.0"
 
-from .checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
+from .checkpoint import (
+    CheckpointError,
+    CheckpointPlan,
+    checkpoint,
+    checkpoint_plan,
+    disable_checkpointing,
+    enable_checkpointing,
+)
 from .diffusion import (
     DatasetError,
     ImageCaptionDataset,
@@ -69,6 +76,7 @@ __all__ = [
     "AppliedLoras",
     "BlockStack",
     "CheckpointError",
+    "CheckpointPlan",
     "DatasetError",
     "Frozen",
     "ImageCaptionDataset",
@@ -103,6 +111,7 @@ __all__ = [
     "apply_loras",
     "build_pipeline",
     "checkpoint",
+    "checkpoint_plan",
     "convert_lora",
     "count_parameters",
     "dequantize_blockwise",

@@ -133,6 +133,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
         helptext = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+        elif f.name == "gradient_checkpointing":  # a flag alone means "full"
+            p.add_argument(flag, nargs="?", const="full", default=f.default, metavar="POLICY", help=helptext)
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS)
         elif f.name == "sample_prompts":
             p.add_argument(flag, nargs="+", default=None, metavar="PROMPT", help=helptext)
         else:

@@ -1,16 +1,27 @@
 """Gradient checkpointing: it really recomputes, saves >= 60% of activation bytes on a 12-block
 stack, gives the gradients of the unchecked run (dropout included), works with a frozen base and
-trainable adapters inside, and on a diffusers UNet."""
+trainable adapters inside, and on a diffusers UNet. Every policy (full, selective, every_k, budgets)
+gives the unchecked gradients on the stack, a tiny UNet and a tiny SD3 transformer with LoRA inside,
+keeps the bytes it says, and runs on meta tensors."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from lora_lab import Linear, LoRAConfig, add_lora
-from lora_lab.checkpoint import CheckpointError, checkpoint, disable_checkpointing, enable_checkpointing
+from lora_lab.checkpoint import (
+    CheckpointError,
+    checkpoint,
+    checkpoint_plan,
+    disable_checkpointing,
+    enable_checkpointing,
+)
 from lora_lab.memory import BlockStack, ResidualMLP, saved_activation_bytes
 
 N_BLOCKS, WIDTH, HIDDEN, BATCH = 12, 64, 256, 16
@@ -28,13 +39,17 @@ def _stack():
     return BlockStack(N_BLOCKS, WIDTH, HIDDEN, out=10, dropout=DROPOUT).train()
 
 
-def _loss_and_grads(model, x, seed=1):
+def _grads(model, loss_fn, seed=1):
     torch.manual_seed(seed)  # the same dropout masks for every run
-    loss = model(x).square().mean()
+    loss = loss_fn()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def _loss_and_grads(model, x, seed=1):
+    return _grads(model, lambda: model(x).square().mean(), seed)
 
 
 def test_12_block_stack_saves_60_percent_with_identical_grads():
@@ -191,11 +206,213 @@ def test_errors():
         enable_checkpointing(model, "blocks")
     runs = []
 
-    def changes(x):  # a function that does not repeat itself: one more op on the second run
+    def changes(x):  # a function that does not repeat itself: one op fewer on the second run
         runs.append(1)
         y = x.exp()
-        return y.sin() if len(runs) > 1 else y
+        return y if len(runs) > 1 else y.sin()
 
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(CheckpointError, match="saved"):
         checkpoint(changes, x).sum().backward()
+
+
+# ---- policies ------------------------------------------------------------------------------------
+
+POLICIES = ["full", "selective", "every_k", "budget:0.1", "budget:0.3", "budget:0.5"]
+FEW = ["full", "selective", "every_k", "budget:0.3"]  # on the diffusers models (time)
+# the project's tiny SD3 config (2 joint blocks)
+TINY_SD3 = {
+    "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8, "num_attention_heads": 4,
+    "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64, "out_channels": 4,
+}
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def _with_lora(model, targets):
+    add_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=targets))  # freezes everything else
+    with torch.no_grad():  # B = 0 at init: give it values so that A gets a gradient too
+        for name, p in model.named_parameters():
+            if p.requires_grad and name.endswith("up"):
+                p.normal_(0, 0.05)
+    return model
+
+
+def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
+    """Every policy gives the unchecked loss and gradients; a budget keeps what its plan says, within budget."""
+
+    def loss_fn():
+        return forward().float().square().mean()
+
+    plain_bytes = saved_activation_bytes(forward)
+    _, plain = _grads(model, loss_fn)
+    assert sum(bool(g.abs().sum() > 0) for g in plain.values()) >= 0.8 * len(plain)  # SD3's last block drops some
+    kept = {}
+    for policy in policies:
+        enable_checkpointing(model, blocks, policy)
+        _, grads = _grads(model, loss_fn)  # the first forward of a budget plans it
+        kept[policy] = saved_activation_bytes(forward)
+        _, again = _grads(model, loss_fn) if exact else (None, grads)  # exact: planned or not, the same
+        for n in plain:
+            for g in (grads, again):
+                if exact:
+                    assert torch.equal(plain[n], g[n]), (policy, n)
+                else:
+                    torch.testing.assert_close(g[n], plain[n], rtol=1e-5, atol=1e-6, msg=f"{policy} {n}")
+        plan = checkpoint_plan(model)
+        if policy.startswith("budget"):
+            budget = float(policy.split(":")[1])
+            assert plan.plain_bytes == plain_bytes and plan.kept_bytes == kept[policy], (plan, kept[policy])
+            assert kept[policy] <= max(budget * plain_bytes, plan.full_bytes), (policy, kept[policy], plain_bytes)
+            assert plan.recompute_cost <= plan.full_recompute_cost
+        else:
+            assert plan is None
+    disable_checkpointing(model)
+    assert saved_activation_bytes(forward) == plain_bytes
+    assert kept["every_k"] <= kept["full"] < kept["selective"] < plain_bytes
+    return plain_bytes, kept
+
+
+def test_every_policy_on_the_12_block_stack_with_dropout():
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    plain_bytes, kept = _check_policies(model, model.blocks, lambda: model(x))
+    assert kept["full"] == N_BLOCKS * BATCH * WIDTH * 4
+    # every_k: k = ceil(sqrt(12)) = 4 blocks a segment; only the first input of each of the 3 segments is kept
+    # (the first is x itself, made before the forward), and the head's input
+    assert kept["every_k"] == 3 * BATCH * WIDTH * 4
+    # selective: each block also keeps fc1's output (fc2 and the residual add follow the last save: never recomputed)
+    assert kept["selective"] == kept["full"] + N_BLOCKS * BATCH * HIDDEN * 4
+    for b in (0.3, 0.5):  # the budget is used, not only respected: here its ops are too small to be worth
+        # recording op by op (_DISPATCH_COST), so it fills the budget with whole blocks left unchecked
+        assert 0 <= b * plain_bytes - kept[f"budget:{b}"] < plain_bytes / N_BLOCKS
+
+
+def test_every_policy_frozen_stack_with_lora_inside():
+    model = _with_lora(_stack(), r"blocks\.\d+\.fc[12]")
+    x = torch.randn(BATCH, WIDTH)  # nothing the blocks receive requires grad
+    _check_policies(model, model.blocks, lambda: model(x))
+
+
+def test_every_policy_tiny_unet_with_lora_inside():
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    torch.manual_seed(0)
+    unet = _with_lora(diffusers.UNet2DConditionModel(**TINY_UNET).train(), ATTENTION[:4] + ["conv1"])
+    sample, t, text = torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 5, 32)
+    _check_policies(unet, (ResnetBlock2D, Transformer2DModel),
+                    lambda: unet(sample, t, encoder_hidden_states=text).sample, exact=False, policies=FEW)
+
+
+def test_every_policy_tiny_sd3_transformer_with_lora_inside():
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.attention import JointTransformerBlock
+
+    torch.manual_seed(0)
+    sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
+    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
+    _check_policies(sd3, JointTransformerBlock, lambda: sd3(latents, prompt, pooled, steps).sample, exact=False, policies=FEW)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_recomputes_no_matmul_and_full_recomputes_up_to_the_last_save():
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH)
+    backward_matmuls = {}
+    for policy in ("none", "full", "selective"):
+        if policy != "none":
+            enable_checkpointing(model, model.blocks, policy)
+        loss = model(x).square().mean()
+        with _CountOps() as count:
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        backward_matmuls[policy] = count.ops["addmm"] + count.ops["mm"]
+        assert policy == "none" or count.ops["native_layer_norm"] == N_BLOCKS  # the norms are recomputed
+    # full recomputes fc1 once per block: fc2 and the residual add come after the block's last save
+    assert backward_matmuls["full"] == backward_matmuls["none"] + N_BLOCKS
+    assert backward_matmuls["selective"] == backward_matmuls["none"]  # fc1's output is replayed from memory
+
+
+def test_recomputation_under_a_module_tracker_that_adds_views():
+    """FlopCounterMode's module tracker runs view_as in every module's pre-hook during the backward only:
+    the replay numbers only ops that make new tensors, so the extra views cannot shift it."""
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    _, plain = _grads(model, lambda: model(x).square().mean())
+    for policy in ("selective", "budget:0.5"):
+        enable_checkpointing(model, model.blocks, policy)
+        _grads(model, lambda: model(x).square().mean())  # plans the budget
+        torch.manual_seed(1)
+        loss = model(x).square().mean()
+        with FlopCounterMode(display=False):
+            loss.backward()
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, plain[n]), (policy, n)
+        model.zero_grad(set_to_none=True)
+
+
+def test_policies_on_meta_tensors():
+    """The memory planner runs the real forward on meta tensors: every policy must (no data-dependent ops)."""
+    model = _stack()
+    x = torch.randn(BATCH, WIDTH)
+    meta, xm = copy.deepcopy(model).to("meta"), x.to("meta")  # (copy before enabling: the wrappers are per module)
+    enable_checkpointing(model, model.blocks, budget=0.3)
+    model(x).sum().backward()
+    cpu_plan = checkpoint_plan(model)
+    for policy in POLICIES:
+        enable_checkpointing(meta, meta.blocks, policy)
+        meta(xm).square().mean().backward()
+        if policy == "budget:0.3":  # counted cost: the same choice on meta
+            assert checkpoint_plan(meta).decisions == cpu_plan.decisions
+            assert checkpoint_plan(meta).kept_bytes == cpu_plan.kept_bytes
+
+
+def test_budget_says_what_it_chose_and_replans_per_shape(caplog):
+    model = _stack()
+    enable_checkpointing(model, model.blocks, "budget:0.3")
+    assert checkpoint_plan(model) is None  # nothing planned before a forward
+    with caplog.at_level("INFO", logger="lora_lab.checkpoint"):
+        model(torch.randn(BATCH, WIDTH)).sum().backward()
+    plan = checkpoint_plan(model)
+    assert "budget 0.3: keeps" in str(plan) and str(plan) in caplog.text
+    model(torch.randn(2 * BATCH, WIDTH)).sum().backward()
+    assert checkpoint_plan(model).plain_bytes == 2 * plan.plain_bytes  # a new shape gets its own plan
+    assert sum(k for k in checkpoint_plan(model).kept_ops.values()) >= 0
+    with torch.no_grad():  # no graph: plain calls, no planning
+        model(torch.randn(3, WIDTH))
+    # a budget below what whole-block checkpointing keeps: every block checkpointed whole
+    enable_checkpointing(model, model.blocks, budget=0.01)
+    model(torch.randn(BATCH, WIDTH)).sum().backward()
+    low = checkpoint_plan(model)
+    assert low.kept_bytes == low.full_bytes and low.recompute_cost == low.full_recompute_cost and not low.kept_ops
+
+
+def test_policy_errors_and_default():
+    model = _stack()
+    for bad, match in [("sometimes", "unknown checkpointing policy"), ("budget:1.5", r"\(0, 1\]"),
+                       ("budget:x", r"\(0, 1\]"), (3, "must be a string")]:
+        with pytest.raises(CheckpointError, match=match):
+            enable_checkpointing(model, model.blocks, bad)
+    with pytest.raises(CheckpointError, match="policy of its own"):
+        enable_checkpointing(model, model.blocks, "selective", budget=0.3)
+    with pytest.raises(CheckpointError, match="every_k"):
+        enable_checkpointing(model, model.blocks, "full", k=2)
+    assert "forward" not in model.__dict__  # errors leave the model as it was
+    x = torch.randn(BATCH, WIDTH)
+    enable_checkpointing(model, model.blocks, "every_k", k=6)
+    every6 = saved_activation_bytes(lambda: model(x))
+    enable_checkpointing(model, model.blocks)  # the default is whole-block; enabling again replaces the policy
+    assert saved_activation_bytes(lambda: model(x)) == N_BLOCKS * BATCH * WIDTH * 4
+    assert every6 == 2 * BATCH * WIDTH * 4  # segments of 6: block 6's input and the head's input
+    assert disable_checkpointing(model) == [f"blocks.{i}" for i in range(N_BLOCKS)]
+    assert "forward" not in model.__dict__ and all("forward" not in b.__dict__ for b in model.blocks)

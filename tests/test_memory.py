@@ -98,14 +98,20 @@ def test_optimizer_state_bytes_looks_inside_tensor_subclasses(monkeypatch):
 
 def test_notebook_05_memory(run_notebook):
     data = run_notebook(
-        "05_memory", N_BLOCKS=4, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30, USE_BITSANDBYTES=False
+        "05_memory", N_BLOCKS=8, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30, USE_BITSANDBYTES=False,
+        BUDGETS=[0.1, 0.3],
     )
     assert data["passed"], data.get("error")
     nums = data["numbers"]
     assert nums["checkpoint_bytes_ratio"] < 0.40
-    assert nums["activation_bytes_checkpointed"] == 4 * 8 * 32 * 4  # each block's input, fp32
+    assert nums["activation_bytes_checkpointed"] == 8 * 8 * 32 * 4  # each block's input, fp32
+    ratios = nums["policy_bytes_ratio"]
+    assert ratios["none"] == 1 and ratios["every_k"] <= ratios["full"] < ratios["selective"] < 1
+    assert ratios["budget:0.1"] <= max(0.1, ratios["full"]) and ratios["budget:0.3"] <= 0.3
+    assert nums["policy_recompute_mflops"]["none"] == 0 and nums["policy_recompute_mflops"]["selective"] == 0
     per_param = nums["state_bytes_per_param"]
     assert per_param["lora_lab AdamW8bit"] == pytest.approx(2 + 8 / 256)  # codes + one fp32 absmax per 256
     assert per_param["torch AdamW"] == pytest.approx(8 + 4 / 128**2)  # m, v and a 0-d step
     assert nums["final_loss_gap_vs_adamw"] <= 0.02
-    assert set(data["claims"]) >= {"checkpointing keeps <= 40% of the activation bytes", "8-bit state <= 2.05 bytes/param"}
+    assert set(data["claims"]) >= {"checkpointing keeps <= 40% of the activation bytes", "8-bit state <= 2.05 bytes/param",
+                                   "every policy gives the unchecked gradients, bit for bit"}

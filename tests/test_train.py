@@ -70,11 +70,24 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     [("model", "sd2"), ("rank", 0), ("optimizer", "sgd"), ("mixed_precision", "fp8"), ("lr", -1.0),
      ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step"),
      ("lr", float("nan")), ("weight_decay", float("nan")), ("max_grad_norm", float("inf")),
-     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf"))],
+     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf")),
+     ("gradient_checkpointing", "sometimes"), ("gradient_checkpointing", "budget:2"),
+     ("gradient_checkpointing", "budget:nan")],
 )
 def test_bad_config_is_a_clear_error(field, value):
     with pytest.raises(TrainConfigError, match=f"TrainConfig.{field}="):
         TrainConfig(**{field: value})
+
+
+def test_cli_gradient_checkpointing_policy():
+    from lora_lab.cli import build_parser
+
+    for argv, policy in [([], None), (["--gradient-checkpointing"], "full"), (["--no-gradient-checkpointing"], None),
+                         (["--gradient-checkpointing", "budget:0.3"], "budget:0.3"),
+                         (["--gradient-checkpointing", "selective"], "selective")]:
+        args = build_parser().parse_args(["train", "--model", "sdxl", *argv])
+        assert TrainConfig(model="sdxl", gradient_checkpointing=args.gradient_checkpointing).checkpoint_policy() == policy
+    assert TrainConfig(gradient_checkpointing=True).checkpoint_policy() == "full"
 
 
 def test_cli_bad_value_exits_2(capsys, tmp_path):
@@ -236,12 +249,14 @@ def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_tra
     bf16 / fp16 autocast must train to a finite loss near fp32's (8-bit AdamW, DoRA and LoCon on)."""
     base = dict(model="sdxl", dataset=str(dataset), steps=2, dora=True, conv=True, optimizer="adamw8bit", **FAST)
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **base))
-    ckpt = train(TrainConfig(output=str(tmp_path / "ckpt"), gradient_checkpointing=True, **base))
-    a, b = _tensors(plain.outputs["lora_kohya"]), _tensors(ckpt.outputs["lora_kohya"])
+    a = _tensors(plain.outputs["lora_kohya"])
     assert any(k.endswith(".dora_scale") for k in a) and any("conv1" in k for k in a)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+    for policy in (True, "budget:0.3"):  # whole blocks, and a memory budget (which plans on its first forward)
+        ckpt = train(TrainConfig(output=str(tmp_path / f"ckpt{policy}"), gradient_checkpointing=policy, **base))
+        b = _tensors(ckpt.outputs["lora_kohya"])
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=f"{policy} {k}")
     for dtype in ("bf16", "fp16"):
         low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=True, **base))
         assert all(math.isfinite(x) for x in low.losses)

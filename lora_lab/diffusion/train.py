@@ -100,7 +100,11 @@ class TrainConfig:
     )
     # memory features
     mixed_precision: str = field(default="no", metadata={"help": "autocast dtype: no | bf16 | fp16"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    gradient_checkpointing: bool | str = field(
+        default=False,
+        metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at most "
+                  "the fraction F of the activation bytes) | none; true = full"},
+    )
     # bookkeeping
     seed: int = field(default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"})
     save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps (0: only at the end)"})
@@ -154,10 +158,22 @@ class TrainConfig:
             bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
         if self.dataset is not None and not Path(self.dataset).is_dir():
             bad("dataset", "is not a folder")
+        if self.checkpoint_policy() is not None:
+            from ..checkpoint import CheckpointError, parse_policy
+
+            try:
+                parse_policy(self.checkpoint_policy())
+            except CheckpointError as e:
+                bad("gradient_checkpointing", str(e))
         if self.base is not None and not Path(self.base).exists():
             bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    def checkpoint_policy(self) -> str | None:
+        """The checkpointing policy for enable_checkpointing, or None for none."""
+        value = self.gradient_checkpointing
+        return None if value is False or value == "none" else "full" if value is True else value
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TrainConfig:
@@ -487,10 +503,10 @@ def train(config: TrainConfig) -> TrainResult:
     # 2. the adapter: every process builds the same one from the seed
     adapted = add_adapter(model, config)
     model.to(device)  # the new adapter weights, too
-    if config.gradient_checkpointing:
+    if config.checkpoint_policy():
         from ..checkpoint import enable_checkpointing
 
-        enable_checkpointing(model, checkpoint_blocks(config.model))
+        enable_checkpointing(model, checkpoint_blocks(config.model), config.checkpoint_policy())
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -585,7 +601,7 @@ def train(config: TrainConfig) -> TrainResult:
     if env.main:
         outputs.update(_save_lora_files(out, pipe, config.model))
         if config.sample_steps:
-            if config.gradient_checkpointing:
+            if config.checkpoint_policy():
                 from ..checkpoint import disable_checkpointing
 
                 disable_checkpointing(model)
