@@ -61,6 +61,14 @@ from .params import (
     var_from_tensor,
 )
 from .precision import MixedPrecision, PrecisionError
+from .quant import (
+    QuantizationError,
+    QuantLinear,
+    QuantReport,
+    dequantize_weight,
+    quantize_base,
+    quantize_weight,
+)
 
 __all__ = [
     "Adam8bit",
@@ -93,6 +101,9 @@ __all__ = [
     "ObjectiveError",
     "OptimizerError",
     "PrecisionError",
+    "QuantLinear",
+    "QuantReport",
+    "QuantizationError",
     "TensorKindError",
     "TrainConfig",
     "TrainConfigError",
@@ -105,6 +116,7 @@ __all__ = [
     "convert_lora",
     "count_parameters",
     "dequantize_blockwise",
+    "dequantize_weight",
     "diffusers_name",
     "disable_checkpointing",
     "dynamic_map",
@@ -122,7 +134,9 @@ __all__ = [
     "objective_for",
     "optimizer_state_bytes",
     "peak_memory",
+    "quantize_base",
     "quantize_blockwise",
+    "quantize_weight",
     "remove_lora",
     "resolve_backend",
     "sample",
