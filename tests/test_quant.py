@@ -356,3 +356,42 @@ def test_pissa_and_triton_refused_on_quantized_base():
         add_lora(net, LoRAConfig(rank=2, init="pissa"))
     with pytest.raises(LoRAConfigError, match="triton"):
         add_lora(net, LoRAConfig(rank=2, backend="triton"))
+
+
+# ----------------------------------------------------------------------------- training on the quantized tiny SDXL
+
+
+def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(tmp_path):
+    """A few steps on the shipped tiny SDXL: NF4 and int8 bases give the fp32 base's losses to ~1%; the LoRA
+    files have the same keys and shapes, and diffusers loads the NF4-trained file on the float base (fp32 and
+    bf16) with lora_lab's image. (The inverted-style rate after a full run: benchmarks/bench_quant.py --train.)"""
+    pytest.importorskip("diffusers")
+    from safetensors.torch import load_file
+
+    from lora_lab.diffusion.models import build_pipeline, shipped_base
+    from lora_lab.diffusion.sampling import sample
+    from lora_lab.diffusion.train import TrainConfig, TrainConfigError, train
+
+    with pytest.raises(TrainConfigError, match="base_quantization"):
+        TrainConfig(base_quantization="int4")
+    runs = {q: train(TrainConfig(model="sdxl", output=str(tmp_path / str(q)), steps=4, rank=4, lr=2e-2, batch_size=8,
+                                 seed=0, sample_steps=0, progress=False, base_quantization=q))
+            for q in (None, "nf4", "int8")}
+    ref = torch.tensor(runs[None].losses)
+    for q in ("nf4", "int8"):
+        assert any(isinstance(m, QuantLinear) for m in runs[q].pipe.unet.modules())
+        torch.testing.assert_close(torch.tensor(runs[q].losses), ref, rtol=0.02, atol=0, msg=q)
+        for key in ("lora_kohya", "lora_diffusers"):
+            ours, plain = load_file(runs[q].outputs[key]), load_file(runs[None].outputs[key])
+            assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in plain.items()}
+    prompt, file = "a digit three, inverted", str(runs["nf4"].outputs["lora_diffusers"])
+    pipe = build_pipeline("sdxl", shipped_base("sdxl"))
+    plain = sample(pipe, prompt, seed=0, steps=4)
+    ours = sample(pipe, prompt, seed=0, steps=4, loras=[(file, 1.0)])
+    pipe.load_lora_weights(file)
+    theirs = sample(pipe, prompt, seed=0, steps=4)
+    assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image, so the comparison means something
+    torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
+    bf16 = build_pipeline("sdxl", shipped_base("sdxl")).to(dtype=torch.bfloat16)
+    bf16.load_lora_weights(file)
+    assert (sample(bf16, prompt, seed=0, steps=4) - ours).abs().max() < 0.1  # bf16 rounding only
