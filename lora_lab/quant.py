@@ -4,7 +4,8 @@
 
 Formats (`FORMATS`), all symmetric (no zero point), the scales in fp32:
 
-    int8        per output row:  s_o = max_j |W_oj| / 127,  q = round(W / s_o) in [-127, 127]   (bitsandbytes' row-wise int8)
+    int8        per output row:  s_o = max_j |W_oj| / 127.5,  q = round(W / s_o) clamped to [-128, 127]
+                (torchao's symmetric int8 weight-only; bitsandbytes' LLM.int8 uses max / 127: a 0.4% coarser step)
     int8-block  the same per block of `block_size` (default 256) consecutive values of the row-major weight
     nf4         QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314): per block
                 of 64 values a = max |W|, code = the nearest of the 16 NF4 values to W / a, two codes a byte;
@@ -44,6 +45,7 @@ from .params import LoraLabError
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default
 NF4_ABSMAX_BLOCK = 256  # the double quantization's block (of NF4 absmax values), as QLoRA and bitsandbytes
+INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2: absmax maps to the edge of [-128, 127], as torchao's symmetric int8
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
 # The 16 NF4 values (QLoRA, appendix E): quantiles of N(0, 1) normalised to [-1, 1], with an exact 0.
@@ -130,9 +132,10 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     w = w.detach()
     if fmt in ("int8", "int8-block"):
         rows = w.float() if fmt == "int8" else _blocks(w.reshape(-1).float(), block_size)  # (rows, len)
-        absmax, scaled = _absmax_scaled(rows, 127.0)
-        q = scaled.round_().to(torch.int8).reshape(-1)[: w.numel()].view(w.shape)
-        return {"qweight": q, "scale": absmax / 127.0}
+        scale = rows.abs().amax(dim=1) / INT8_HALF_RANGE  # (rows,)
+        # times 1 / scale (not / scale), as torchao does, so that codes agree bit for bit
+        q = (rows * (1.0 / scale.clamp(min=1e-38))[:, None]).round_().clamp_(-128, 127).to(torch.int8)
+        return {"qweight": q.reshape(-1)[: w.numel()].view(w.shape), "scale": scale}
     if fmt == "nf4":
         _, mid, _ = _nf4_tables(w.device)
         absmax, scaled = _absmax_scaled(_blocks(w.reshape(-1).float(), block_size), 1.0)
@@ -210,9 +213,9 @@ def reference_nf4(w: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, 
 def reference_int8(w: torch.Tensor, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and fp32 scales per row (block_size None) or per block of the flattened weight."""
     rows = w.detach().float().reshape(-1, w.shape[1] if block_size is None else block_size)
-    scale = rows.abs().amax(dim=1, keepdim=True) / 127
-    q = torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
-    return torch.round(q).clamp(-127, 127).to(torch.int8).reshape(w.shape), scale.reshape(-1)
+    scale = rows.abs().amax(dim=1, keepdim=True) / 127.5
+    q = torch.where(scale > 0, rows * (1.0 / scale), torch.zeros_like(rows))
+    return torch.round(q).clamp(-128, 127).to(torch.int8).reshape(w.shape), scale.reshape(-1)
 
 
 @functools.cache

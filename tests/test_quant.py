@@ -85,7 +85,7 @@ def test_nf4_matches_reference_and_bitsandbytes_codes(shape, gen):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block", [None, 64])
-def test_int8_matches_reference_and_bitsandbytes_rows(shape, block, gen):
+def test_int8_matches_reference_and_torchao_codes(shape, block, gen):
     w = _weight(shape, gen)
     if block is not None and w.numel() % block:
         w = w[:, : (w.shape[1] // 8) * 8] if (w.shape[0] * (w.shape[1] // 8) * 8) % block == 0 else w[:8, :8]
@@ -96,10 +96,15 @@ def test_int8_matches_reference_and_bitsandbytes_rows(shape, block, gen):
     torch.testing.assert_close(q["scale"], scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(dequantize_weight(q, fmt, tuple(w.shape), block), codes.float() * scale.repeat_interleave(
         w.numel() // scale.numel()).view(w.shape))
-    if block is None:
-        bnbf = pytest.importorskip("bitsandbytes.functional")
-        qb, row_stats, _ = bnbf.int8_vectorwise_quant(w.clone())
-        assert torch.equal(q["qweight"], qb), "row-wise int8 codes differ from bitsandbytes' LLM.int8 (threshold 0)"
+    tq = pytest.importorskip("torchao.quantization")
+    from torchao.quantization.granularity import PerGroup
+
+    if block is None or w.shape[1] % block == 0:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        tq.quantize_(nn.Sequential(lin), tq.Int8WeightOnlyConfig(granularity=PerGroup(block)) if block else
+                     tq.Int8WeightOnlyConfig())
+        assert torch.equal(q["qweight"], lin.weight.qdata), "int8 codes differ from torchao's"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -137,7 +142,7 @@ def test_zero_weight_round_trips_to_zero(fmt):
 
 def test_output_error_no_worse_than_bitsandbytes_and_torchao(gen):
     """Relative error of y = x W^T on a Gaussian 512 x 512 weight: NF4 equals bitsandbytes' (same codes);
-    int8 per row is no worse than torchao's int8 weight-only per row (1% slack for its different rounding)."""
+    int8 per row equals torchao's int8 weight-only per row (the same codes)."""
     w = torch.randn(512, 512, generator=gen) * 0.02
     x = torch.randn(64, 512, generator=gen)
     y = x @ w.T
@@ -151,7 +156,7 @@ def test_output_error_no_worse_than_bitsandbytes_and_torchao(gen):
     lin.weight.data.copy_(w)
     torchao_q.quantize_(lin, torchao_q.Int8WeightOnlyConfig())
     with torch.no_grad():
-        assert err["int8"] <= _rel(lin(x), y) * 1.01
+        assert err["int8"] <= _rel(lin(x), y) * (1 + 1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -395,3 +400,20 @@ def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(t
     bf16 = build_pipeline("sdxl", shipped_base("sdxl")).to(dtype=torch.bfloat16)
     bf16.load_lora_weights(file)
     assert (sample(bf16, prompt, seed=0, steps=4) - ours).abs().max() < 0.1  # bf16 rounding only
+
+
+def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
+    from lora_lab.cli import main as cli_main
+
+    out = str(tmp_path / "out")
+    assert cli_main(["train", "--base-quantization", "int4", "--output", out]) == 2
+    assert "TrainConfig.base_quantization='int4'" in capsys.readouterr().err
+    # a valid format passes the flag and its check; the run then stops at the (missing) dataset
+    assert cli_main(["train", "--base-quantization", "nf4", "--dataset", str(tmp_path / "none"), "--output", out]) == 2
+    assert "TrainConfig.dataset=" in capsys.readouterr().err
+    data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=2, BATCH_SIZE=4,
+                        SAMPLE_STEPS=2, MAX_RATE_GAP=1.0)
+    assert data["passed"], data.get("error") or data["claims"]
+    n = data["numbers"]
+    assert n["quantized_layers"] == 100 and n["bytes_per_param"]["nf4"] <= 0.53
+    assert n["diffusers_vs_lora_lab_float_base"] < 2e-3
