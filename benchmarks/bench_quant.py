@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_lab import LoRAConfig, LoRALinear
-from lora_lab.quant import FORMATS, QuantLinear, dequantize_weight, quantize_weight
+from lora_lab import LoRALinear
+from lora_lab.quant import FORMATS, QuantLinear, dequantize_weight, quantize_base, quantize_weight
 
 BOUND = {"int8": 1.02, "int8-block": 1.02, "nf4": 0.53, "fp8": 1.01, "fp8-row": 1.01}
 
@@ -236,6 +236,27 @@ def train_rates(steps: int, eval_seeds: int) -> list[tuple[str, float, float, fl
     return rows
 
 
+# ----------------------------------------------------------------------------- 5: a real-size model on meta
+
+# Flux.1-dev's transformer (black-forest-labs/FLUX.1-dev, transformer/config.json): 11.9 B parameters
+FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+            "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+            "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
+
+
+def flux_dev_bytes() -> list[tuple[str, object]]:
+    """quantize_base on Flux.1-dev's transformer built on the meta device (no memory), bf16 compute."""
+    import diffusers
+
+    rows = []
+    for fmt in FORMATS:
+        with torch.device("meta"):
+            model = diffusers.FluxTransformer2DModel(**FLUX_DEV)
+        model.to(torch.bfloat16).requires_grad_(False)
+        rows.append((fmt, quantize_base(model, fmt)))
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -274,6 +295,13 @@ def main(argv=None) -> int:
     print("| layer | CPU ms/step | wall ms/step |\n| --- | ---: | ---: |")
     for name, cpu, wall in speed(args.features, args.tokens, args.rank, args.reps):
         print(f"| {name} | {cpu:.1f} | {wall:.1f} |")
+
+    print("\n## Flux.1-dev transformer on the meta device (bf16 base), quantize_base\n")
+    print("| format | Linear layers | weights | model GiB before -> after | bytes/param | largest dequantized weight |")
+    print("| --- | ---: | ---: | --- | ---: | ---: |")
+    for fmt, r in flux_dev_bytes():
+        print(f"| {fmt} | {len(r.names)} | {r.params:,} | {r.model_bytes_before / 2**30:.2f} -> "
+              f"{r.model_bytes_after / 2**30:.2f} | {r.bytes_per_param:.4f} | {r.transient_bytes / 2**20:.0f} MiB |")
 
     if args.train:
         print(f"\n## LoRA trained {args.train_steps} steps on the tiny SDXL base, inverted rate over "

@@ -160,7 +160,7 @@ def dequantize_weight(
     n = out * inp
     qw = q["qweight"]
     if fmt == "int8":
-        return (qw.to(torch.float32) * q["scale"][:, None]).to(dtype)
+        return qw.to(torch.float32).mul_(q["scale"][:, None]).to(dtype)
     if fmt == "int8-block":
         blocks = _blocks(qw.reshape(-1).to(torch.float32), block_size).mul_(q["scale"][:, None])
         return blocks.view(-1)[:n].view(shape).to(dtype)
@@ -170,7 +170,14 @@ def dequantize_weight(
         values = pairs.index_select(0, qw.int()).view(-1)  # (2 * bytes,) one lookup a byte
         return _blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
     scale = q["scale"][:, None] if fmt == "fp8-row" else q["scale"]
-    return (qw.to(torch.float32) * scale).to(dtype)
+    values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())  # 2x faster than a cast on CPU
+    return values.view(shape).mul_(scale).to(dtype)
+
+
+@functools.cache
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 float8 e4m3fn bit patterns (NaN where the pattern is NaN)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
 
 def nf4_absmax(q: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -379,6 +386,7 @@ class QuantReport:
     bytes_after: int  # the same weights quantized (codes and scales)
     model_bytes_before: int  # every parameter and buffer of the model
     model_bytes_after: int
+    transient_bytes: int  # the largest dequantized weight a forward/backward makes (one exists at a time)
 
     @property
     def bytes_per_param(self) -> float:
@@ -439,16 +447,17 @@ def quantize_base(
     if not found:
         raise QuantizationError(f"quantize_base({fmt!r}): targets {targets!r} match no nn.Linear / lora_lab.Linear")
     before_model = model_bytes(model)
-    params = before = after = 0
+    params = before = after = transient = 0
     for name in found:
         m = modules[name]
         q = QuantLinear.from_linear(m, fmt, block_size)
         params += m.weight.numel()
         before += m.weight.numel() * m.weight.element_size()
         after += q.weight_bytes()
+        transient = max(transient, q.transient_bytes())
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name], child, q)
-    return QuantReport(fmt, found, params, before, after, before_model, model_bytes(model))
+    return QuantReport(fmt, found, params, before, after, before_model, model_bytes(model), transient)
 
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, QuantLinear]]:

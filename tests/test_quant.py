@@ -179,6 +179,16 @@ def test_meta_layout_equals_the_real_quantization(fmt, gen):
     assert real.weight_bytes() == sum(t.numel() * t.element_size() for t in real.stored().values())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_and_backward_run_on_meta_with_dora(fmt):
+    """What the memory planner does: a forward and backward of a quantized base with an adapter on meta."""
+    net = nn.Sequential(QuantLinear(torch.empty(64, 128, device="meta"), torch.empty(64, device="meta"), fmt))
+    add_lora(net, LoRAConfig(rank=4, use_dora=True))
+    x = torch.empty(3, 128, device="meta", requires_grad=True)
+    net(x).sum().backward()
+    assert x.grad.shape == (3, 128) and x.grad.is_meta and net[0].up.grad.shape == (64, 4)
+
+
 def test_bytes_no_more_than_bitsandbytes_linear4bit_and_8bitlt():
     bnb = pytest.importorskip("bitsandbytes")
     lin = nn.Linear(1024, 1024, bias=False)
