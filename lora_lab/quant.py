@@ -84,19 +84,20 @@ def _check_format(fmt: str, block_size: int | None) -> int | None:
 
 @functools.cache
 def _nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(code (16,), midpoints (15,), pair table (256, 2): the two values a packed byte holds)."""
+    """(code (16,), midpoints (15,), pair table (256,) int64: the two fp32 values a packed byte holds, as
+    one 8-byte word, so that dequantizing is one 1-D lookup a byte)."""
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
     byte = torch.arange(256)
-    pairs = torch.stack([code[byte >> 4], code[byte & 15]], dim=1)  # high nibble first, as bitsandbytes
-    return code.to(device), ((code[1:] + code[:-1]) / 2).to(device), pairs.to(device)
+    pairs = torch.stack([code[byte >> 4], code[byte & 15]], dim=1)  # (256, 2) high nibble first, as bitsandbytes
+    return code.to(device), ((code[1:] + code[:-1]) / 2).to(device), pairs.view(torch.int64).view(-1).to(device)
 
 
-def _absmax_scaled(blocks: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks (nb, bs) fp32) -> (absmax (nb,), blocks * (top / absmax) clamped to [-top, top])."""
+def _absmax_scaled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks (nb, bs) fp32) -> (absmax (nb,), blocks / absmax clamped to [-1, 1])."""
     absmax = blocks.abs().amax(dim=1)
     # multiply by the reciprocal (not divide) as bitsandbytes does, so that codes agree bit for bit
-    scaled = blocks * (top / absmax.clamp(min=1e-38))[:, None]
-    return absmax, scaled.clamp_(-top, top)
+    scaled = blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]
+    return absmax, scaled.clamp_(-1.0, 1.0)
 
 
 def _layout(fmt: str, shape: tuple[int, int], block_size: int | None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -138,7 +139,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         return {"qweight": q.reshape(-1)[: w.numel()].view(w.shape), "scale": scale}
     if fmt == "nf4":
         _, mid, _ = _nf4_tables(w.device)
-        absmax, scaled = _absmax_scaled(_blocks(w.reshape(-1).float(), block_size), 1.0)
+        absmax, scaled = _absmax_scaled(_blocks(w.reshape(-1).float(), block_size))
         codes = torch.bucketize(scaled.view(-1)[: w.numel()], mid).to(torch.uint8)  # nearest; a tie goes down
         codes = F.pad(codes, (0, codes.numel() % 2), value=7)  # 7 is the code of 0.0
         offset = absmax.mean()
@@ -167,7 +168,7 @@ def dequantize_weight(
     if fmt == "nf4":
         absmax = nf4_absmax(q)
         _, _, pairs = _nf4_tables(qw.device)
-        values = pairs.index_select(0, qw.int()).view(-1)  # (2 * bytes,) one lookup a byte
+        values = pairs.index_select(0, qw.int()).view(torch.float32)  # (2 * bytes,) one lookup a byte
         return _blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
     scale = q["scale"][:, None] if fmt == "fp8-row" else q["scale"]
     values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())  # 2x faster than a cast on CPU
