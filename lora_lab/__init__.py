@@ -68,6 +68,14 @@ from .params import (
     var_from_tensor,
 )
 from .precision import MixedPrecision, PrecisionError
+from .quant import (
+    QuantizationError,
+    QuantLinear,
+    QuantReport,
+    dequantize_weight,
+    quantize_base,
+    quantize_weight,
+)
 from .quiet import install_log_filters as _install_log_filters
 
 __all__ = [
@@ -102,6 +110,9 @@ __all__ = [
     "ObjectiveError",
     "OptimizerError",
     "PrecisionError",
+    "QuantLinear",
+    "QuantReport",
+    "QuantizationError",
     "TensorKindError",
     "TrainConfig",
     "TrainConfigError",
@@ -115,6 +126,7 @@ __all__ = [
     "convert_lora",
     "count_parameters",
     "dequantize_blockwise",
+    "dequantize_weight",
     "diffusers_name",
     "disable_checkpointing",
     "dynamic_map",
@@ -132,7 +144,9 @@ __all__ = [
     "objective_for",
     "optimizer_state_bytes",
     "peak_memory",
+    "quantize_base",
     "quantize_blockwise",
+    "quantize_weight",
     "remove_lora",
     "resolve_backend",
     "sample",

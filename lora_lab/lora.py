@@ -30,6 +30,7 @@ from . import dora
 from .kernels import BACKENDS, resolve_backend
 from .layers import Linear
 from .params import LoraLabError
+from .quant import QuantLinear, matches_targets
 
 INITS = ("kaiming", "gaussian", "pissa")
 
@@ -165,6 +166,10 @@ class LoRAModule(nn.Module):
         if not isinstance(base, cls.base_types):
             names = " or ".join(t.__name__ for t in cls.base_types)
             raise LoRATargetError(f"{cls.__name__} wraps a {names}, got {type(base).__name__}")
+        if isinstance(base, QuantLinear) and config.init == "pissa":
+            raise LoRAConfigError("init='pissa' rewrites the base weight; on a quantized base use init='kaiming' or 'gaussian'")
+        if isinstance(base, QuantLinear) and config.backend == "triton":
+            raise LoRAConfigError("backend='triton' has no quantized-base kernel; use backend='auto' or 'torch'")
         w = base.weight
         if config.init == "pissa" and config.rank > min(w.shape[0], w[0].numel()):
             raise LoRAConfigError(f"init='pissa' needs rank <= {min(w.shape[0], w[0].numel())} for a weight of shape {tuple(w.shape)}")
@@ -235,16 +240,28 @@ class LoRAModule(nn.Module):
 
     def _set_base_weight(self, w: torch.Tensor) -> None:
         # Replace the tensor, never write into it: a frozen weight may be shared with the caller or memory-mapped.
-        if isinstance(self.base.weight, nn.Parameter):
+        if isinstance(self.base, QuantLinear):
+            self.base.requantize(w)
+        elif isinstance(self.base.weight, nn.Parameter):
             self.base.weight.data = w
         else:
             self.base.weight = w
 
     @torch.no_grad()
-    def merge(self) -> None:
-        """Write W' into the base weight (in the base's dtype); the forward is then the base's alone."""
+    def merge(self, requantize: bool = False) -> None:
+        """Write W' into the base weight (in the base's dtype); the forward is then the base's alone.
+
+        A quantized base (QuantLinear) takes W' only with requantize=True: W' is rounded to the format's
+        grid, so the merged layer is only close to base + adapter, and unmerging cannot give back the base.
+        """
         if self.merged:
             raise LoRAStateError(f"{type(self).__name__} is already merged")
+        if isinstance(self.base, QuantLinear) and not requantize:
+            raise LoRAStateError(
+                f"the base is quantized ({self.base.fmt}): merging rounds W + s B A to its grid and loses precision "
+                "(the adapter's change is often smaller than a quantization step); pass requantize=True to merge "
+                "anyway, or keep the adapter at runtime / remove_lora(model, merge=False)"
+            )
         if self.magnitude is None:
             w = self.base.weight.float() + self.delta_weight()
         else:  # unmerge needs the norm of the unmerged weight, which the merged one no longer gives
@@ -271,7 +288,7 @@ class LoRAModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or not self.enabled:
-            return self.base(x.to(self.base.weight.dtype)).to(x.dtype)
+            return self.base(x.to(self.base_dtype)).to(x.dtype)
         if self.uses_kernels(x):
             return self.kernel_forward(x).to(x.dtype)
         y = self.lora_forward(x) if self.magnitude is None else dora.dora_forward(self, x)
@@ -280,7 +297,7 @@ class LoRAModule(nn.Module):
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether this forward runs the Triton kernels (lora_lab.kernels): backend "triton", or
         "auto" on CUDA; only Linear adapters have them, and only without an active dropout."""
-        if not self.has_kernels or resolve_backend(self.backend, x.device) != "triton":
+        if not self.has_kernels or isinstance(self.base, QuantLinear) or resolve_backend(self.backend, x.device) != "triton":
             return False
         if self.training and isinstance(self.dropout, nn.Dropout):
             if self.backend == "triton":
@@ -290,10 +307,15 @@ class LoRAModule(nn.Module):
 
     def lora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """W x + b + scale * B A dropout(x): the base in its own dtype, the adapter in fp32; returns fp32."""
-        y = self.base(x.to(self.base.weight.dtype))
+        y = self.base(x.to(self.base_dtype))
         h = self._down(self.dropout(x.to(torch.float32)))  # (..., r)
         # the scale goes on the small (out, r) B rather than on the (..., out) output: one pass less
         return y + self._up(h, self.up * self.scale)
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The dtype the base computes in (a quantized base's dequantized dtype, without dequantizing)."""
+        return self.base.dtype if isinstance(self.base, QuantLinear) else self.base.weight.dtype
 
     def adapter_parameters(self) -> list[nn.Parameter]:
         return [p for p in (self.down, self.up, self.magnitude) if p is not None]
@@ -338,7 +360,7 @@ class LoRAModule(nn.Module):
 class LoRALinear(LoRAModule):
     """LoRA around a frozen `nn.Linear` or `lora_lab.Linear`: x -> W x + b + t s B A dropout(x)."""
 
-    base_types = (nn.Linear, Linear)
+    base_types = (nn.Linear, Linear, QuantLinear)
     has_kernels = True
 
     def kernel_forward(self, x):
@@ -367,6 +389,8 @@ class LoRALinear(LoRAModule):
         return F.linear(h, up, bias)  # (..., out)
 
     def _base_product(self, x):
+        if isinstance(self.base, QuantLinear):
+            return self.base.product(x)  # the dequantized weight is not kept for backward
         return F.linear(x, self.base.weight)
 
     def out_axis(self, v):
@@ -411,24 +435,18 @@ class LoRAConv2d(LoRAModule):
 # ----------------------------------------------------------------------------- whole-model helpers
 
 
-def _matches(name: str, targets: str | Sequence[str]) -> bool:
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     """Wrap every matching Linear (and Conv2d if config.conv) inside `model`; freeze all other parameters.
 
     Returns the wrapped names; the adapter takes the module's place under the same name. Raises
     `LoRATargetError` if nothing matches, or if a matching module already has an adapter.
     """
-    kinds: tuple[type, ...] = (nn.Linear, Linear) + ((nn.Conv2d,) if config.conv else ())
+    kinds: tuple[type, ...] = (nn.Linear, Linear, QuantLinear) + ((nn.Conv2d,) if config.conv else ())
     modules = dict(model.named_modules())
     found: list[str] = []
     twice: list[str] = []
     for name, module in modules.items():
-        if not name or not _matches(name, config.targets):
+        if not name or not matches_targets(name, config.targets):
             continue  # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
         parent = modules[name.rpartition(".")[0]]
         if isinstance(module, LoRAModule) or (isinstance(parent, LoRAModule) and module is parent.base):
@@ -466,11 +484,20 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
             yield name, m
 
 
-def merge_lora(model: nn.Module) -> None:
-    """Merge every adapter that is not merged yet into its base weight."""
+def merge_lora(model: nn.Module, requantize: bool = False) -> None:
+    """Merge every adapter that is not merged yet into its base weight (quantized bases: see LoRAModule.merge)."""
+    if not requantize:
+        _refuse_quantized_merge(model)
     for _, m in lora_modules(model):
         if not m.merged:
-            m.merge()
+            m.merge(requantize)
+
+
+def _refuse_quantized_merge(model: nn.Module) -> None:
+    """Raise before any adapter is merged if one of them sits on a quantized base (see LoRAModule.merge)."""
+    for _, m in lora_modules(model):
+        if not m.merged and isinstance(m.base, QuantLinear):
+            m.merge(requantize=False)  # raises the explanation
 
 
 def unmerge_lora(model: nn.Module) -> None:
@@ -480,18 +507,20 @@ def unmerge_lora(model: nn.Module) -> None:
             m.unmerge()
 
 
-def remove_lora(model: nn.Module, merge: bool = True) -> list[str]:
+def remove_lora(model: nn.Module, merge: bool = True, requantize: bool = False) -> list[str]:
     """Put the plain base modules back (merged, or with the adapters discarded); returns their names.
 
     The bases stay frozen. With init="pissa" and merge=False the base holds the residual W - s B A.
     """
+    if merge and not requantize:
+        _refuse_quantized_merge(model)
     names = []
     modules = dict(model.named_modules())
     for name, m in list(lora_modules(model)):
         if not name:
             raise LoRAStateError("the model itself is an adapter: use its .base (after .merge() if wanted)")
         if merge and not m.merged:
-            m.merge()
+            m.merge(requantize)
         elif not merge and m.merged:
             m.unmerge()
         parent_name, _, child = name.rpartition(".")
@@ -544,5 +573,5 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         alpha = m.alpha * math.sqrt(m.rank) if m.use_rslora else m.alpha
         out[p + "alpha"] = torch.tensor(alpha, dtype=torch.float32)
         if m.magnitude is not None:
-            out[p + "dora_scale"] = keep(m.magnitude).reshape(-1, *[1] * (m.base.weight.dim() - 1))
+            out[p + "dora_scale"] = keep(m.magnitude).reshape(-1, *[1] * (m.up.dim() - 1))
     return out

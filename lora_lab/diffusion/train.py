@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..formats import atomic_write_bytes
 from ..params import LoraLabError
+from ..quant import FORMATS, matches_targets, quantize_base
 from .data import folder_fingerprint
 
 MODELS = ("sd15", "sdxl", "sd3", "flux")
@@ -81,6 +82,9 @@ class TrainConfig:
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
+    base_quantization: str | None = field(
+        default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA): "
+                                        "int8 | int8-block | nf4 | fp8 | fp8-row"})
     # the optimization
     steps: int = field(default=1000, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=1, metadata={"help": "examples per micro-batch per process"})
@@ -167,6 +171,8 @@ class TrainConfig:
                 bad("gradient_checkpointing", str(e))
         if self.base is not None and not Path(self.base).exists():
             bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
+        if self.base_quantization is not None and self.base_quantization not in FORMATS:
+            bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
 
@@ -433,6 +439,8 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig) -> list[str]:
     if config.conv and config.model in ("sd3", "flux"):
         raise TrainConfigError(f"TrainConfig.conv=True: the {config.model} transformer has no conv layers to adapt")
     model.requires_grad_(False)
+    if config.base_quantization is not None:  # QLoRA: the frozen Linear weights stored quantized, under the adapters
+        quantize_base(model, config.base_quantization)
     targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
     alpha = float(config.rank if config.alpha is None else config.alpha)
     torch.manual_seed(config.seed)
@@ -659,13 +667,12 @@ def _move_aside(bad: list[Path]) -> None:
 def check_config_for_base(config: TrainConfig, pipe, resolution: int) -> None:
     """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
     the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
-    from ..lora import _matches
     from .models import denoiser
 
     model = denoiser(pipe)
     targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
-              if name and _matches(name, targets) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+              if name and matches_targets(name, targets) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     if widths and config.rank > min(widths)[0]:
         width, name = min(widths)
         raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
