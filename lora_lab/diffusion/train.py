@@ -275,6 +275,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     that would call a function, a missing key, NaN weights ...).
     """
     path = Path(path)
+    if not path.is_file():  # a folder, a device, or a pipe (opening one waits for a writer for ever)
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
@@ -747,6 +749,8 @@ def _truncate_log(path: Path, step: int) -> None:
     A line that is not a record (the torn last line of a killed append) is dropped with a warning."""
     if not path.exists():
         return
+    if not path.is_file():  # a pipe would make the read below wait for ever
+        raise TrainConfigError(f"{path}: the loss log is not a regular file; remove it")
     keep, torn = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
