@@ -71,7 +71,8 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     [("model", "sd2"), ("rank", 0), ("optimizer", "sgd"), ("mixed_precision", "fp8"), ("lr", -1.0),
      ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step"),
      ("lr", float("nan")), ("weight_decay", float("nan")), ("max_grad_norm", float("inf")),
-     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf"))],
+     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf")), ("seed", 2**64),
+     ("seed", -(2**63) - 1)],
 )
 def test_bad_config_is_a_clear_error(field, value):
     with pytest.raises(TrainConfigError, match=f"TrainConfig.{field}="):

@@ -140,6 +140,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "sample_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            bad("seed", "must be an integer in [-2**63, 2**64)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             bad("lr", "must be a finite number > 0")
         if self.alpha is not None and not self.alpha > 0:
