@@ -67,6 +67,9 @@ def _merge(args) -> int:
 
     _check_output(args.out, [args.base, *(path for path, _ in args.lora)], args.overwrite)
     merged = merge_loras(args.base, args.lora, component=args.component, strict=not args.no_strict)
+    if not merged.patched:  # e.g. --component text_encoder for a UNet-only LoRA: a copy of BASE would be a silent no-op
+        raise LoraLabError(f"{args.base}: the --lora file(s) change none of its weights"
+                           f"{f' (component {args.component})' if args.component else ''}; nothing written")
     save_merged(merged, args.out)
     print(f"wrote {args.out}: {len(merged.patched)} of {len(merged)} weights changed by {len(args.lora)} LoRA file(s)")
     return 0

@@ -71,6 +71,8 @@ def test_merge_writes_the_merged_weights(files, capsys):
     (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:strong"], "with a number after the colon"),
     (["merge", "base.safetensors", "m.safetensors"], "the following arguments are required: --lora"),
     (["merge", "a.safetensors", "m.safetensors", "--lora", "b.safetensors:1"], "match no module"),
+    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:1", "--component", "text_encoder"],
+     "base.safetensors: the --lora file(s) change none of its weights (component text_encoder); nothing written"),
 ])
 def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(files)
@@ -81,6 +83,7 @@ def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, c
     err = capsys.readouterr().err
     assert rc == 2 and message in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert not (files / "m.safetensors").exists() and not (files / "x.safetensors").exists()
 
 
 def test_exit_code_of_the_real_process(files):
