@@ -206,11 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except LoraLabError as e:  # a user's mistake (a bad file, a wrong name): one line, exit code 2
-        print(f"lora-lab: error: {e}", file=sys.stderr)
+        print(f"lora-lab: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system said no (read-only, full, a folder or file in the way): one line
-        print(f"lora-lab: error: {_os_error(e)}", file=sys.stderr)
+        print(f"lora-lab: error: {_one_line(_os_error(e))}", file=sys.stderr)
         return 2
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line: a wrapped third-party message (diffusers' hub errors have several) joined."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 if __name__ == "__main__":
