@@ -182,11 +182,18 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-    from .diffusion.train import sample_with_without
+    from .diffusion.train import resolve_device, sample_with_without
 
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
+    if args.steps < 1:
+        raise LoraLabError(f"--steps {args.steps}: must be an integer >= 1")
+    if args.guidance is not None and not math.isfinite(args.guidance):
+        raise LoraLabError(f"--guidance {args.guidance}: must be a finite number")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        raise LoraLabError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64)")
+    resolve_device(args.device)  # before the pipeline is built
     _check_output(Path(args.output), [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
                   args.overwrite)
     out = sample_with_without(

@@ -152,6 +152,21 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
     assert a.read_bytes() == before
 
 
+
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--steps", "0", "--steps 0: must be an integer >= 1"), ("--steps", "-1", "--steps -1: must be an integer >= 1"),
+    ("--guidance", "nan", "--guidance nan: must be a finite number"), ("--guidance", "inf", "--guidance inf: must"),
+    ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"), ("--device", "tpu", "must be auto, cpu, cuda"),
+])
+def test_sample_flags_out_of_range_are_one_error_line(files, capsys, flag, value, said):
+    """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1 and a
+    NaN guidance wrote a PNG."""
+    out = files / "s.png"
+    rc = main(["sample", "--model", "sd15", "--prompt", "x", "--output", str(out), flag, value])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("lora-lab: error: ") and said in err, err
+    assert not out.exists()
+
 @pytest.mark.parametrize("strength", ["nan", "inf", "-inf", "NaN"])
 def test_non_finite_strength_is_one_error_line(files, capsys, strength):
     rc, _ = _run(["merge", files / "base.safetensors", files / "m.safetensors",

@@ -390,7 +390,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise TrainConfigError(f"TrainConfig.device={name!r}: no CUDA device here")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:  # "tpu", "cuda:x": torch's own message lists every device type it knows
+        raise TrainConfigError(f"TrainConfig.device={name!r}: must be auto, cpu, cuda or cuda:N") from None
 
 
 def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
