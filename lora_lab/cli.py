@@ -67,6 +67,9 @@ def _merge(args) -> int:
 
     _check_output(args.out, [args.base, *(path for path, _ in args.lora)], args.overwrite)
     merged = merge_loras(args.base, args.lora, component=args.component, strict=not args.no_strict)
+    if not merged.patched:  # e.g. --component text_encoder for a UNet-only LoRA: a copy of BASE would be a silent no-op
+        raise LoraLabError(f"{args.base}: the --lora file(s) change none of its weights"
+                           f"{f' (component {args.component})' if args.component else ''}; nothing written")
     save_merged(merged, args.out)
     print(f"wrote {args.out}: {len(merged.patched)} of {len(merged)} weights changed by {len(args.lora)} LoRA file(s)")
     return 0
@@ -182,11 +185,18 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-    from .diffusion.train import sample_with_without
+    from .diffusion.train import resolve_device, sample_with_without
 
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
+    if args.steps < 1:
+        raise LoraLabError(f"--steps {args.steps}: must be an integer >= 1")
+    if args.guidance is not None and not math.isfinite(args.guidance):
+        raise LoraLabError(f"--guidance {args.guidance}: must be a finite number")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        raise LoraLabError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64)")
+    resolve_device(args.device)  # before the pipeline is built
     _check_output(Path(args.output), [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
                   args.overwrite)
     out = sample_with_without(
@@ -206,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except LoraLabError as e:  # a user's mistake (a bad file, a wrong name): one line, exit code 2
-        print(f"lora-lab: error: {e}", file=sys.stderr)
+        print(f"lora-lab: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system said no (read-only, full, a folder or file in the way): one line
-        print(f"lora-lab: error: {_os_error(e)}", file=sys.stderr)
+        print(f"lora-lab: error: {_one_line(_os_error(e))}", file=sys.stderr)
         return 2
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line: a wrapped third-party message (diffusers' hub errors have several) joined."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -469,6 +469,9 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
         # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
         named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base): m}
         for name, mod in named.items():
+            comp, _, sub = name.partition(".")
+            if not sub or "" in sub.split("."):  # `unet.lora_A.weight`, `lora_unet_.lora_down.weight`, `a__b`
+                raise LoraFormatError(f"{path}: key {key!r} names no module of {comp!r} (module path {sub!r})")
             if name in modules:  # e.g. lora_te_X and lora_te1_X, or a name with and without text_model
                 raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module {name!r}")
             modules[name] = mod

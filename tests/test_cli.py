@@ -71,6 +71,8 @@ def test_merge_writes_the_merged_weights(files, capsys):
     (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:strong"], "with a number after the colon"),
     (["merge", "base.safetensors", "m.safetensors"], "the following arguments are required: --lora"),
     (["merge", "a.safetensors", "m.safetensors", "--lora", "b.safetensors:1"], "match no module"),
+    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:1", "--component", "text_encoder"],
+     "base.safetensors: the --lora file(s) change none of its weights (component text_encoder); nothing written"),
 ])
 def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(files)
@@ -81,7 +83,24 @@ def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, c
     err = capsys.readouterr().err
     assert rc == 2 and message in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert not (files / "m.safetensors").exists() and not (files / "x.safetensors").exists()
 
+
+
+def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch, capsys):
+    """diffusers' hub errors, wrapped in a ModelLoadError (`--base` a file from_single_file cannot place), have
+    several lines; the CLI prints them joined, so that every error is one line."""
+    from lora_lab import formats
+    from lora_lab.diffusion.models import ModelLoadError
+
+    def fails(path):
+        raise ModelLoadError(f"{path}: cannot load (LocalEntryNotFoundError: Got: ConnectError\n"
+                             "An error happened while trying to locate the files on the Hub.)")
+
+    monkeypatch.setattr(formats, "load_lora", fails)
+    assert main(["inspect", str(files / "a.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and "ConnectError An error happened" in err
 
 def test_exit_code_of_the_real_process(files):
     r = subprocess.run([sys.executable, "-m", "lora_lab.cli", "inspect", str(files / "nope.safetensors")],
@@ -132,6 +151,21 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
     assert rc == 2 and "refusing to overwrite an input" in capsys.readouterr().err
     assert a.read_bytes() == before
 
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--steps", "0", "--steps 0: must be an integer >= 1"), ("--steps", "-1", "--steps -1: must be an integer >= 1"),
+    ("--guidance", "nan", "--guidance nan: must be a finite number"), ("--guidance", "inf", "--guidance inf: must"),
+    ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"), ("--device", "tpu", "must be auto, cpu, cuda"),
+])
+def test_sample_flags_out_of_range_are_one_error_line(files, capsys, flag, value, said):
+    """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1 and a
+    NaN guidance wrote a PNG."""
+    out = files / "s.png"
+    rc = main(["sample", "--model", "sd15", "--prompt", "x", "--output", str(out), flag, value])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("lora-lab: error: ") and said in err, err
+    assert not out.exists()
 
 @pytest.mark.parametrize("strength", ["nan", "inf", "-inf", "NaN"])
 def test_non_finite_strength_is_one_error_line(files, capsys, strength):

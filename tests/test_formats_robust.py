@@ -295,6 +295,21 @@ def test_two_keys_for_one_module_are_an_error(tmp_path):
         load_lora(tmp_path / "dup.safetensors")
 
 
+
+@pytest.mark.parametrize("module", ["unet", "text_encoder", "unet.", "lora_unet_", "lora_te_text_model_",
+                                    "lora_unet_down_blocks__1"])
+def test_a_key_that_names_no_module_is_an_error(tmp_path, module):
+    """A component with no module path (PEFT `unet.lora_A.weight` was an IndexError in convert and merge), a kohya
+    prefix with nothing after it, an empty path segment: LoraFormatError naming the key, in every command."""
+    from safetensors.torch import save_file
+
+    a, b = (".lora_down.weight", ".lora_up.weight") if module.startswith("lora_") else (".lora_A.weight", ".lora_B.weight")
+    save_file({module + a: torch.ones(2, 64), module + b: torch.ones(64, 2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(LoraFormatError, match=f"x.safetensors: key '{module}' names no module of"):
+        load_lora(tmp_path / "x.safetensors")
+    with pytest.raises(LoraFormatError, match="names no module of"):
+        merge_loras(base_state(), [(tmp_path / "x.safetensors", 1.0)])
+
 # ----------------------------------------------------------------------------- item 11: bounded memory
 
 

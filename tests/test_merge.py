@@ -64,6 +64,20 @@ def test_merge_is_lazy_and_in_fp32_stored_in_the_base_dtype():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+
+def test_a_float8_base_merges_and_its_overflow_is_an_error():
+    """isfinite has no float8 kernel: a float8 base (as ComfyUI users keep SDXL/Flux) merges like any dtype, and a
+    merged weight that overflows float8_e5m2 is refused, not a NotImplementedError (torch saturates e4m3fn at 448)."""
+    g = torch.Generator().manual_seed(1)
+    base, (a, _) = {k: v.to(torch.float8_e4m3fn) for k, v in toy_base(g).items()}, two_loras(g)
+    m = a.modules["unet.lin"]
+    got = merge_loras(base, [(a, 1.0)]).get("lin.weight")
+    want = (base["lin.weight"].float() + 0.5 * m.up @ m.down).to(torch.float8_e4m3fn)
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.float(), want.float())
+    e5m2 = {k: v.float().to(torch.float8_e5m2) for k, v in base.items()}
+    with pytest.raises(LoraFormatError, match="the merged 'lin.weight' overflows torch.float8_e5m2"):
+        merge_loras(e5m2, [(a, 1e6)]).get("lin.weight")
+
 def test_dora_merge_matches_peft():
     peft = pytest.importorskip("peft")
     g = torch.Generator().manual_seed(2)

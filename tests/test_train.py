@@ -3,6 +3,7 @@ the memory features, and the saved LoRA loading into diffusers with the same ima
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -70,8 +71,8 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     [("model", "sd2"), ("rank", 0), ("optimizer", "sgd"), ("mixed_precision", "fp8"), ("lr", -1.0),
      ("warmup_steps", 2000), ("resolution", 30), ("dataset", "/no/such/folder"), ("schedule", "step"),
      ("lr", float("nan")), ("weight_decay", float("nan")), ("max_grad_norm", float("inf")),
-     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf")),
-     ("gradient_checkpointing", "sometimes"), ("gradient_checkpointing", "budget:2"),
+     ("noise_offset", float("nan")), ("alpha", float("nan")), ("alpha", float("-inf")), ("seed", 2**64),
+     ("seed", -(2**63) - 1), ("gradient_checkpointing", "sometimes"), ("gradient_checkpointing", "budget:2"),
      ("gradient_checkpointing", "budget:nan")],
 )
 def test_bad_config_is_a_clear_error(field, value):
@@ -297,6 +298,8 @@ def _spoil(path: Path, kind: str, good: Path, marker: Path) -> None:
         path.write_bytes(np.random.default_rng(SEED).integers(0, 256, 5000, dtype=np.uint8).tobytes())
     elif kind == "folder":
         path.mkdir()
+    elif kind == "pipe":  # opening it would wait for a writer for ever
+        os.mkfifo(path)
     elif kind == "malicious_pickle":
         torch.save({"step": 2, "adapter": _RunsCode(marker)}, path)
     else:
@@ -310,7 +313,7 @@ def _spoil(path: Path, kind: str, good: Path, marker: Path) -> None:
         torch.save(state, path)
 
 
-BAD_KINDS = ["truncated", "empty", "garbage", "folder", "malicious_pickle", "wrong_keys", "nan_weights", "nan_loss"]
+BAD_KINDS = ["truncated", "empty", "garbage", "folder", "pipe", "malicious_pickle", "wrong_keys", "nan_weights", "nan_loss"]
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
@@ -319,9 +322,37 @@ def test_load_checkpoint_refuses_a_bad_file_and_runs_no_code(two_checkpoints, tm
     assert load_checkpoint(good)["step"] == 2
     bad, marker = tmp_path / "step_0000003.pt", tmp_path / "code_ran"
     _spoil(bad, kind, good, marker)
-    with pytest.raises(CheckpointError, match=r"step_0000003\.pt: "):
+    with pytest.raises(CheckpointError, match=r"step_0000003\.pt: "), _time_limit(10):
         load_checkpoint(bad)
     assert not marker.exists(), "unpickling the checkpoint ran code"
+
+
+class _Waited(Exception):
+    """Not an OSError (TimeoutError is one, and load_checkpoint turns OSErrors into CheckpointErrors)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Raise _Waited (not the error a test expects) if the block waits longer than `seconds` (SIGALRM)."""
+
+    def expired(signum, frame):
+        raise _Waited(f"waited more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_pipe_named_loss_jsonl_is_an_error_not_a_wait(dataset, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "loss.jsonl")
+    with pytest.raises(TrainConfigError, match=r"loss\.jsonl: the loss log is not a regular file"), _time_limit(120):
+        train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=1, **FAST))
 
 
 def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(dataset, tmp_path):

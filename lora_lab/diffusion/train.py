@@ -148,6 +148,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "sample_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            bad("seed", "must be an integer in [-2**63, 2**64)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             bad("lr", "must be a finite number > 0")
         if self.alpha is not None and not self.alpha > 0:
@@ -297,6 +299,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     that would call a function, a missing key, NaN weights ...).
     """
     path = Path(path)
+    if not path.is_file():  # a folder, a device, or a pipe (opening one waits for a writer for ever)
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
@@ -408,7 +412,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise TrainConfigError(f"TrainConfig.device={name!r}: no CUDA device here")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:  # "tpu", "cuda:x": torch's own message lists every device type it knows
+        raise TrainConfigError(f"TrainConfig.device={name!r}: must be auto, cpu, cuda or cuda:N") from None
 
 
 def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
@@ -770,6 +777,8 @@ def _truncate_log(path: Path, step: int) -> None:
     A line that is not a record (the torn last line of a killed append) is dropped with a warning."""
     if not path.exists():
         return
+    if not path.is_file():  # a pipe would make the read below wait for ever
+        raise TrainConfigError(f"{path}: the loss log is not a regular file; remove it")
     keep, torn = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
