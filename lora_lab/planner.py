@@ -33,11 +33,13 @@ anything outside the training step (sampling, saving). It counts tensor bytes, a
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -334,6 +336,8 @@ def _text_shapes(model: str, size: str, denoiser) -> dict[str, tuple[int, ...]]:
     cfg = denoiser.config
     if size == "real":
         tokens = TEXT_TOKENS[model]
+    elif size != "tiny":
+        tokens = _folder_text_tokens(Path(size), kind)
     else:
         tokens = 2 * TEXT_LEN if kind == "sd3" else TEXT_LEN
     if kind in ("sd15", "sdxl"):
@@ -346,28 +350,81 @@ def _text_shapes(model: str, size: str, denoiser) -> dict[str, tuple[int, ...]]:
 
 
 def _components(model: str, size: str, resident: str, base_dtype: torch.dtype) -> dict:
-    """The pipeline's modules on the current (fake) device; only the denoiser when resident='denoiser'."""
+    """The pipeline's modules built on the meta device (no memory, a fraction of a second even for T5-XXL;
+    the tiny ones on the CPU); only the denoiser when resident='denoiser'. Call outside the fake mode."""
     default = torch.get_default_dtype()
-    torch.set_default_dtype(base_dtype)  # built in the base dtype (converting fake tensors afterwards cannot swap)
+    torch.set_default_dtype(base_dtype)
     try:
-        return _build_components(model, size, resident)
+        if size == "tiny":  # a few MB: built for real on the CPU (its scheduler needs real tensors)
+            from .diffusion.models import build_components
+
+            comps = {k: v for k, v in build_components(model).items() if isinstance(v, torch.nn.Module)}
+            return {k: v for k, v in comps.items() if resident == "all" or k in ("unet", "transformer")}
+        with torch.device("meta"):
+            if size not in ("real", "tiny"):
+                return _folder_components(Path(size), resident)
+            if size == "real":
+                from .diffusion.real import REAL_CONFIGS, build_real
+
+                names = [c for c in REAL_CONFIGS[model] if resident == "all" or c in ("unet", "transformer")]
+                return build_real(model, names)
+
     finally:
         torch.set_default_dtype(default)
 
 
-def _build_components(model: str, size: str, resident: str) -> dict:
-    if size == "real":
-        from .diffusion.real import REAL_CONFIGS, build_real
+def _folder_components(path: Path, resident: str) -> dict:
+    """A local diffusers folder's modules, built from their config.json files (no weights are read)."""
+    import diffusers
+    import transformers
 
-        names = [c for c in REAL_CONFIGS[model] if resident == "all" or c in ("unet", "transformer")]
-        comps = build_real(model, names)
-    else:
-        from .diffusion.models import build_components
+    index = json.loads((path / "model_index.json").read_text())
+    out = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[1] is None:
+            continue
+        if resident == "denoiser" and name not in ("unet", "transformer"):
+            continue
+        lib = {"diffusers": diffusers, "transformers": transformers}.get(spec[0])
+        cls = getattr(lib, spec[1], None) if lib else None
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            continue  # schedulers, tokenizers
+        if lib is diffusers:
+            out[name] = cls.from_config(cls.load_config(str(path / name)))
+        else:
+            out[name] = cls(transformers.AutoConfig.from_pretrained(str(path / name), local_files_only=True))
+    return {k: v.eval() for k, v in out.items()}
 
-        comps = {k: v for k, v in build_components(model).items() if isinstance(v, torch.nn.Module)}
-        if resident == "denoiser":
-            comps = {k: v for k, v in comps.items() if k in ("unet", "transformer")}
-    return comps
+
+def _folder_text_tokens(path: Path, kind: str) -> int:
+    """Tokens per prompt the trainer's encode_prompts gives for a folder's tokenizers (see models.t5_length)."""
+    def max_len(sub: str, default: int) -> int:
+        f = path / sub / "tokenizer_config.json"
+        return int(json.loads(f.read_text()).get("model_max_length", default)) if f.is_file() else default
+
+    clip = min(77, max_len("tokenizer", 77))
+    if kind == "sd3":
+        return clip + min(256, max_len("tokenizer_3", 256))
+    if kind == "flux":
+        return min(512, max_len("tokenizer_2", 512))
+    return clip
+
+
+def _folder_vae_scale(path: Path) -> int:
+    """The VAE's downsampling factor, 2^(levels - 1), as diffusers' pipelines compute vae_scale_factor."""
+    cfg = json.loads((path / "vae" / "config.json").read_text())
+    return 2 ** (len(cfg["block_out_channels"]) - 1)
+
+
+def _to_fake(module: torch.nn.Module) -> None:
+    """Replace a meta module's weights and buffers by fake CPU tensors of the same shapes and dtypes (in place)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty_like(b, device="cpu")
 
 
 def _storage_bytes(tensors) -> int:
@@ -415,8 +472,8 @@ def plan_memory(
     from .diffusion.train import TrainConfig, TrainConfigError
 
     t0 = time.perf_counter()
-    if size not in ("real", "tiny"):
-        raise PlanError(f"size must be 'real' or 'tiny', got {size!r}")
+    if size not in ("real", "tiny") and not (Path(size) / "model_index.json").is_file():
+        raise PlanError(f"size must be 'real', 'tiny' or a local diffusers folder (with model_index.json), got {size!r}")
     if size == "real":
         from .diffusion.real import REAL_MODELS, family
 
@@ -434,6 +491,8 @@ def plan_memory(
         if value not in allowed:
             raise PlanError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
     if resolution is None:
+        if size not in ("real", "tiny"):
+            raise PlanError("plan_memory: give the resolution when planning for a local folder")
         resolution = RESOLUTION if size == "tiny" else (512 if kind == "sd15" else 1024)
     try:
         config = TrainConfig(model=kind, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, rank=rank,
@@ -442,14 +501,15 @@ def plan_memory(
                              sample_steps=0, device="cpu")
     except TrainConfigError as e:
         raise PlanError(f"plan_memory: {e}") from e
-    options = {"resolution": resolution, "batch_size": batch_size, "grad_accum": grad_accum, "rank": rank, "dora": dora,
+    options = {"model": model, "resolution": resolution, "batch_size": batch_size, "grad_accum": grad_accum, "rank": rank, "dora": dora,
                "conv": conv, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                "checkpoint_options": dict(checkpoint_options or {}), "mixed_precision": config.mixed_precision,
                "base_dtype": base_dtype, "resident": resident, "device": device, "dataset_size": dataset_size}
     tracker = LiveBytes()
     attn = _Attention(attention, device)
+    comps = _components(model, size, resident, DTYPES[base_dtype])
     with fake_device(device), torch.random.fork_rng(devices=[]), tracker:
-        parts, phase, saved, grads = _planned_step(model, size, kind, config, options, tracker, attn)
+        parts, phase, saved, grads = _planned_step(comps, size, kind, config, options, tracker, attn)
     used = "+".join(sorted(attn.used)) or "none"
     if used == "native":
         used = f"native ({device})"
@@ -457,18 +517,20 @@ def plan_memory(
                       saved_activations=saved, gradients=grads, peak_phase=phase, seconds=time.perf_counter() - t0)
 
 
-def _planned_step(model, size, kind, config, options, tracker: LiveBytes, attn: _Attention):
+def _planned_step(comps, size, kind, config, options, tracker: LiveBytes, attn: _Attention):
     """Build, adapt, then one step as `train()` runs it, counting live bytes. Returns (parts, phase, saved, grads)."""
     from .diffusion.objectives import objective_for
     from .diffusion.train import add_adapter, checkpoint_blocks, denoising_loss, make_optimizer
 
     device = options["device"]
-    comps = _components(model, size, options["resident"], DTYPES[options["base_dtype"]])
     den_name = "unet" if "unet" in comps else "transformer"
     den = comps[den_name]
-    tracker.track(t for m in comps.values() for t in (*m.parameters(), *m.buffers()))
-    frozen = _storage_bytes(t for t in (*den.parameters(), *den.buffers()))
+    # the other components only sit in memory during the step: their bytes, counted from the meta build
     resident = _storage_bytes(t for n, m in comps.items() if n != den_name for t in (*m.parameters(), *m.buffers()))
+    tracker.current += resident
+    _to_fake(den)
+    tracker.track(t for t in (*den.parameters(), *den.buffers()))
+    frozen = _storage_bytes(t for t in (*den.parameters(), *den.buffers()))
 
     add_adapter(den, config)
     if config.gradient_checkpointing:
@@ -487,12 +549,12 @@ def _planned_step(model, size, kind, config, options, tracker: LiveBytes, attn: 
     state = _storage_bytes(t for s in optimizer.state.values() for t in _tensors(s))
 
     # the micro-batch, as the trainer moves it to the device: fp32 latents, noise, timesteps, embeddings
-    scale = 8 if size == "real" else 2
+    scale = {"real": 8, "tiny": 2}.get(size) or _folder_vae_scale(Path(size))
     latent_ch = den.config.in_channels // (4 if kind == "flux" else 1)
     h = options["resolution"] // scale
     B = options["batch_size"]
     objective = objective_for(kind)
-    shapes = _text_shapes(model, size, den)
+    shapes = _text_shapes(options["model"], size, den)
     cached = 0
     if device == "cpu" and options["dataset_size"]:
         n = options["dataset_size"]
@@ -565,6 +627,14 @@ def _init_optimizer_state(optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 optimizer.state[p] = _adam8bit_state(optimizer, p)
+        return
+    if type(optimizer) is torch.optim.AdamW:
+        # torch's AdamW state after its first step (not capturable, not fused): step count, two moments
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = {"step": torch.tensor(1.0, dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p in params:
@@ -654,3 +724,87 @@ def _dataset_len(config) -> int:
     from .diffusion.train import _dataset_dir
 
     return len(ImageCaptionDataset(_dataset_dir(config), config.resolution or 16, skip_bad=config.skip_bad_images))
+
+
+# ----------------------------------------------------------------------------- fitting a budget
+
+
+@dataclass
+class FitResult:
+    """What `fit` chose, and every option it planned on the way (cheapest in time first)."""
+
+    budget: int
+    chosen: MemoryPlan
+    tried: list[MemoryPlan] = field(default_factory=list)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum."""
+        o = self.chosen.options
+        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum")}
+
+    def reason(self) -> str:
+        s = self.settings
+        skipped = [p for p in self.tried if not p.fits(self.budget)]
+        why = (f"; faster options did not fit: " + ", ".join(
+            f"{_label(p.options)} {format_bytes(p.peak)}" for p in skipped)) if skipped else ""
+        return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
+                f"{format_bytes(self.budget)} (batch {s['batch_size']} x {s['grad_accum']} accumulation){why}")
+
+
+def _label(options: dict) -> str:
+    ck = "checkpointing" if options["gradient_checkpointing"] else "no checkpointing"
+    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}"
+
+
+def options_table(plans: list[MemoryPlan], budget: int | str | None = None) -> str:
+    """One line per plan: the option, its predicted peak, the part that dominates it, and whether it fits."""
+    budget = parse_bytes(budget) if budget is not None else None
+    head = f"{'option':<44} {'predicted peak':>15}  {'largest part':<34}" + (f" fits {format_bytes(budget)}" if budget else "")
+    rows = [head]
+    for p in plans:
+        row = f"{_label(p.options):<44} {format_bytes(p.peak):>15}  {p.dominant():<34}"
+        if budget:
+            row += " yes" if p.fits(budget) else " no"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, **plan_options) -> FitResult:
+    """The fastest training configuration whose predicted peak fits `budget` (e.g. "24GiB").
+
+    Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
+    forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit; within those,
+    the largest micro-batch (a power of two dividing `batch_size`, the effective batch) that fits, with
+    gradient accumulation making up the rest. Raises PlanError naming the smallest peak found and its
+    largest part when nothing fits. `plan_options` go to `plan_memory`.
+    """
+    budget = parse_bytes(budget)
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise PlanError(f"fit: batch_size must be an integer >= 1, got {batch_size!r}")
+    micro = [b for b in (2**i for i in range(batch_size.bit_length())) if batch_size % b == 0][::-1]  # largest first
+    for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
+        if key in plan_options:
+            raise PlanError(f"fit chooses {key} itself; do not pass it")
+    tried: list[MemoryPlan] = []
+    for ckpt in CHECKPOINTING_ORDER:
+        for opt in OPTIMIZER_ORDER:
+            def plan(b):
+                p = plan_memory(model, batch_size=b, grad_accum=batch_size // b, gradient_checkpointing=ckpt,
+                                optimizer=opt, **plan_options)
+                tried.append(p)
+                return p
+            smallest = plan(micro[-1])
+            if not smallest.fits(budget):
+                continue
+            # the largest micro-batch that fits: the peak grows with the batch, so search down from the top
+            for b in micro[:-1]:
+                p = plan(b)
+                if p.fits(budget):
+                    return FitResult(budget, p, tried)
+            return FitResult(budget, smallest, tried)
+    best = min(tried, key=lambda p: p.peak)
+    raise PlanError(
+        f"nothing fits {format_bytes(budget)}: the smallest predicted peak is {format_bytes(best.peak)} "
+        f"({_label(best.options)}), of which {best.dominant()} is {format_bytes(best.parts[best.dominant()])}; "
+        "lower the resolution or the rank, or use a larger GPU")
