@@ -808,3 +808,35 @@ def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, **plan_o
         f"nothing fits {format_bytes(budget)}: the smallest predicted peak is {format_bytes(best.peak)} "
         f"({_label(best.options)}), of which {best.dominant()} is {format_bytes(best.parts[best.dominant()])}; "
         "lower the resolution or the rank, or use a larger GPU")
+
+
+def fit_config(config, budget: int | str):
+    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size and grad_accum
+    chosen by `fit` for its base (the shipped tiny base, or --base, a local diffusers folder) on its device;
+    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why)."""
+    from dataclasses import replace as dc_replace
+
+    from .diffusion.models import default_resolution, shipped_base
+    from .diffusion.train import resolve_device
+
+    base = config.base if config.base is not None else shipped_base(config.model)
+    if base is None or not (Path(base) / "model_index.json").is_file():
+        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); single-file checkpoints are not planned")
+    device = resolve_device(config.device).type
+    resolution = config.resolution
+    if resolution is None:
+        scale = _folder_vae_scale(Path(base))
+        unet_cfg = Path(base) / ("unet" if config.model in ("sd15", "sdxl") else "transformer") / "config.json"
+        resolution = default_resolution(SimpleNamespace(vae_scale_factor=scale, unet=SimpleNamespace(
+            config=SimpleNamespace(sample_size=json.loads(unet_cfg.read_text()).get("sample_size")))))
+    dataset_size = 0
+    if device == "cpu":
+        from .diffusion.data import ImageCaptionDataset
+        from .diffusion.train import _dataset_dir
+
+        dataset_size = len(ImageCaptionDataset(_dataset_dir(config), resolution, skip_bad=config.skip_bad_images))
+    result = fit(budget, config.model, batch_size=config.batch_size * config.grad_accum, size=str(base),
+                 resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
+                 mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),
+                 base_dtype="fp32", device=device, dataset_size=dataset_size)
+    return dc_replace(config, **result.settings), result.reason()
