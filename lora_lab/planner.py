@@ -72,7 +72,7 @@ def parse_bytes(text: str | int) -> int:
             raise PlanError(f"memory budget must be > 0 bytes, got {text}")
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", str(text), flags=re.IGNORECASE)
-    if not m or (m.group(2) == "" and m.group(3) != ""):
+    if not m or m.group(2) + m.group(3) == "" or (m.group(2) == "" and m.group(3).lower() == "ib"):
         raise PlanError(f"cannot read memory size {text!r}: write e.g. 24GiB, 24G, 24GB or 16000MiB")
     value, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3)
     power = "KMGT".index(prefix) + 1 if prefix else 0
@@ -198,9 +198,9 @@ class _Attention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        q, k, v, *rest = args
-        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        opts = {**dict(zip(names, rest)), **kwargs}
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        opts = {**dict(zip(names, args)), **kwargs}
+        q, k, v = opts["query"], opts["key"], opts["value"]
         mask, p, causal, scale = opts.get("attn_mask"), opts.get("dropout_p", 0.0), opts.get("is_causal", False), opts.get("scale")
         choice = _attention_choice(self.backend, self.device, q, mask)
         if choice == "flash" and mask is not None:
