@@ -132,3 +132,9 @@ def test_bad_options_are_clear_errors():
         plan_memory("sdxl", attention="xformers")
     with pytest.raises(PlanError, match="rank"):
         plan_memory("sdxl", size="tiny", rank=0)
+
+
+def test_notebook_08_memory_plan(run_notebook):
+    data = run_notebook("08_memory_plan", MODELS=[], VALIDATE=[["sd3", False, "adamw", "no"]])
+    assert data["passed"], data
+    assert data["numbers"]["validation_worst_error"] <= TOLERANCE
