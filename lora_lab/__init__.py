@@ -60,6 +60,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
+from .planner import FitResult, LiveBytes, MemoryPlan, PlanError, fit, parse_bytes, plan_memory
 from .precision import MixedPrecision, PrecisionError
 
 __all__ = [
@@ -132,4 +133,12 @@ __all__ = [
     "set_lora_strength",
     "train",
     "unmerge_lora",
-    "var_from_tensor",]
+    "var_from_tensor",
+    "FitResult",
+    "LiveBytes",
+    "MemoryPlan",
+    "PlanError",
+    "fit",
+    "parse_bytes",
+    "plan_memory",
+]

@@ -820,22 +820,26 @@ def fit_config(config, budget: int | str):
     from .diffusion.train import resolve_device
 
     base = config.base if config.base is not None else shipped_base(config.model)
-    if base is None or not (Path(base) / "model_index.json").is_file():
-        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); single-file checkpoints are not planned")
     device = resolve_device(config.device).type
     resolution = config.resolution
-    if resolution is None:
-        scale = _folder_vae_scale(Path(base))
-        unet_cfg = Path(base) / ("unet" if config.model in ("sd15", "sdxl") else "transformer") / "config.json"
-        resolution = default_resolution(SimpleNamespace(vae_scale_factor=scale, unet=SimpleNamespace(
-            config=SimpleNamespace(sample_size=json.loads(unet_cfg.read_text()).get("sample_size")))))
+    if base is None:  # the trainer builds the tiny model of this kind from a seed
+        size = "tiny"
+    elif (Path(base) / "model_index.json").is_file():
+        size = str(base)
+        if resolution is None:
+            sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
+            sample = json.loads((Path(base) / sub / "config.json").read_text()).get("sample_size")
+            resolution = default_resolution(SimpleNamespace(vae_scale_factor=_folder_vae_scale(Path(base)), unet=SimpleNamespace(
+                config=SimpleNamespace(sample_size=sample))))
+    else:
+        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); single-file checkpoints are not planned")
     dataset_size = 0
     if device == "cpu":
         from .diffusion.data import ImageCaptionDataset
         from .diffusion.train import _dataset_dir
 
-        dataset_size = len(ImageCaptionDataset(_dataset_dir(config), resolution, skip_bad=config.skip_bad_images))
-    result = fit(budget, config.model, batch_size=config.batch_size * config.grad_accum, size=str(base),
+        dataset_size = len(ImageCaptionDataset(_dataset_dir(config), resolution or 16, skip_bad=config.skip_bad_images))
+    result = fit(budget, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
                  resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
                  mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),
                  base_dtype="fp32", device=device, dataset_size=dataset_size)

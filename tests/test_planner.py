@@ -138,3 +138,12 @@ def test_notebook_08_memory_plan(run_notebook):
     data = run_notebook("08_memory_plan", MODELS=[], VALIDATE=[["sd3", False, "adamw", "no"]])
     assert data["passed"], data
     assert data["numbers"]["validation_worst_error"] <= TOLERANCE
+
+
+def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
+    from lora_lab.cli import main
+
+    assert main(["train", "--model", "sd3", "--output", str(tmp_path / "out"), "--steps", "1", "--vram", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and "of which" in err
+    assert not (tmp_path / "out").exists()  # refused before training started
