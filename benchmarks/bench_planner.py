@@ -34,8 +34,8 @@ def gib(n: int) -> str:
 def real_table(rows, rank: int) -> None:
     from lora_lab.planner import plan_memory
 
-    print(f"| model | resolution | checkpointing | optimizer | attention | weights (denoiser / others) GiB | "
-          f"saved activations GiB | predicted peak GiB | phase | plan time s |")
+    print("| model | resolution | checkpointing | optimizer | attention | weights (denoiser / others) GiB | "
+          "saved activations GiB | predicted peak GiB | phase | plan time s |")
     print("| --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
     for model, res, ckpt, opt in rows:
         p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt)

@@ -168,9 +168,9 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 def _run_plan(args: argparse.Namespace) -> int:
     from .planner import PlanError, fit, options_table, plan_memory
 
-    common = dict(resolution=args.resolution, rank=args.rank, dora=args.dora, conv=args.conv,
-                  mixed_precision=args.mixed_precision, base_dtype=args.base_dtype, resident=args.resident,
-                  attention=args.attention)
+    common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
+              "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
+              "attention": args.attention}
     plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, gradient_checkpointing=ck,
                          optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]

@@ -746,7 +746,7 @@ class FitResult:
     def reason(self) -> str:
         s = self.settings
         skipped = [p for p in self.tried if not p.fits(self.budget)]
-        why = (f"; faster options did not fit: " + ", ".join(
+        why = ("; faster options did not fit: " + ", ".join(
             f"{_label(p.options)} {format_bytes(p.peak)}" for p in skipped)) if skipped else ""
         return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
                 f"{format_bytes(self.budget)} (batch {s['batch_size']} x {s['grad_accum']} accumulation){why}")
@@ -789,7 +789,7 @@ def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, **plan_o
     tried: list[MemoryPlan] = []
     for ckpt in CHECKPOINTING_ORDER:
         for opt in OPTIMIZER_ORDER:
-            def plan(b):
+            def plan(b, ckpt=ckpt, opt=opt):
                 p = plan_memory(model, batch_size=b, grad_accum=batch_size // b, gradient_checkpointing=ckpt,
                                 optimizer=opt, **plan_options)
                 tried.append(p)
