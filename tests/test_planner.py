@@ -147,3 +147,10 @@ def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and "of which" in err
     assert not (tmp_path / "out").exists()  # refused before training started
+
+
+def test_offloading_the_other_components_removes_exactly_their_bytes():
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no"}
+    full, alone = plan_memory("sdxl", **kw), plan_memory("sdxl", resident="denoiser", **kw)
+    assert alone.parts["resident (VAE, text encoders)"] == 0
+    assert full.peak - alone.peak == full.parts["resident (VAE, text encoders)"] > 0
