@@ -662,8 +662,10 @@ def _optimizer_step(optimizer, scaler) -> None:
         # the 8-bit step updates in place, in chunks of CHUNK_BLOCKS blocks (CUDA: one Triton kernel per tensor);
         # its fp32 temporaries are a few MiB at most, far below the backward's, so it is not run on fake tensors
         return
-    scaler.step(optimizer)
-    scaler.update()
+    if scaler.is_enabled():
+        optimizer.step()  # what scaler.step does when the gradients are finite (fake tensors hold no values to check)
+    else:
+        scaler.step(optimizer)
 
 
 # ----------------------------------------------------------------------------- measuring a real step

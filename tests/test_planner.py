@@ -154,3 +154,11 @@ def test_offloading_the_other_components_removes_exactly_their_bytes():
     full, alone = plan_memory("sdxl", **kw), plan_memory("sdxl", resident="denoiser", **kw)
     assert alone.parts["resident (VAE, text encoders)"] == 0
     assert full.peak - alone.peak == full.parts["resident (VAE, text encoders)"] > 0
+
+
+def test_dora_locon_and_fp16_are_planned():
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4}
+    plain = plan_memory("sd15", mixed_precision="no", **kw)
+    more = plan_memory("sd15", dora=True, conv=True, mixed_precision="fp16", **kw)
+    assert more.parts["adapter weights"] > plain.parts["adapter weights"]  # magnitudes and LoCon convs
+    assert more.options["mixed_precision"] == "fp16"
