@@ -6,16 +6,17 @@
     LiveBytes()                                               -> a TorchDispatchMode that counts live tensor bytes
     parse_bytes("24GiB")                                      -> 25769803776
 
-How a plan is made: the real diffusers/transformers classes are built at full size under PyTorch's
-`FakeTensorMode` (tensors with shapes, dtypes and devices, and no data) on the device the run will use
-("cuda" by default: CUDA's autocast rules apply, e.g. group_norm and softmax give fp32 under bf16),
-on the CPU, where fake tensors need no GPU,
-then one training step runs on them exactly as `lora_lab.diffusion.train` runs it: the trainer's own
-`add_adapter`, `checkpoint_blocks` + `enable_checkpointing`, `make_optimizer` and `denoising_loss`, then
-backward, gradient clipping and the optimizer step. `LiveBytes` sees every op's outputs at the dispatch
-level and keeps, per tensor storage, its size until the storage is freed (a weakref finalizer on the
-storage): the peak of the sum over the step is the plan's peak. The optimizer state exists before the
-measured step (as in every step after the first).
+How a plan is made: the real diffusers/transformers classes are built at full size on the meta device,
+the denoiser's weights become PyTorch fake tensors (shapes and dtypes, no data) on the CPU, and one
+training step runs on them as `lora_lab.diffusion.train` runs it: the trainer's own `add_adapter`,
+`checkpoint_blocks` + `enable_checkpointing`, `make_optimizer` and `denoising_loss`, then backward,
+gradient clipping and the optimizer step. With device="cuda" (the default) CUDA's autocast rules are
+applied (group_norm, layer_norm, softmax, ... run in fp32 under bf16; the CPU's rules keep them in bf16).
+`LiveBytes` sees every op's outputs at the dispatch level and keeps, per tensor storage, its size until
+the storage is freed (a weakref finalizer on the storage): the largest sum over the step is the plan's
+peak. The optimizer state of a previous step is live; with checkpointing, a whole previous step runs
+first (lora_lab's checkpointing keeps some recomputed tensors into the next step). The VAE and text
+encoders only add their bytes (from the meta build).
 
 Attention: on a GPU, `scaled_dot_product_attention` runs a fused kernel that keeps q, k, v, the output
 and a log-sum-exp for backward; the math path (meta, and older CPUs) keeps the L x L probabilities.
@@ -25,8 +26,9 @@ on the CPU PyTorch's flash kernel for the CPU), or "auto": on CUDA, flash for fp
 dim <= 256 and no mask, else memory-efficient (PyTorch's own choice on an Ampere or newer GPU).
 
 What a plan does not see: allocator fragmentation and caching, cuBLAS/cuDNN workspaces and the
-kernels' internal scratch (flash backward's fp32 dq accumulator), the CUDA context (~0.3-0.5 GiB), and
-anything outside the training step (sampling, saving). It counts tensor bytes, as
+kernels' internal scratch (flash backward's fp32 dq accumulator), the CUDA context, lora_lab's Triton
+adapter kernels (a GPU run with backend="auto" uses them; the plan runs the PyTorch path), and anything
+outside the training step (sampling, saving). It counts tensor bytes, as
 `torch.cuda.max_memory_allocated` does, not what `nvidia-smi` shows.
 """
 
