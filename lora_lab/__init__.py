@@ -67,6 +67,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
+from .planner import FitResult, LiveBytes, MemoryPlan, PlanError, fit, parse_bytes, plan_memory
 from .precision import MixedPrecision, PrecisionError
 from .quant import (
     QuantizationError,
@@ -86,11 +87,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointPlan",
     "DatasetError",
+    "FitResult",
     "Frozen",
     "ImageCaptionDataset",
     "KernelBackendError",
     "KernelInputError",
     "Linear",
+    "LiveBytes",
     "LoRAConfig",
     "LoRAConfigError",
     "LoRAConv2d",
@@ -104,11 +107,13 @@ __all__ = [
     "LoraLabError",
     "LoraModule",
     "MemoryMeasurementUnavailable",
+    "MemoryPlan",
     "MixedPrecision",
     "ModelLoadError",
     "NonFiniteLossError",
     "ObjectiveError",
     "OptimizerError",
+    "PlanError",
     "PrecisionError",
     "QuantLinear",
     "QuantReport",
@@ -132,6 +137,7 @@ __all__ = [
     "dynamic_map",
     "enable_checkpointing",
     "encode_prompts",
+    "fit",
     "kohya_name",
     "load_frozen",
     "load_lora",
@@ -143,7 +149,9 @@ __all__ = [
     "merge_loras",
     "objective_for",
     "optimizer_state_bytes",
+    "parse_bytes",
     "peak_memory",
+    "plan_memory",
     "quantize_base",
     "quantize_blockwise",
     "quantize_weight",
@@ -156,6 +164,7 @@ __all__ = [
     "set_lora_strength",
     "train",
     "unmerge_lora",
-    "var_from_tensor",]
+    "var_from_tensor",
+]
 
 _install_log_filters()  # the few third-party import-time log lines that say nothing here (see quiet.py)

@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_file_parsers(sub)
     add_train_parser(sub)
     add_sample_parser(sub)
+    add_plan_parser(sub)
     return ap
 
 
@@ -144,6 +145,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
             p.add_argument(flag, type=base, default=f.default, help=helptext)
+    p.add_argument("--vram", default=None, metavar="SIZE",
+                   help="memory budget, e.g. 24GiB: let the memory planner choose checkpointing, optimizer and "
+                   "micro-batch (--batch-size is then the effective batch)")
     p.set_defaults(func=_run_train)
     return p
 
@@ -152,9 +156,67 @@ def _run_train(args: argparse.Namespace) -> int:
     from .diffusion.train import TrainConfig, train
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    if args.vram is not None:
+        from .planner import fit_config
+
+        config, why = fit_config(config, args.vram)
+        print(f"lora-lab train --vram {args.vram}: {why}")
     result = train(config)
     if result.is_main:
         print(f"wrote {', '.join(str(p) for p in result.outputs.values())}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- lora-lab plan
+
+
+def add_plan_parser(sub) -> argparse.ArgumentParser:
+    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
+    from .diffusion.real import REAL_MODELS
+    from .planner import ATTENTION, DTYPES, RESIDENT
+
+    p = sub.add_parser(
+        "plan",
+        help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options that fit",
+        description="Runs one training step of the real model on fake tensors (no weights, no GPU) and counts "
+        "the bytes live at the peak. Example: lora-lab plan --model sdxl --resolution 1024 --rank 16 --vram 24GiB",
+    )
+    p.add_argument("--model", required=True, choices=list(REAL_MODELS), help="the real model")
+    p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: 1024; sd15: 512)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: 16)")
+    p.add_argument("--batch-size", type=int, default=1, help="effective batch (default: 1)")
+    p.add_argument("--dora", action="store_true", help="DoRA adapters")
+    p.add_argument("--conv", action="store_true", help="also LoCon on the UNet's ResNet convs")
+    p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"], help="autocast (default: bf16)")
+    p.add_argument("--base-dtype", default="bf16", choices=list(DTYPES), help="frozen weights' dtype (default: bf16)")
+    p.add_argument("--resident", default="all", choices=list(RESIDENT),
+                   help="all: VAE and text encoders stay on the GPU (as lora_lab's trainer); denoiser: offloaded")
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION), help="attention kernel (default: auto)")
+    p.add_argument("--vram", default=None, metavar="SIZE", help="budget, e.g. 24GiB: mark what fits, choose the fastest")
+    p.set_defaults(func=_run_plan)
+    return p
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .planner import PlanError, fit, options_table, plan_memory
+
+    common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
+              "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
+              "attention": args.attention}
+    plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, gradient_checkpointing=ck,
+                         optimizer=opt, **common)
+             for ck in (False, True) for opt in ("adamw", "adamw8bit")]
+    print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} autocast, "
+          f"base {args.base_dtype}, attention {plans[0].attention} (predictions, not measurements)")
+    print(options_table(plans, args.vram))
+    if args.vram is not None:
+        try:
+            result = fit(args.vram, args.model, batch_size=args.batch_size, **common)
+        except PlanError as e:
+            print(f"lora-lab: error: {e}", file=sys.stderr)
+            return 1
+        print(result.reason())
+        print(result.chosen.table())
     return 0
 
 

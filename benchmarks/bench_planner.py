@@ -1,0 +1,102 @@
+"""Memory planner: real-size predictions, the planner's own speed, and the tiny-model validation matrix.
+
+    python benchmarks/bench_planner.py                 # real-size table (predictions) + planner speed
+    python benchmarks/bench_planner.py --validate      # tiny models on the CPU: predicted vs measured, 32 runs
+
+Real-size rows are predictions from fake tensors (no GPU was used). Targets (issue 10): a plan for the real
+SDXL at 1024 in <= 10 s and < 2 GiB resident on the 2-core machine; `fit` over all options < 1 minute;
+every validation row within 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+REAL_ROWS = [  # (model, resolution, checkpointing, optimizer)
+    ("sdxl", 512, False, "adamw"), ("sdxl", 512, True, "adamw8bit"),
+    ("sdxl", 1024, False, "adamw"), ("sdxl", 1024, True, "adamw8bit"),
+    ("sd35-medium", 1024, False, "adamw"), ("sd35-medium", 1024, True, "adamw8bit"),
+    ("sd35-large", 1024, False, "adamw"), ("sd35-large", 1024, True, "adamw8bit"),
+    ("flux-dev", 1024, False, "adamw"), ("flux-dev", 1024, True, "adamw8bit"),
+]
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def real_table(rows, rank: int) -> None:
+    from lora_lab.planner import plan_memory
+
+    print("| model | resolution | checkpointing | optimizer | attention | weights (denoiser / others) GiB | "
+          "saved activations GiB | predicted peak GiB | phase | plan time s |")
+    print("| --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for model, res, ckpt, opt in rows:
+        p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt)
+        w = p.parts
+        print(f"| {model} | {res} | {'yes' if ckpt else 'no'} | {opt} | {p.attention} | "
+              f"{gib(w['frozen weights'])} / {gib(w['resident (VAE, text encoders)'])} | {gib(p.saved_activations)} | "
+              f"**{gib(p.peak)}** | {p.peak_phase} | {p.seconds:.1f} |", flush=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\nmax resident memory of this process: {rss:.2f} GiB")
+
+
+def validate() -> None:
+    from lora_lab.diffusion.train import TrainConfig
+    from lora_lab.planner import measure_training_step, plan_memory
+
+    print("| kind | checkpointing | optimizer | autocast | measured peak B | predicted peak B | error | state B (both) |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+    worst = 0.0
+    for kind in ("sd15", "sdxl", "sd3", "flux"):
+        for ckpt in (False, True):
+            for opt in ("adamw", "adamw8bit"):
+                for mp in ("no", "bf16"):
+                    with tempfile.TemporaryDirectory() as d:
+                        m = measure_training_step(TrainConfig(model=kind, output=d, rank=8, gradient_checkpointing=ckpt,
+                                                              optimizer=opt, mixed_precision=mp))
+                    p = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
+                                    gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
+                                    dataset_size=m["dataset_size"])
+                    err = p.peak / m["peak"] - 1
+                    worst = max(worst, abs(err))
+                    same = "yes" if p.parts["optimizer state"] == m["optimizer_state"] else "NO"
+                    print(f"| {kind} | {'yes' if ckpt else 'no'} | {opt} | {mp} | {m['peak']:,} | {p.peak:,} | "
+                          f"{100 * err:+.2f}% | {m['optimizer_state']:,} ({same}) |", flush=True)
+    print(f"\nworst |error|: {100 * worst:.2f}% (target <= 5%: {'met' if worst <= 0.05 else 'NOT met'})")
+
+
+def speed() -> None:
+    from lora_lab.planner import fit, plan_memory
+
+    t = time.perf_counter()
+    p = plan_memory("sdxl", resolution=1024, rank=16)
+    t_plan = time.perf_counter() - t
+    t = time.perf_counter()
+    r = fit("24GiB", "sdxl", resolution=1024, rank=16)
+    t_fit = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"plan, real SDXL 1024, rank 16: {t_plan:.1f} s (target <= 10 s: {'met' if t_plan <= 10 else 'NOT met'}), "
+          f"peak {gib(p.peak)} GiB predicted")
+    print(f"fit 24GiB: {t_fit:.1f} s over {len(r.tried)} plans (target < 60 s: {'met' if t_fit < 60 else 'NOT met'})")
+    print(f"max resident memory: {rss:.2f} GiB (target < 2 GiB: {'met' if rss < 2 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--validate", action="store_true", help="the tiny-model matrix instead of the real-size table")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--only", default=None, help="comma-separated models of the real table (default: all)")
+    args = ap.parse_args()
+    if args.validate:
+        validate()
+    else:
+        speed()
+        rows = [r for r in REAL_ROWS if args.only is None or r[0] in args.only.split(",")]
+        real_table(rows, args.rank)

@@ -1,0 +1,164 @@
+"""The memory planner: predicted peaks against a real training step of lora_lab's trainer (tiny models, CPU),
+the breakdown's parts against their own exact counts, the attention backends, fit's choices, budgets.
+
+The full matrix (sd15/sdxl/sd3/flux x checkpointing x adamw/adamw8bit x fp32/bf16) is
+`python benchmarks/bench_planner.py --validate`; two corners of it run here.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lora_lab import planner
+from lora_lab.diffusion.train import TrainConfig
+from lora_lab.memory import saved_activation_bytes
+from lora_lab.planner import LiveBytes, PlanError, fit, measure_training_step, parse_bytes, plan_memory
+
+TOLERANCE = 0.05  # the issue's claim: predicted peak within 5% of the measured peak
+
+
+@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
+def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
+    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8, gradient_checkpointing=ckpt,
+                                                 optimizer=opt, mixed_precision=mp))
+    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8, gradient_checkpointing=ckpt,
+                       optimizer=opt, mixed_precision=mp, dataset_size=measured["dataset_size"])
+    assert plan.peak == pytest.approx(measured["peak"], rel=TOLERANCE)
+    assert plan.parts["optimizer state"] == measured["optimizer_state"]  # exact, optimizer_state_bytes
+    assert sum(plan.parts.values()) == plan.peak
+    assert plan.attention == "native (cpu)"
+
+
+def test_saved_activations_equal_saved_activation_bytes():
+    """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real tensors."""
+    from lora_lab.diffusion.models import build_components
+    from lora_lab.diffusion.objectives import objective_for
+    from lora_lab.diffusion.train import add_adapter, denoising_loss
+
+    config = TrainConfig(model="sdxl", rank=8)
+    unet = build_components("sdxl")["unet"]
+    add_adapter(unet, config)
+    unet.train()
+    pipe = type("P", (), {"unet": unet, "vae_scale_factor": 2})()
+    x0, noise = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    cond = {"prompt_embeds": torch.randn(1, 16, 64), "pooled_prompt_embeds": torch.randn(1, 32)}
+    t = torch.tensor([500])
+    measured = saved_activation_bytes(lambda: denoising_loss(config, pipe, objective_for("sdxl"), x0, noise, t, cond))
+    plan = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, mixed_precision="no")
+    assert plan.saved_activations == measured
+
+
+def test_live_bytes_counts_allocations_and_frees():
+    tracker = LiveBytes()
+    with tracker:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a * 2  # +4000
+        del b
+        c = a.view(10, 100)  # a view: nothing new
+        d = torch.empty(250, dtype=torch.float64)  # +2000
+    assert tracker.peak == 8000
+    assert tracker.current == 6000
+    del a, c, d
+    assert tracker.current == 0
+
+
+def _saved_by_attention(backend: str, dtype=torch.bfloat16) -> int:
+    """Bytes autograd keeps for one SDPA call on (B, H, L, D) = (1, 2, 256, 64) under a backend."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.randn(1, 2, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+        tracker = LiveBytes()
+        tracker.in_forward = True
+        with tracker, planner._Attention(backend, "cuda"), torch.autograd.graph.saved_tensors_hooks(
+                tracker.mark_saved, lambda x: x):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2).transpose(1, 2), k, v)
+        del out
+        return tracker.saved_bytes
+
+
+def test_attention_backends_save_what_they_keep():
+    L, D, H = 256, 64, 2
+    flash = _saved_by_attention("flash")
+    # flash keeps q, k, v (inputs, not new) and the output (bf16) and the log-sum-exp (fp32, B x H x L), rng state
+    assert flash >= H * L * D * 2 + H * L * 4
+    assert flash < H * L * D * 2 + H * L * 4 + 64
+    math_ = _saved_by_attention("math")
+    assert math_ > H * L * L * 2  # the L x L probabilities
+    assert _saved_by_attention("auto", torch.float32) == _saved_by_attention("efficient", torch.float32)
+
+
+def test_fit_tries_fast_options_first(monkeypatch):
+    """fit's order: no checkpointing before checkpointing, adamw before adamw8bit, the largest micro-batch."""
+    calls = []
+
+    def fake_plan(model, *, batch_size, grad_accum, gradient_checkpointing, optimizer, **kw):
+        calls.append((gradient_checkpointing, optimizer, batch_size))
+        peak = 10 * batch_size + (0 if gradient_checkpointing else 20) + (0 if optimizer == "adamw8bit" else 1)
+        options = {"batch_size": batch_size, "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
+                   "optimizer": optimizer}
+        return planner.MemoryPlan(model, "tiny", options, "flash", {"activations": peak}, peak, 0, 0, "backward")
+
+    monkeypatch.setattr(planner, "plan_memory", fake_plan)
+    r = fit(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
+    assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2, "grad_accum": 2}
+    assert calls == [(False, "adamw", 1), (False, "adamw", 4), (False, "adamw", 2)]
+    calls.clear()
+    r = fit(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does
+    assert r.settings["optimizer"] == "adamw8bit" and not r.settings["gradient_checkpointing"]
+    r = fit(11, "sdxl")  # checkpointing, adamw: 11 fits
+    assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw"
+    r = fit(10, "sdxl")
+    assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw8bit"
+    with pytest.raises(PlanError, match=r"smallest predicted peak is .*activations"):
+        fit(5, "sdxl")
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("24G") == 24 * 2**30
+    assert parse_bytes("24GB") == 24 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes(1000) == 1000
+    for bad in ("24", "lots", "-3GiB", "0GiB", "GiB"):
+        with pytest.raises(PlanError):
+            parse_bytes(bad)
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(PlanError, match="unknown real model"):
+        plan_memory("sdxl-turbo")
+    with pytest.raises(PlanError, match="attention"):
+        plan_memory("sdxl", attention="xformers")
+    with pytest.raises(PlanError, match="rank"):
+        plan_memory("sdxl", size="tiny", rank=0)
+
+
+def test_notebook_08_memory_plan(run_notebook):
+    data = run_notebook("08_memory_plan", MODELS=[], VALIDATE=[["sd3", False, "adamw", "no"]])
+    assert data["passed"], data
+    assert data["numbers"]["validation_worst_error"] <= TOLERANCE
+
+
+def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
+    from lora_lab.cli import main
+
+    assert main(["train", "--model", "sd3", "--output", str(tmp_path / "out"), "--steps", "1", "--vram", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and "of which" in err
+    assert not (tmp_path / "out").exists()  # refused before training started
+
+
+def test_offloading_the_other_components_removes_exactly_their_bytes():
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no"}
+    full, alone = plan_memory("sdxl", **kw), plan_memory("sdxl", resident="denoiser", **kw)
+    assert alone.parts["resident (VAE, text encoders)"] == 0
+    assert full.peak - alone.peak == full.parts["resident (VAE, text encoders)"] > 0
+
+
+def test_dora_locon_and_fp16_are_planned():
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4}
+    plain = plan_memory("sd15", mixed_precision="no", **kw)
+    more = plan_memory("sd15", dora=True, conv=True, mixed_precision="fp16", **kw)
+    assert more.parts["adapter weights"] > plain.parts["adapter weights"]  # magnitudes and LoCon convs
+    assert more.options["mixed_precision"] == "fp16"
