@@ -253,7 +253,10 @@ class _Call:
                 replay.paused = False
             if len(saved) == stop_at:
                 raise _StopRecompute
-            return t
+            # The recomputation's own graph is never backpropagated: its nodes keep nothing. (Returning `t`
+            # would also make a node -> t -> node cycle for ops that save their output, e.g. softmax,
+            # keeping each recomputed block alive until the cyclic GC runs.)
+            return None
 
         torch.set_rng_state(self.cpu_rng)
         for d, s in zip(self.cuda_devices, self.cuda_rng):

@@ -14,9 +14,8 @@ gradient clipping and the optimizer step. With device="cuda" (the default) CUDA'
 applied (group_norm, layer_norm, softmax, ... run in fp32 under bf16; the CPU's rules keep them in bf16).
 `LiveBytes` sees every op's outputs at the dispatch level and keeps, per tensor storage, its size until
 the storage is freed (a weakref finalizer on the storage): the largest sum over the step is the plan's
-peak. The optimizer state of a previous step is live; with checkpointing, a whole previous step runs
-first (lora_lab's checkpointing keeps some recomputed tensors into the next step). The VAE and text
-encoders only add their bytes (from the meta build).
+peak. The optimizer state of a previous step is live. The VAE and text encoders only add their bytes
+(from the meta build).
 
 Attention: on a GPU, `scaled_dot_product_attention` runs a fused kernel that keeps q, k, v, the output
 and a log-sum-exp for backward; the math path (meta, and older CPUs) keeps the L x L probabilities.
@@ -574,13 +573,6 @@ def _planned_step(comps, size, kind, config, options, tracker: LiveBytes, attn: 
         pipe.unet = None
     scaler = torch.amp.GradScaler("cpu", enabled=config.mixed_precision == "fp16")
 
-    if config.gradient_checkpointing:
-        # lora_lab's checkpointing leaves some recomputed tensors of one step alive into the next (found by
-        # this planner: 1.4 MB of 11 MB on the tiny SDXL); a first step puts them where the trainer has them
-        with attn:
-            _backward(denoising_loss(config, pipe, objective, x0, noise, t, cond))
-        if config.grad_accum == 1:
-            optimizer.zero_grad(set_to_none=True)
     tracker.reset_peak()
     peaks = {}
     tracker.in_forward = True
