@@ -486,6 +486,7 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=2, BATCH_SIZE=4,
                         SAMPLE_STEPS=2, MAX_RATE_GAP=1.0)
     assert data["passed"], data.get("error") or data["claims"]
+    assert not run_notebook.bare_results("09_quantized_base")
     n = data["numbers"]
     assert n["quantized_layers"] == 100 and n["bytes_per_param"]["nf4"] <= 0.53
     assert n["diffusers_vs_lora_lab_float_base"] < 2e-3
