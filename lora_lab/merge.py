@@ -30,6 +30,7 @@ from torch import nn
 from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
 from .params import load_frozen
+from .quant import QuantizationError, QuantLinear
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
@@ -190,6 +191,19 @@ class LoRAStack(nn.Module):
         return y0 + sum(a(x) - y0 for a in self.adapters)
 
 
+def _live_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict, where each quantized Linear (QuantLinear) stands as `<name>.weight`: a meta
+    tensor of its dequantized shape and dtype, so LoRA modules match it as they match a float Linear."""
+    weights = dict(model.state_dict())
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            p = f"{name}." if name else ""
+            for stored in m.stored():
+                del weights[p + stored]
+            weights[p + "weight"] = torch.empty(m.shape, dtype=m.dtype, device="meta")
+    return weights
+
+
 def apply_loras(
     model: nn.Module,
     loras: Sequence[LoraSpec],
@@ -197,22 +211,37 @@ def apply_loras(
     *,
     component: str | None = None,
     strict: bool = True,
+    requantize: bool = False,
 ) -> AppliedLoras:
     """Apply LoRA files at strengths to `model` (one pipeline component, e.g. a UNet).
 
     mode="merge": the adapted weights are replaced by W' (as `merge_loras`); no way back but reloading.
     mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by a LoRALinear / LoRAConv2d per file
     (a LoRAStack when several files adapt it); `AppliedLoras.set_strength(i, t)` changes file i's strength.
+    A quantized base (`quantize_base`'s QuantLinear layers): runtime adapters compute on top of the
+    dequantized weight; merging into it needs requantize=True (W' is rounded to the format's grid, as
+    `merge_lora(model, requantize=True)`), otherwise QuantizationError and nothing is changed.
     """
     if mode not in ("merge", "runtime"):
         raise LoraFormatError(f"mode={mode!r}: choose 'merge' or 'runtime'")
-    weights = dict(model.state_dict())
+    weights = _live_weights(model)
     patches = _patches(weights, loras, component, strict)
     if mode == "merge":
+        quantized = [k for k in sorted(patches) if isinstance(model.get_submodule(k[: -len(".weight")]), QuantLinear)]
+        if quantized and not requantize:
+            fmt = model.get_submodule(quantized[0][: -len(".weight")]).fmt
+            raise QuantizationError(
+                f"{len(quantized)} adapted layer(s) are quantized ({fmt}), e.g. {quantized[0][: -len('.weight')]!r}: "
+                "merging rounds W + D to the format's grid and loses precision (a LoRA's change is often smaller "
+                "than a quantization step); use mode='runtime', or pass requantize=True to merge anyway"
+            )
         merged = MergedState(weights, patches)
         with torch.no_grad():
             for key in merged.patched:
                 module = model.get_submodule(key[: -len(".weight")])
+                if isinstance(module, QuantLinear):  # merged into the dequantized weight, then quantized again
+                    module.requantize(MergedState({key: module.dequantize()}, {key: patches[key]})[key])
+                    continue
                 w = merged[key]
                 if isinstance(module.weight, nn.Parameter):
                     module.weight.data = w
@@ -228,9 +257,9 @@ def apply_loras(
         adapters = []
         for p in items:
             m = p.module
-            r, w = m.rank, base.weight
-            down = m.down.float().reshape(r, *w.shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
-            up = m.up.float().reshape(w.shape[0], r, *[1] * (w.dim() - 2))
+            r, shape = m.rank, weights[key].shape  # a quantized base's shape without dequantizing it
+            down = m.down.float().reshape(r, *shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
+            up = m.up.float().reshape(shape[0], r, *[1] * (len(shape) - 2))
             a = cls.from_weights(base, down, up, m.alpha, magnitude=m.dora_scale)
             a.strength = p.strength
             adapters.append(a)

@@ -30,7 +30,7 @@ def run_notebook(tmp_path):
     """run_notebook(name, **params) -> the recorded JSON of notebooks/<name>.ipynb run with `params`.
 
     The executed copy, figures and JSON go to a temporary folder; the JSON is returned whether or
-    not the claims held, so a test can say which one failed.
+    not the claims held, so a test can say which one failed. `run_notebook.bare_results(name)`: see below.
     """
     isolate_caches(tmp_path / "cache")
 
@@ -42,6 +42,13 @@ def run_notebook(tmp_path):
         print(json.dumps({"numbers": data.get("numbers"), "failed": failed, "error": data.get("error")}, indent=1))
         return data
 
+    def bare_results(name: str) -> list[str]:
+        """Ids of the cells of the executed copy that show a bare value (an execute_result: a repr such as
+        the Generator of `torch.manual_seed`, which no one printed)."""
+        executed = json.loads((tmp_path / "reports" / f"{name}.ipynb").read_text())
+        return [c.get("id") for c in executed["cells"] if any(o["output_type"] == "execute_result" for o in c.get("outputs", []))]
+
+    run.bare_results = bare_results
     old = os.environ.get("LORA_LAB_REPORTS")
     yield run
     if old is None:

@@ -102,6 +102,7 @@ def test_notebook_05_memory(run_notebook):
         BUDGETS=[0.1, 0.3],
     )
     assert data["passed"], data.get("error")
+    assert not run_notebook.bare_results("05_memory")  # every cell shows only what it prints or draws
     nums = data["numbers"]
     assert nums["checkpoint_bytes_ratio"] < 0.40
     assert nums["activation_bytes_checkpointed"] == 8 * 8 * 32 * 4  # each block's input, fp32

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_lab import Linear, LoRAConfig, add_lora, lora_disabled, lora_state_dict, merge_lora, remove_lora
-from lora_lab.lora import LoRAConfigError, LoRALinear, LoRAStateError, set_lora_strength
+from lora_lab.lora import LoRAConfigError, LoRALinear, LoRAStateError, lora_modules, set_lora_strength
 from lora_lab.memory import saved_activation_bytes
 from lora_lab.quant import (
     FORMATS,
@@ -364,6 +364,68 @@ def test_merge_on_quantized_base_needs_requantize(gen):
         assert names == ["fc1", "fc2"] and isinstance(net.fc1, QuantLinear)
 
 
+def test_lora_files_at_runtime_and_merged_on_a_quantized_sdxl_unet(tmp_path):
+    """apply_loras / sample(loras=) on the shipped tiny SDXL with an NF4 UNet: two files (LoRA, and DoRA on
+    linears and a conv) run on top of the dequantized base, equal to a float twin holding the dequantized
+    weights; merging refuses (nothing changed) unless requantize=True, which stays close to the float merge."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    from lora_lab.diffusion.models import build_pipeline, encode_prompts, predict, shipped_base
+    from lora_lab.diffusion.sampling import sample
+    from lora_lab.formats import save_lora
+    from lora_lab.merge import apply_loras
+    from lora_lab.quant import quantized_layers
+
+    g = torch.Generator().manual_seed(7)
+    pipe, twin = build_pipeline("sdxl", shipped_base("sdxl")), build_pipeline("sdxl", shipped_base("sdxl"))
+    files = []
+    for i, dora in enumerate((False, True)):
+        src = copy.deepcopy(twin.unet).requires_grad_(False)
+        add_lora(src, LoRAConfig(rank=4, targets=r".*(attn\d\.to_(q|v|out\.0)|resnets\.0\.conv1)", use_dora=dora))
+        with torch.no_grad():
+            for _, a in _adapter_params(src):
+                a.add_(torch.randn(a.shape, generator=g) * 0.05)
+        files.append((save_lora(tmp_path / f"{i}.safetensors", src), (1.0, 0.7)[i]))
+    pipe.unet.requires_grad_(False)
+    n_quant = len(quantize_base(pipe.unet, "nf4").names)
+    with torch.no_grad():
+        for name, q in quantized_layers(pipe.unet):
+            twin.unet.get_submodule(name).weight.copy_(q.weight)
+    embeds = encode_prompts(twin, ["a digit three"])
+    x, t = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([500])
+
+    def out(unet):
+        with torch.no_grad():
+            return predict("sdxl", unet, x, t, embeds)
+
+    base = out(pipe.unet)
+    torch.testing.assert_close(base, out(twin.unet), rtol=1e-5, atol=1e-5)
+    ours, theirs = copy.deepcopy(pipe.unet), copy.deepcopy(twin.unet)
+    live, live_twin = apply_loras(ours, files, mode="runtime"), apply_loras(theirs, files, mode="runtime")
+    assert live.weights == live_twin.weights and any(w.endswith("conv1.weight") for w in live.weights)
+    assert all(isinstance(m.base, (QuantLinear, nn.Conv2d)) for _, m in lora_modules(ours))
+    assert (out(ours) - base).abs().max() > 0.05  # the files change the output, so the comparison means something
+    torch.testing.assert_close(out(ours), out(theirs), rtol=1e-5, atol=1e-5)
+    live.set_strength(1, 0.3)
+    live_twin.set_strength(1, 0.3)
+    torch.testing.assert_close(out(ours), out(theirs), rtol=1e-5, atol=1e-5)
+
+    images = sample(pipe, "a digit three", seed=0, steps=2, loras=files)
+    torch.testing.assert_close(images, sample(twin, "a digit three", seed=0, steps=2, loras=files), rtol=0, atol=1e-4)
+    assert not list(lora_modules(pipe.unet)) and len(quantized_layers(pipe.unet)) == n_quant  # put back as it was
+
+    stored = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    with pytest.raises(QuantizationError, match="loses precision.*mode='runtime'.*requantize=True"):
+        apply_loras(pipe.unet, files, mode="merge")
+    assert all(torch.equal(v, stored[k]) for k, v in pipe.unet.state_dict().items())  # nothing changed
+    done = apply_loras(pipe.unet, files, mode="merge", requantize=True)
+    apply_loras(twin.unet, files, mode="merge")
+    assert done.weights == live.weights and len(quantized_layers(pipe.unet)) == n_quant  # still quantized
+    want = out(twin.unet)
+    assert _rel(out(pipe.unet), want) < 0.25 * _rel(base, want)  # merged (W' rounded to NF4: ~0.1 here)
+
+
 def test_pissa_and_triton_refused_on_quantized_base():
     net = _Net().requires_grad_(False)
     quantize_base(net, "nf4")
@@ -424,6 +486,7 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=2, BATCH_SIZE=4,
                         SAMPLE_STEPS=2, MAX_RATE_GAP=1.0)
     assert data["passed"], data.get("error") or data["claims"]
+    assert not run_notebook.bare_results("09_quantized_base")
     n = data["numbers"]
     assert n["quantized_layers"] == 100 and n["bytes_per_param"]["nf4"] <= 0.53
     assert n["diffusers_vs_lora_lab_float_base"] < 2e-3
