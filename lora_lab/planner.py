@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .params import LoraLabError
+from .quant import quantize_base
 
 GiB = 1 << 30
 ATTENTION = ("auto", "flash", "efficient", "math", "native")
@@ -455,6 +456,7 @@ def plan_memory(
     attention: str = "auto",
     device: str = "cuda",
     dataset_size: int = 0,
+    base_quantization: str | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory of one training step of lora_lab's trainer with these options.
 
@@ -467,6 +469,9 @@ def plan_memory(
     attention (see the module docstring); device "cuda" | "cpu" (the device whose rules the plan follows;
     nothing runs on it). checkpoint_options go to `enable_checkpointing` as keywords.
     dataset_size: examples whose cached latents and embeddings sit on the device (CPU runs only).
+    base_quantization: None | int8 | int8-block | nf4 | fp8 | fp8-row: the denoiser's frozen Linear weights
+    stored quantized (`quant.quantize_base`, as `TrainConfig.base_quantization`): their bytes as stored,
+    plus the dequantized weight each forward and backward makes for a moment.
     bnb-adamw8bit is planned with lora_lab's AdamW8bit, whose state has the same layout (uint8 moments,
     one fp32 absmax per 256 values, fp32 under 4096 values).
     """
@@ -499,16 +504,22 @@ def plan_memory(
         config = TrainConfig(model=kind, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, rank=rank,
                              dora=dora, conv=conv, optimizer=optimizer, gradient_checkpointing=gradient_checkpointing,
                              mixed_precision={"fp32": "no"}.get(mixed_precision, mixed_precision), progress=False,
-                             sample_steps=0, device="cpu")
+                             sample_steps=0, device="cpu", base_quantization=base_quantization)
     except TrainConfigError as e:
         raise PlanError(f"plan_memory: {e}") from e
     options = {"model": model, "resolution": resolution, "batch_size": batch_size, "grad_accum": grad_accum, "rank": rank, "dora": dora,
                "conv": conv, "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing,
                "checkpoint_options": dict(checkpoint_options or {}), "mixed_precision": config.mixed_precision,
-               "base_dtype": base_dtype, "resident": resident, "device": device, "dataset_size": dataset_size}
+               "base_dtype": base_dtype, "resident": resident, "device": device, "dataset_size": dataset_size,
+               "base_quantization": base_quantization}
     tracker = LiveBytes()
     attn = _Attention(attention, device)
     comps = _components(model, size, resident, DTYPES[base_dtype])
+    if base_quantization is not None:  # as add_adapter does, but on the meta build: the codes are what is stored
+        den = comps["unet"] if "unet" in comps else comps["transformer"]
+        den.requires_grad_(False)
+        quantize_base(den, base_quantization)
+        config = replace(config, base_quantization=None)
     with fake_device(device), torch.random.fork_rng(devices=[]), tracker:
         parts, phase, saved, grads = _planned_step(comps, size, kind, config, options, tracker, attn)
     used = "+".join(sorted(attn.used)) or "none"
