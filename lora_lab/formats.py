@@ -13,6 +13,8 @@ or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (th
 On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
+                      (an SDXL UNet's path in the LDM/sgm layout sd-scripts' SDXL UNet has, when its structure is
+                      known: lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q, see `UnetLayout`)
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
                       (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
