@@ -403,7 +403,7 @@ class UnetLayout:
     block) and which up blocks have attentions (their upsampler is item 2 of the block's last LDM block, else 1)."""
 
     layers_per_block: int
-    up_attentions: tuple[bool, ...] = ()
+    up_attentions: tuple[bool, ...]  # per up block (SDXL base: True, True, False)
 
     def to_json(self) -> str:
         return json.dumps({"layers_per_block": self.layers_per_block, "up_attentions": list(self.up_attentions)})
@@ -467,8 +467,9 @@ def _ldm_path(path: str, layout: UnetLayout) -> str:
     if hit[1] == "mid_block":
         return f"middle_block.{1 if kind == 'attentions' else 2 * item}.{rest}"
     if kind == "upsamplers":
-        attn = block < len(layout.up_attentions) and layout.up_attentions[block]
-        return f"output_blocks.{block * (lpb + 1) + lpb}.{2 if attn else 1}.conv"
+        if block >= len(layout.up_attentions):
+            raise LoraFormatError(f"unet.{path}: up block {block} is not in the UNet layout {layout}")
+        return f"output_blocks.{block * (lpb + 1) + lpb}.{2 if layout.up_attentions[block] else 1}.conv"
     return f"output_blocks.{block * (lpb + 1) + item}.{int(kind == 'attentions')}.{rest}"
 
 

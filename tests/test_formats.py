@@ -105,8 +105,12 @@ def test_every_module_name_survives_kohya_and_back(kind):
     names = {f"{c}.{n}": f"{c}.{transformers4_path(m, n)}" for c, m in comps.items() if c in COMPONENTS
              for n, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.Conv2d))}
     assert len(names) > 50
+    from lora_lab.formats import unet_layout
+
+    layout = unet_layout(comps["unet"]) if kind == "sdxl" else None  # SDXL's UNet: LDM names, and without: diffusers'
     for name, tf4 in names.items():
         assert diffusers_name(kohya_name(name, kind), kind) == tf4
+        assert diffusers_name(kohya_name(name, kind, layout), kind, layout) == tf4
 
 
 def test_kohya_names_are_the_ones_comfyui_and_diffusers_use():
