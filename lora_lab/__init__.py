@@ -25,11 +25,13 @@ from .formats import (
     LoraFile,
     LoraFormatError,
     LoraModule,
+    UnetLayout,
     convert_lora,
     diffusers_name,
     kohya_name,
     load_lora,
     save_lora,
+    unet_layout,
 )
 from .kernels import KernelBackendError, KernelInputError, resolve_backend
 from .layers import Frozen, Linear, Trainable
@@ -122,6 +124,7 @@ __all__ = [
     "TrainConfig",
     "TrainConfigError",
     "Trainable",
+    "UnetLayout",
     "WeightFileError",
     "add_lora",
     "apply_loras",
@@ -163,6 +166,7 @@ __all__ = [
     "saved_activation_bytes",
     "set_lora_strength",
     "train",
+    "unet_layout",
     "unmerge_lora",
     "var_from_tensor",
 ]

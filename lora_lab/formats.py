@@ -13,6 +13,8 @@ or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (th
 On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
+                      (an SDXL UNet's path in the LDM/sgm layout sd-scripts' SDXL UNet has, when its structure is
+                      known: lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q, see `UnetLayout`)
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
                       (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
@@ -303,25 +305,31 @@ def _kohya_prefix(component: str, base: str | None) -> str:
             "transformer": "lora_transformer_"}[component]
 
 
-def kohya_name(module: str, base: str | None = None) -> str:
+def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None = None) -> str:
     """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` -> `lora_unet_down_blocks_0_resnets_0_conv1`.
 
-    CLIP text encoders get their `text_model_` level whatever transformers is installed
-    (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`); the prefixes are `_kohya_prefix`'s.
+    An SDXL UNet module with the UNet's `layout` gets the LDM/sgm name sd-scripts' SDXL tools use
+    (`unet.down_blocks.1.attentions.0.proj_in` -> `lora_unet_input_blocks_4_1_proj_in`); without a layout, the
+    diffusers name (ComfyUI and diffusers read both, sd-scripts only the first). CLIP text encoders get their
+    `text_model_` level whatever transformers is installed (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`);
+    the prefixes are `_kohya_prefix`'s.
     """
     comp, _, path = canonical_name(module).partition(".")
     if comp not in COMPONENTS or not path:
         raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
+    if comp == "unet" and base == "sdxl" and layout is not None:
+        path = _ldm_path(path, layout)
     return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
-def diffusers_name(kohya: str, base: str | None = None) -> str:
+def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | None = None) -> str:
     """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
 
     `lora_unet_` is the UNet for base sd15/sdxl, the transformer for sd3/flux; with no base, the
     transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
     original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
-    mapped to diffusers' blocks for the SD1.5/SDXL layout (`LDM_LAYERS_PER_BLOCK` resnets per block).
+    mapped to diffusers' blocks with `layout`'s layers_per_block (default `LDM_LAYERS_PER_BLOCK`, SD1.5's and
+    SDXL's; `match_modules` maps them again with the target UNet's own structure).
     CLIP text-encoder names are read with or without `text_model_` and given it (`canonical_name`);
     for base flux, `lora_te2_` and `lora_te3_` are both its T5 (text_encoder_2).
 
@@ -335,7 +343,7 @@ def diffusers_name(kohya: str, base: str | None = None) -> str:
         raise LoraFormatError(f"{kohya!r}: not a kohya LoRA name (known prefixes: {list(_KOHYA_PREFIXES)})")
     rest = kohya[len(prefix):]
     if comp == "unet":
-        ldm = _ldm_unet_path(rest)
+        ldm = _ldm_unet_path(rest, layout.layers_per_block if layout else LDM_LAYERS_PER_BLOCK)
         if ldm is not None:
             return f"unet.{ldm}"
     if comp == "text_encoder_3" and base == "flux":
@@ -363,38 +371,132 @@ def _segments(name: str) -> list[str]:
     return segments
 
 
-LDM_LAYERS_PER_BLOCK = 2  # resnets per down block in SD1.5's and SDXL's LDM/sgm UNet (one more per up block)
-_LDM_TOP = {"input_blocks_0_0": "conv_in", "out_2": "conv_out", "time_embed_0": "time_embedding.linear_1",
-            "time_embed_2": "time_embedding.linear_2", "label_emb_0_0": "add_embedding.linear_1",
-            "label_emb_0_2": "add_embedding.linear_2"}
-_LDM_RESNET = {"in_layers_2": "conv1", "out_layers_3": "conv2", "emb_layers_1": "time_emb_proj",
-               "skip_connection": "conv_shortcut"}
+# The SDXL UNet in kohya files: LDM/sgm names. sd-scripts' SDXL UNet (library/sdxl_original_unet.py) has the
+# original LDM/sgm layout, and its SDXL tools (sdxl_train_network.py's output, --network_weights,
+# sdxl_merge_lora.py) name a LoRA module `lora_unet_` + that model's module path with "_" for "." (networks/lora.py
+# create_modules): `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`. A diffusers name
+# (`lora_unet_down_blocks_1_attentions_0_...`) is found by ComfyUI and diffusers, not by sd-scripts. So SDXL UNet
+# modules are written with these names whenever the UNet's structure is known (`UnetLayout`), and read in both
+# layouts. The block numbers depend on the structure, as in diffusers' `_maybe_map_sgm_blocks_to_diffusers` (which
+# uses the UNet config's layers_per_block): with L resnets per down block (L + 1 per up block),
+#   input_blocks.0.0 = conv_in; input_blocks.(1 + b (L+1) + k).0 / .1 = down_blocks.b.resnets.k / .attentions.k,
+#   input_blocks.(1 + b (L+1) + L).0.op = down_blocks.b.downsamplers.0.conv (every down block but the last);
+#   middle_block.0 / .1 / .2 = mid_block.resnets.0 / .attentions.0 / .resnets.1;
+#   output_blocks.(b (L+1) + k).0 / .1 = up_blocks.b.resnets.k / .attentions.k, and the upsampler rides on the
+#   block's last item: output_blocks.(b (L+1) + L).2.conv, or .1.conv in an up block without attentions.
+# Inside a resnet the LDM names differ (_LDM_RESNET); inside an attention (Transformer2DModel) they are the same.
+LDM_LAYERS_PER_BLOCK = 2  # SD1.5's and SDXL's; what a file's LDM names are read with when no structure is known
+UNET_LAYOUT_KEY = "lora_lab.unet_layout"  # metadata: the structure lora_lab wrote a file's LDM names with
+_LDM_TOP_PATHS = {"input_blocks.0.0": "conv_in", "out.2": "conv_out", "time_embed.0": "time_embedding.linear_1",
+                  "time_embed.2": "time_embedding.linear_2", "label_emb.0.0": "add_embedding.linear_1",
+                  "label_emb.0.2": "add_embedding.linear_2"}  # LDM path -> diffusers path, outside the blocks
+_LDM_RESNET_PATHS = {"in_layers.2": "conv1", "out_layers.3": "conv2", "emb_layers.1": "time_emb_proj",
+                     "skip_connection": "conv_shortcut"}  # inside a resnet
+_LDM_TOP = {k.replace(".", "_"): v for k, v in _LDM_TOP_PATHS.items()}  # the same, underscored (kohya names)
+_LDM_RESNET = {k.replace(".", "_"): v for k, v in _LDM_RESNET_PATHS.items()}
+_LDM_NAME = re.compile(r"(input_blocks|middle_block|output_blocks|time_embed|label_emb|out)_\d")
 
 
-def _ldm_unet_path(name: str) -> str | None:
-    """An LDM/sgm UNet module name (underscored) -> diffusers' path, or None if it is not one.
+@dataclass(frozen=True)
+class UnetLayout:
+    """What a diffusers UNet's LDM/sgm names depend on: L = layers_per_block (resnets per down block, L + 1 per up
+    block) and which up blocks have attentions (their upsampler is item 2 of the block's last LDM block, else 1)."""
 
-    input_blocks.i (i >= 1) is down block (i-1) // (L+1), item (i-1) % (L+1): a resnet (.0) and its
-    attention (.1), or the downsampler (item L, `.0.op`); output_blocks.i is up block i // (L+1), item
-    i % (L+1), with the upsampler last (`.1.conv` or `.2.conv`); middle_block.0/1/2 = resnet, attention, resnet.
-    """
+    layers_per_block: int
+    up_attentions: tuple[bool, ...]  # per up block (SDXL base: True, True, False)
+
+    def to_json(self) -> str:
+        return json.dumps({"layers_per_block": self.layers_per_block, "up_attentions": list(self.up_attentions)})
+
+    @classmethod
+    def from_json(cls, where: str, raw: str) -> UnetLayout:
+        v = _parse_json(where, raw)
+        lpb, up = (v.get("layers_per_block"), v.get("up_attentions")) if isinstance(v, dict) else (None, None)
+        if type(lpb) is not int or not 1 <= lpb <= 64 or not isinstance(up, list) or not all(type(a) is bool for a in up):
+            raise LoraFormatError(f"{where}: must be {{\"layers_per_block\": int 1..64, \"up_attentions\": [bool, ...]}}, "
+                                  f"got {raw!r:.80}")
+        return cls(lpb, tuple(up))
+
+
+def unet_layout(model_or_names) -> UnetLayout | None:
+    """The `UnetLayout` of a diffusers UNet from its module tree (a model, or its module / state-dict names);
+    None unless it has the LDM block structure sd-scripts' SDXL UNet has (every down block L resnets and a
+    downsampler but the last, every up block L + 1 and an upsampler but the last, a mid block with an attention)."""
+    names = [n for n, _ in model_or_names.named_modules()] if isinstance(model_or_names, nn.Module) else model_or_names
+    blocks: dict[tuple[str, int], dict[str, set[int]]] = {}
+    mid = set()
+    for n in names:
+        if hit := re.match(r"(down|up)_blocks\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)", n):
+            blocks.setdefault((hit[1], int(hit[2])), {}).setdefault(hit[3], set()).add(int(hit[4]))
+        elif hit := re.match(r"mid_block\.(resnets|attentions)\.(\d+)", n):
+            mid.add(f"{hit[1]}.{hit[2]}")
+    down = [blocks.get(("down", b)) for b in range(sum(k[0] == "down" for k in blocks))]
+    up = [blocks.get(("up", b)) for b in range(sum(k[0] == "up" for k in blocks))]
+    if not down or not up or None in down or None in up or mid != {"resnets.0", "attentions.0", "resnets.1"}:
+        return None
+    lpb = len(down[0].get("resnets", ()))
+
+    def regular(parts, layers, sampler, last):
+        items = set(range(layers))
+        return (parts.get("resnets") == items and parts.get("attentions", items) == items
+                and parts.get(sampler) == (None if last else {0}))
+
+    if lpb < 1 or not all(regular(p, lpb, "downsamplers", i == len(down) - 1) for i, p in enumerate(down)) \
+            or not all(regular(p, lpb + 1, "upsamplers", i == len(up) - 1) for i, p in enumerate(up)):
+        return None
+    return UnetLayout(lpb, tuple("attentions" in p for p in up))
+
+
+def _ldm_path(path: str, layout: UnetLayout) -> str:
+    """A diffusers UNet module path -> its LDM/sgm path (sd-scripts' SDXL UNet): `down_blocks.1.attentions.0.proj_in`
+    -> `input_blocks.4.1.proj_in` (L = 2). LoraFormatError for a module that has no LDM name."""
+    top = {v: k for k, v in _LDM_TOP_PATHS.items()}
+    if path in top:
+        return top[path]
+    lpb, resnet = layout.layers_per_block, {v: k for k, v in _LDM_RESNET_PATHS.items()}
+    hit = re.fullmatch(r"(down_blocks|mid_block|up_blocks)\.(?:(\d+)\.)?(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)", path)
+    if hit is None or (hit[1] == "mid_block") != (hit[2] is None):
+        raise LoraFormatError(f"unet.{path}: no LDM/sgm (kohya SDXL) name for this UNet module")
+    block, kind, item, rest = int(hit[2] or 0), hit[3], int(hit[4]), hit[5]
+    if kind == "resnets":
+        rest = resnet.get(rest, rest)
+    if hit[1] == "down_blocks":
+        if kind == "downsamplers":
+            return f"input_blocks.{1 + block * (lpb + 1) + lpb}.0.op"
+        return f"input_blocks.{1 + block * (lpb + 1) + item}.{int(kind == 'attentions')}.{rest}"
+    if hit[1] == "mid_block":
+        return f"middle_block.{1 if kind == 'attentions' else 2 * item}.{rest}"
+    if kind == "upsamplers":
+        if block >= len(layout.up_attentions):
+            raise LoraFormatError(f"unet.{path}: up block {block} is not in the UNet layout {layout}")
+        return f"output_blocks.{block * (lpb + 1) + lpb}.{2 if layout.up_attentions[block] else 1}.conv"
+    return f"output_blocks.{block * (lpb + 1) + item}.{int(kind == 'attentions')}.{rest}"
+
+
+def _ldm_unet_path(name: str, layers_per_block: int = LDM_LAYERS_PER_BLOCK) -> str | None:
+    """An LDM/sgm UNet module name (underscored, after `lora_unet_`) -> diffusers' path, or None if it is not one;
+    the inverse of `_ldm_path` (the upsampler's item, 1 or 2, needs no structure: `.conv` names it)."""
     if name in _LDM_TOP:
         return _LDM_TOP[name]
-    lpb = LDM_LAYERS_PER_BLOCK
+    lpb = layers_per_block
     if hit := re.fullmatch(r"input_blocks_(\d+)_(\d)_(.+)", name):
         i, j, rest = int(hit[1]) - 1, int(hit[2]), hit[3]
+        if i < 0:
+            return None
         block, item = divmod(i, lpb + 1)
         where = f"down_blocks.{block}."
         if item == lpb:
-            return where + "downsamplers.0.conv" if rest == "op" else None
+            return where + "downsamplers.0.conv" if (j, rest) == (0, "op") else None
     elif hit := re.fullmatch(r"output_blocks_(\d+)_(\d)_(.+)", name):
         block, item = divmod(int(hit[1]), lpb + 1)
         j, rest = int(hit[2]), hit[3]
         where = f"up_blocks.{block}."
         if j > 0 and rest == "conv":
-            return where + "upsamplers.0.conv"
+            return where + "upsamplers.0.conv" if item == lpb else None
     elif hit := re.fullmatch(r"middle_block_(\d)_(.+)", name):
         j, rest = int(hit[1]), hit[2]
+        if j > 2:
+            return None
         item, j = (0, 0) if j == 0 else (0, 1) if j == 1 else (1, 0)
         where = "mid_block."
     else:
@@ -402,6 +504,12 @@ def _ldm_unet_path(name: str) -> str | None:
     if j == 0:
         return where + f"resnets.{item}." + _LDM_RESNET.get(rest, ".".join(_segments(rest)))
     return where + f"attentions.{item}." + ".".join(_segments(rest))
+
+
+def _ldm_tail(kohya: str) -> str | None:
+    """The LDM module name of a kohya key in the LDM/sgm layout (`lora_unet_input_blocks_4_1_...` -> `input_blocks_4_1_...`)."""
+    tail = kohya.removeprefix("lora_unet_")
+    return tail if tail != kohya and _LDM_NAME.match(tail) else None
 
 
 def _unet_or_transformer(kohya: str, first: str, base: str | None) -> str:
@@ -444,6 +552,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
         )
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
     base = _base_from_metadata(metadata)
+    layout = _layout_from_metadata(path, metadata)
     modules: dict[str, LoraModule] = {}
     spelled = {"down": "lora_down", "up": "lora_up"} if fmt == "kohya" else {"down": "lora_A", "up": "lora_B"}
     for key, p in parts.items():
@@ -467,7 +576,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             alpha = float(down.shape[0])
         m = _checked_module(where, down, up, alpha, dora, key, values=False)
         # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
-        named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base): m}
+        named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base, layout): m}
         for name, mod in named.items():
             comp, _, sub = name.partition(".")
             if not sub or "" in sub.split("."):  # `unet.lora_A.weight`, `lora_unet_.lora_down.weight`, `a__b`
@@ -476,6 +585,12 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
                 raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module {name!r}")
             modules[name] = mod
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
+
+
+def _layout_from_metadata(path, metadata: Mapping[str, str]) -> UnetLayout | None:
+    """The UNet structure lora_lab wrote a file's LDM/sgm names with (metadata `UNET_LAYOUT_KEY`), if it says."""
+    raw = metadata.get(UNET_LAYOUT_KEY)
+    return None if raw is None else UnetLayout.from_json(f"{path}: metadata {UNET_LAYOUT_KEY!r}", raw)
 
 
 def _scalar(where: str, t: torch.Tensor) -> float:
@@ -726,6 +841,7 @@ def save_lora(
     component: str | None = None,
     base: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    unet: nn.Module | UnetLayout | None = None,
 ) -> Path:
     """Write a LoRA as a kohya/ComfyUI or PEFT/diffusers safetensors file, atomically.
 
@@ -734,20 +850,38 @@ def save_lora(
     For a single model, `component` defaults to "unet" for a UNet2DConditionModel and "transformer" for
     the SD3/Flux transformers. `base` ("sd15", "sdxl", "sd3", "flux") is guessed from the model when not
     given; it chooses `lora_te_` vs `lora_te1_` and goes into the metadata.
+
+    SDXL UNet modules get sd-scripts' LDM/sgm names (`lora_unet_input_blocks_4_1_...`, see `UnetLayout`) when the
+    UNet's structure is known: from the UNet model saved, else `unet` (the UNet, e.g. built on the meta device, or
+    its `UnetLayout`), else the file a LoraFile was loaded from (metadata `UNET_LAYOUT_KEY`). Otherwise (a bare
+    state dict or LoraFile) they keep their diffusers names, which ComfyUI and diffusers read and sd-scripts' SDXL
+    tools do not, with a warning: numbering the blocks for a guessed structure could name the wrong modules.
     """
     if format not in FORMATS:
         raise LoraFormatError(f"format={format!r}: choose one of {FORMATS}")
-    lf, guessed = _as_lora_file(lora, component)
+    lf, guessed, layout = _as_lora_file(lora, component)
     base = base or guessed or lf.base
     if base is not None and base not in BASES:
         raise LoraFormatError(f"base={base!r}: choose one of {BASES}")
     if not lf.modules:
         raise LoraFormatError(f"{path}: nothing to save: the LoRA has no modules")
+    if unet is not None:
+        layout = unet if isinstance(unet, UnetLayout) else unet_layout(unet)
+        if layout is None:
+            raise LoraFormatError(f"unet={type(unet).__name__}: not a UNet with the LDM block structure (see UnetLayout)")
+    layout = layout or _layout_from_metadata(lf.path, lf.metadata)
+    has_unet = any(n.startswith("unet.") for n in lf.modules)
+    if base != "sdxl" or not has_unet:
+        layout = None
+    elif layout is None and format == "kohya":
+        warnings.warn(f"{path}: the SDXL UNet's structure is not known, so its modules keep their diffusers names "
+                      "(ComfyUI and diffusers read them, kohya sd-scripts' SDXL tools do not): pass unet= (the UNet "
+                      "or its UnetLayout) for sd-scripts' LDM/sgm names", stacklevel=2)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in lf.modules.items():
         _checked_module(f"{path}: module {name!r}", m.down, m.up, m.alpha, m.dora_scale, name)
         if format == "kohya":
-            k = kohya_name(name, base)
+            k = kohya_name(name, base, layout)
             tensors[f"{k}.lora_down.weight"] = m.down
             tensors[f"{k}.lora_up.weight"] = m.up
             tensors[f"{k}.alpha"] = torch.tensor(float(m.alpha))
@@ -767,19 +901,23 @@ def save_lora(
             stacklevel=2,
         )
     meta = _metadata(lf, format, base)
+    if layout is not None:  # so that lora_lab reads the LDM names back (and converts them) without the UNet
+        meta[UNET_LAYOUT_KEY] = layout.to_json()
     meta.update(metadata or {})
     path = Path(path)
     atomic_save(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
     return path
 
 
-def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, base: str | None = None) -> Path:
-    """Read `src` (kohya or PEFT) and write it to `dst` in format `to`; the tensors are not changed."""
+def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, base: str | None = None,
+                 unet: nn.Module | UnetLayout | None = None) -> Path:
+    """Read `src` (kohya or PEFT) and write it to `dst` in format `to`; the tensors are not changed
+    (`unet`: the SDXL UNet's structure for sd-scripts' LDM names, as in `save_lora`)."""
     lf = load_lora(src)
     for m in lf.modules.values():  # read here, so that the error names the file and key they come from
         m.check_finite(f"{lf.path}: module {m.key!r}")
     keep = {k: v for k, v in lf.metadata.items() if not k.startswith("lora_lab.") and k != METADATA_KEY}
-    return save_lora(dst, lf, format=to, base=base, metadata=keep)
+    return save_lora(dst, lf, format=to, base=base, metadata=keep, unet=unet)
 
 
 def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
@@ -946,15 +1084,16 @@ def guess_component_and_base(model: nn.Module) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None]:
+def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None, UnetLayout | None]:
+    """(the LoRA, the base guessed from its models, the UNet's layout when a UNet model is among them)."""
     if isinstance(lora, LoraFile):
-        return lora, None
+        return lora, None, None
     if isinstance(lora, nn.Module):
         lora = {component: lora} if component else {None: lora}
     if isinstance(lora, Mapping) and lora and all(isinstance(v, nn.Module) for v in lora.values()):
         from .lora import lora_state_dict
 
-        modules, base = {}, None
+        modules, base, layout = {}, None, None
         for comp, model in lora.items():
             g_comp, g_base = guess_component_and_base(model)
             comp = comp or g_comp
@@ -964,12 +1103,14 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None]:
                     f"(one of {COMPONENTS})"
                 )
             base = base or g_base
+            if comp == "unet":
+                layout = unet_layout(model)
             modules.update(_modules_from_state(lora_state_dict(model), comp).modules)
         if "text_encoder_2" in {n.split(".")[0] for n in modules} and base is None:
             base = "sdxl"
-        return LoraFile(modules=modules), base
+        return LoraFile(modules=modules), base, layout
     if isinstance(lora, Mapping):
-        return _modules_from_state(lora, component), None
+        return _modules_from_state(lora, component), None, None
     raise TypeError(f"save_lora needs a LoraFile, a model, a dict of models or a state dict, got {type(lora).__name__}")
 
 
@@ -1033,8 +1174,12 @@ def match_modules(
     keys = set(shapes) if shapes is not None else set(weights)
     by_kohya = {k[: -len(".weight")].replace(".", "_"): k for k in keys if k.endswith(".weight")}
     where = str(lf.path) if lf.path else "LoRA"
+    layout = unet_layout(keys)  # a UNet's own structure: how its LDM/sgm names number the blocks
 
     def find(name: str, m: LoraModule) -> str | None:
+        if layout is not None and (tail := _ldm_tail(m.key)) is not None:  # as diffusers, by the UNet's structure
+            path = _ldm_unet_path(tail, layout.layers_per_block)
+            return f"{path}.weight" if path is not None and f"{path}.weight" in keys else None
         for path in _live_paths(name.split(".", 1)[1]):
             if f"{path}.weight" in keys:
                 return f"{path}.weight"

@@ -105,8 +105,12 @@ def test_every_module_name_survives_kohya_and_back(kind):
     names = {f"{c}.{n}": f"{c}.{transformers4_path(m, n)}" for c, m in comps.items() if c in COMPONENTS
              for n, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.Conv2d))}
     assert len(names) > 50
+    from lora_lab.formats import unet_layout
+
+    layout = unet_layout(comps["unet"]) if kind == "sdxl" else None  # SDXL's UNet: LDM names, and without: diffusers'
     for name, tf4 in names.items():
         assert diffusers_name(kohya_name(name, kind), kind) == tf4
+        assert diffusers_name(kohya_name(name, kind, layout), kind, layout) == tf4
 
 
 def test_kohya_names_are_the_ones_comfyui_and_diffusers_use():
@@ -673,3 +677,173 @@ def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
     ref = unet_out(pipe.unet, args, kw)
     assert (ref - before).abs().max() > 100 * TOL
     torch.testing.assert_close(unet_out(ours, args, kw), ref, atol=TOL, rtol=TOL)
+
+
+# ----------------------------------------------------------------------------- SDXL UNet: sd-scripts' LDM/sgm names
+
+# The published SDXL base 1.0 UNet config (stabilityai/stable-diffusion-xl-base-1.0, unet/config.json), the
+# entries that are not diffusers' defaults; built on the meta device (no weights).
+SDXL_BASE_UNET = {
+    "sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+    "block_out_channels": [320, 640, 1280], "attention_head_dim": [5, 10, 20], "cross_attention_dim": 2048,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "transformer_layers_per_block": [1, 2, 10], "use_linear_projection": True, "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816,
+}
+
+
+def sd_scripts_sdxl_lora_names() -> set[str]:
+    """The LoRA names sd-scripts gives its SDXL UNet, re-derived here from its rule and its model, not from lora_lab:
+    networks/lora.py names every Linear / Conv2d inside a Transformer2DModel, ResnetBlock2D, Downsample2D or
+    Upsample2D `lora_unet_` + module path with "_" for "."; library/sdxl_original_unet.py builds the tree:
+    input_blocks = [conv], then per level (mult 1, 2, 4; transformer depth 0, 2, 10) 2 x [ResnetBlock2D (+ its
+    Transformer2DModel)] and a [Downsample2D] between levels; middle_block = [resnet, transformer(10), resnet];
+    output_blocks per level 4, 2, 1: 3 x [resnet (+ transformer)], the third with an Upsample2D at levels 4 and 2."""
+    def resnet(path, skip):  # in_layers = [GroupNorm, SiLU, Conv2d], emb_layers = [SiLU, Linear], out_layers[3] = Conv2d
+        return {f"{path}.{m}" for m in ("in_layers.2", "emb_layers.1", "out_layers.3") + (("skip_connection",) if skip else ())}
+
+    def transformer(path, depth):  # proj_in / proj_out Linear; BasicTransformerBlock: attn1, attn2, ff.net = [GEGLU, -, Linear]
+        attn = [f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")]
+        return {f"{path}.proj_in", f"{path}.proj_out"} | {
+            f"{path}.transformer_blocks.{d}.{m}" for d in range(depth) for m in attn + ["ff.net.0.proj", "ff.net.2"]}
+
+    mults, depths, names, n = (1, 2, 4), (0, 2, 10), set(), 1
+    for level, (mult, depth) in enumerate(zip(mults, depths)):
+        for i in range(2):
+            names |= resnet(f"input_blocks.{n}.0", skip=i == 0 and level > 0)
+            names |= transformer(f"input_blocks.{n}.1", depth) if depth else set()
+            n += 1
+        if level < 2:
+            names.add(f"input_blocks.{n}.0.op")
+            n += 1
+    names |= resnet("middle_block.0", False) | transformer("middle_block.1", 10) | resnet("middle_block.2", False)
+    n = 0
+    for level in (2, 1, 0):
+        for i in range(3):
+            names |= resnet(f"output_blocks.{n}.0", skip=True)  # the skip connection's channels are concatenated
+            if depths[level]:
+                names |= transformer(f"output_blocks.{n}.1", depths[level])
+            if i == 2 and level > 0:
+                names.add(f"output_blocks.{n}.2.conv")
+            n += 1
+    return {"lora_unet_" + name.replace(".", "_") for name in names}
+
+
+def real_sdxl_unet():
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(SDXL_BASE_UNET)
+
+
+def test_sdxl_unet_kohya_names_are_the_ones_sd_scripts_gives_its_sdxl_unet():
+    from lora_lab.formats import UnetLayout, unet_layout
+
+    unet = real_sdxl_unet()
+    layout = unet_layout(unet)
+    assert layout == UnetLayout(2, (True, True, False))
+    blocks = [n for n, m in unet.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+              and n.startswith(("down_blocks.", "mid_block.", "up_blocks."))]
+    ours = {kohya_name(f"unet.{n}", "sdxl", layout): n for n in blocks}
+    want = sd_scripts_sdxl_lora_names()
+    assert len(ours) == len(blocks) == len(want) == 788  # 70 transformer blocks x 10 + 22 proj + 62 resnet + 4 sampler layers
+    assert set(ours) == want  # sd-scripts finds every module, and each under one name
+    assert all(diffusers_name(k, "sdxl", layout) == f"unet.{n}" for k, n in ours.items())
+    # outside the blocks: the paths of sd-scripts' model (which trains no LoRA there; ComfyUI and diffusers read them)
+    top = {"conv_in": "input_blocks_0_0", "time_embedding.linear_1": "time_embed_0", "time_embedding.linear_2": "time_embed_2",
+           "add_embedding.linear_1": "label_emb_0_0", "add_embedding.linear_2": "label_emb_0_2", "conv_out": "out_2"}
+    assert {n: kohya_name(f"unet.{n}", "sdxl", layout) for n in top} == {n: f"lora_unet_{v}" for n, v in top.items()}
+    # without the structure: diffusers' names, as before
+    assert kohya_name("unet.down_blocks.1.attentions.0.proj_in", "sdxl") == "lora_unet_down_blocks_1_attentions_0_proj_in"
+
+
+def test_diffusers_own_sgm_mapping_reads_lora_lab_names_for_the_real_sdxl_unet():
+    """diffusers' kohya reader (its sgm block map with the UNet config's layers_per_block, its key conversion, then
+    its PEFT names, as `load_lora_weights` chains them) turns every name lora_lab writes for the real SDXL UNet
+    back into the module it came from."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_lora_to_diffusers,
+        _maybe_map_sgm_blocks_to_diffusers,
+    )
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    from lora_lab.formats import unet_layout
+
+    unet = real_sdxl_unet()
+    layout = unet_layout(unet)
+    modules = [n for n, m in unet.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    state = {}
+    for n in modules:
+        k = kohya_name(f"unet.{n}", "sdxl", layout)
+        state.update({f"{k}.lora_down.weight": torch.zeros(1, 1), f"{k}.lora_up.weight": torch.zeros(1, 1),
+                      f"{k}.alpha": torch.tensor(1.0)})
+    assert not any("down_blocks" in k or "up_blocks" in k or "mid_block" in k for k in state)
+    mapped = _maybe_map_sgm_blocks_to_diffusers(state, unet.config)
+    converted, _ = _convert_non_diffusers_lora_to_diffusers(mapped)
+    peft_keys = convert_unet_state_dict_to_peft({k.removeprefix("unet."): v for k, v in converted.items()})
+    got = {k.removesuffix(".lora_A.weight") for k in peft_keys if k.endswith(".lora_A.weight")}
+    assert got == set(modules)
+
+
+def test_tiny_sdxl_file_has_ldm_names_and_every_spelling_loads_into_the_same_weights(tmp_path):
+    """The shipped tiny SDXL (layers_per_block=1) gets LDM names numbered for its own structure (diffusers reads
+    them: test_lora_lab_kohya_file_loads_in_diffusers_with_the_same_output); an old lora_lab file with diffusers
+    names, and the same LDM file without lora_lab's metadata (as another tool would write it), merge identically."""
+    from safetensors import safe_open
+
+    from lora_lab.formats import UNET_LAYOUT_KEY
+
+    models = lora_lab_lora("sdxl", seed=3)
+    new = save_lora(tmp_path / "new.safetensors", models)
+    with safe_open(str(new), "pt") as f:
+        unet_keys = [k for k in f.keys() if k.startswith("lora_unet_")]  # noqa: SIM118
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+    assert unet_keys and all(k.startswith(("lora_unet_input_blocks_", "lora_unet_middle_block_", "lora_unet_output_blocks_"))
+                              for k in unet_keys)
+    assert "lora_unet_input_blocks_3_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in unet_keys  # down block 1, L = 1
+    assert "lora_unet_output_blocks_1_0_in_layers_2.lora_down.weight" in unet_keys  # up block 0, its 2nd resnet
+    assert json.loads(meta[UNET_LAYOUT_KEY]) == {"layers_per_block": 1, "up_attentions": [True, False]}
+
+    with pytest.warns(UserWarning, match="structure is not known.*diffusers names"):
+        old = save_lora(tmp_path / "old.safetensors", load_lora(new).state_dict(), base="sdxl")
+    with safe_open(str(old), "pt") as f:
+        assert any(k.startswith("lora_unet_down_blocks_1_attentions_0_") for k in f.keys())  # noqa: SIM118
+    foreign = write_raw(tmp_path / "foreign.safetensors", tensors, {"ss_base_model_version": "sdxl_base_v1-0"})
+
+    merged = []
+    for path in (new, old, foreign):
+        unet = build_components("sdxl")["unet"]
+        applied = apply_loras(unet, [(path, 1.0)], mode="merge")  # strict: every module matched
+        assert len(applied.weights) == len(unet_keys) // 3
+        merged.append(unet.state_dict())
+    for other in merged[1:]:
+        assert all(torch.equal(merged[0][k], other[k]) for k in merged[0])
+    args, kw = unet_inputs(build_pipeline("sdxl"), "sdxl")
+    unet = build_components("sdxl")["unet"]
+    unet.load_state_dict(merged[0])
+    torch.testing.assert_close(unet_out(unet, args, kw), unet_out(models["unet"], args, kw), atol=TOL, rtol=TOL)
+
+
+def test_ldm_names_need_a_known_structure_to_be_written(tmp_path):
+    from lora_lab.formats import UnetLayout, unet_layout
+
+    models = lora_lab_lora("sdxl")
+    lf = load_lora(save_lora(tmp_path / "a.safetensors", models["unet"]))
+    peft_file = save_lora(tmp_path / "p.safetensors", {"unet": models["unet"]}, format="peft")
+    with pytest.warns(UserWarning, match="pass unet="):  # a PEFT file from elsewhere: no structure known
+        save_lora(tmp_path / "b.safetensors", load_lora(peft_file).state_dict(), base="sdxl")
+    layout = unet_layout(build_components("sdxl")["unet"])
+    for unet in (layout, build_components("sdxl")["unet"]):
+        b = load_lora(save_lora(tmp_path / "b.safetensors", load_lora(peft_file).state_dict(), base="sdxl", unet=unet))
+        assert {m.key for m in b.modules.values()} == {m.key for m in lf.modules.values()}
+    with pytest.raises(LoraFormatError, match="unet=Linear: not a UNet"):
+        save_lora(tmp_path / "c.safetensors", lf, unet=nn.Linear(2, 2))
+    assert unet_layout(["down_blocks.0.resnets.0.conv1"]) is None  # no up / mid blocks: not the LDM structure
+    assert UnetLayout.from_json("x", layout.to_json()) == layout
+    with pytest.raises(LoraFormatError, match="x: must be"):
+        UnetLayout.from_json("x", '{"layers_per_block": 0, "up_attentions": []}')
+    # SD1.5 keeps diffusers' names (sd-scripts' SD1.5 UNet has diffusers' layout)
+    sd15 = lora_lab_lora("sd15")
+    assert all(m.key.startswith(("lora_unet_down_blocks", "lora_unet_mid_block", "lora_unet_up_blocks", "lora_te"))
+               for m in load_lora(save_lora(tmp_path / "s.safetensors", sd15)).modules.values())

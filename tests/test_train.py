@@ -251,7 +251,7 @@ def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_tra
     base = dict(model="sdxl", dataset=str(dataset), steps=2, dora=True, conv=True, optimizer="adamw8bit", **FAST)
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **base))
     a = _tensors(plain.outputs["lora_kohya"])
-    assert any(k.endswith(".dora_scale") for k in a) and any("conv1" in k for k in a)
+    assert any(k.endswith(".dora_scale") for k in a) and any("in_layers_2" in k for k in a)  # SDXL: LDM name of conv1
     for policy in (True, "budget:0.3"):  # whole blocks, and a memory budget (which plans on its first forward)
         ckpt = train(TrainConfig(output=str(tmp_path / f"ckpt{policy}"), gradient_checkpointing=policy, **base))
         b = _tensors(ckpt.outputs["lora_kohya"])
@@ -459,3 +459,21 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
             outcomes["refused"] += 1
         assert time.perf_counter() - t0 < 2.0
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"rank": 65}, r"TrainConfig.rank=65: larger than the targeted layer"),
+    ({"base": "no-such-base"}, r"no-such-base"),
+    ({"dataset": "EMPTY"}, r"EMPTY|empty|no image"),
+])
+def test_a_failed_start_leaves_no_output_folder(dataset, tmp_path, change, error):
+    """The output folder (and its checkpoints/) is made only once the run is sure to start."""
+    from lora_lab.params import LoraLabError
+
+    if change.get("dataset") == "EMPTY":
+        (tmp_path / "EMPTY").mkdir()
+        change = {"dataset": str(tmp_path / "EMPTY")}
+    out = tmp_path / "out" / "run"
+    with pytest.raises(LoraLabError, match=error):
+        train(TrainConfig(model="flux", **{"dataset": str(dataset), **FAST, **change}, output=str(out), steps=1))
+    assert not (tmp_path / "out").exists()

@@ -497,11 +497,6 @@ def train(config: TrainConfig) -> TrainResult:
     out = Path(config.output)
     resume_from, state, bad_checkpoints = _resume_checkpoint(config, out)
     fingerprint = folder_fingerprint(_dataset_dir(config))
-    if env.main:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    env.barrier()
-    if env.main:  # every rank holds its resume state now: move the bad newer checkpoints out of the way
-        _move_aside(bad_checkpoints)
 
     # 1. the frozen base, and the examples as cached latents and text embeddings
     base = config.base if config.base is not None else shipped_base(config.model)
@@ -527,6 +522,12 @@ def train(config: TrainConfig) -> TrainResult:
     params = [p for _, p in named]
     optimizer = make_optimizer(params, config)
     scaler = torch.amp.GradScaler(device.type, enabled=config.mixed_precision == "fp16")
+    # the run is sure to start only now (base, dataset, rank checked): a failed start leaves no output folder
+    if env.main:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    env.barrier()
+    if env.main:  # every rank holds its resume state now: move the bad newer checkpoints out of the way
+        _move_aside(bad_checkpoints)
 
     # 3. resume: adapter, optimizer, scaler, RNG states; the data order and noise follow from the step
     step, losses = 0, []
