@@ -174,6 +174,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
     from .diffusion.real import REAL_MODELS
     from .planner import ATTENTION, DTYPES, RESIDENT
+    from .quant import FORMATS as QUANT_FORMATS
 
     p = sub.add_parser(
         "plan",
@@ -192,6 +193,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resident", default="all", choices=list(RESIDENT),
                    help="all: VAE and text encoders stay on the GPU (as lora_lab's trainer); denoiser: offloaded")
     p.add_argument("--attention", default="auto", choices=list(ATTENTION), help="attention kernel (default: auto)")
+    p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
+                   help="the denoiser's frozen Linear weights stored quantized (default: none)")
     p.add_argument("--vram", default=None, metavar="SIZE", help="budget, e.g. 24GiB: mark what fits, choose the fastest")
     p.set_defaults(func=_run_plan)
     return p
@@ -202,12 +205,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
-              "attention": args.attention}
+              "attention": args.attention, "base_quantization": args.base_quantization}
     plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, gradient_checkpointing=ck,
                          optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
     print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} autocast, "
-          f"base {args.base_dtype}, attention {plans[0].attention} (predictions, not measurements)")
+          f"base {args.base_quantization or args.base_dtype}, attention {plans[0].attention} (predictions, not measurements)")
     print(options_table(plans, args.vram))
     if args.vram is not None:
         try:

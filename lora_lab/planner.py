@@ -761,7 +761,8 @@ class FitResult:
 
 def _label(options: dict) -> str:
     ck = "checkpointing" if options["gradient_checkpointing"] else "no checkpointing"
-    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}"
+    q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
+    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}"
 
 
 def options_table(plans: list[MemoryPlan], budget: int | str | None = None) -> str:
@@ -849,5 +850,6 @@ def fit_config(config, budget: int | str):
     result = fit(budget, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
                  resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
                  mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),
-                 base_dtype="fp32", device=device, dataset_size=dataset_size)
+                 base_dtype="fp32", device=device, dataset_size=dataset_size,
+                 base_quantization=config.base_quantization)
     return dc_replace(config, **result.settings), result.reason()

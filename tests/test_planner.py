@@ -162,3 +162,25 @@ def test_dora_locon_and_fp16_are_planned():
     more = plan_memory("sd15", dora=True, conv=True, mixed_precision="fp16", **kw)
     assert more.parts["adapter weights"] > plain.parts["adapter weights"]  # magnitudes and LoCon convs
     assert more.options["mixed_precision"] == "fp16"
+
+
+def test_quantized_base_is_planned_as_stored(tmp_path):
+    """base_quantization: the frozen weights are counted as `quantize_base` stores them (the same bytes as a
+    quantized meta build), the int8 plan stays within the tolerance of a real trainer step on an int8 base,
+    and NF4 plans less than int8, which plans less than the float base."""
+    from diffusers import UNet2DConditionModel
+
+    from lora_lab.diffusion.models import CONFIGS
+    from lora_lab.quant import model_bytes, quantize_base
+
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 8, "mixed_precision": "no"}
+    measured = measure_training_step(TrainConfig(model="sdxl", output=str(tmp_path), rank=8, base_quantization="int8"))
+    plans = {q: plan_memory("sdxl", base_quantization=q, dataset_size=measured["dataset_size"], **kw)
+             for q in (None, "int8", "nf4")}
+    assert plans["int8"].peak == pytest.approx(measured["peak"], rel=TOLERANCE)
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(CONFIGS["sdxl"]["unet"]).requires_grad_(False)
+    quantize_base(unet, "nf4")
+    assert plans["nf4"].parts["frozen weights"] == model_bytes(unet)
+    assert plans["nf4"].peak < plans["int8"].peak < plans[None].peak
+    assert plans["nf4"].options["base_quantization"] == "nf4"
