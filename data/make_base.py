@@ -1,21 +1,29 @@
-"""Pre-train the tiny SDXL-like base pipeline shipped in data/base/sdxl, on scikit-learn's digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM) and SD3-like (flow matching), on sklearn's digits.
 
-    PYTHONPATH=. python data/make_base.py            # ~10 minutes on 2 shared CPU cores
+    PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
+    PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
+    PYTHONPATH=. python data/make_base.py --kind sdxl --measure-only   # re-measure a shipped base
 
 What it does, seeded (SEED) and in this order:
 1. the first N_TRAIN of sklearn's 1797 digits, upscaled 8x8 -> 16x16, white ink on black, captions
    "a digit three" (the rest are held out: data/make_lora_data.py draws the LoRA set from them);
-2. trains the AutoencoderKL (MSE + KL_WEIGHT * KL) as a general codec of these images: half of each
+2. sdxl: trains the AutoencoderKL (MSE + KL_WEIGHT * KL) as a general codec of these images: half of each
    batch is inverted (black ink on white), so the VAE can also encode and decode the style that the
    LoRA in data/lora_inverted teaches (a VAE trained on white-on-black only cannot draw a white
-   background: reconstruction MSE 0.86 on inverted digits, measured). The UNet never sees inversion.
-   Then the VAE's scaling_factor is set to 1 / std of the latents of the (normal) training digits;
-3. trains the UNet (SDXL-like, text_time conditioning) and both CLIP text encoders together with the
-   DDPM epsilon objective on the cached latent posteriors, dropping 10% of captions to zero
-   embeddings (what StableDiffusionXLPipeline uses as the unconditional input);
-4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/sdxl;
-5. samples every digit with classifier-free guidance and writes data/base/sdxl_samples.png and
-   data/base/sdxl_metrics.json: the accuracy of a digit classifier fitted on real digits, on samples.
+   background: reconstruction MSE 0.86 on inverted digits, measured). The denoiser never sees inversion.
+   Then the VAE's scaling_factor is set to 1 / std of the latents of the (normal) training digits.
+   sd3: takes that VAE from data/base/sdxl unchanged (same config for every kind), so both bases share
+   one codec and the comparison between them is about the denoiser and its objective only;
+3. trains the denoiser and all its text encoders together with the model's own objective on the cached
+   latent posteriors: sdxl's UNet with DDPM epsilon; sd3's transformer (SD3_TRANSFORMER: wider and deeper
+   than the random tiny sd3 config, still ~2 MB) with rectified flow, logit-normal sigmas shifted by 3.
+   10% of captions are dropped to the pipeline's own unconditional input for classifier-free guidance:
+   zero embeddings for SDXL, the empty prompt "" for SD3 (what each pipeline feeds its negative branch);
+   with --resume the run continues from the state saved every SAVE_EVERY steps in --work;
+4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
+5. samples SAMPLE_SEEDS seeds of every digit with classifier-free guidance and writes
+   data/base/<kind>_samples.png and data/base/<kind>_metrics.json: the accuracy of a digit classifier
+   fitted on the training digits, and its mean probability for the digit asked for, on the samples.
 
 The result depends on the seed and on the CPU's float summation order (thread count), so a re-run on
 another machine gives a model of the same quality, not the same bits.
@@ -34,23 +42,30 @@ import torch
 
 from lora_lab.diffusion import models as M
 from lora_lab.diffusion.effect import DigitClassifier, InvertedClassifier, digit_images
-from lora_lab.diffusion.objectives import DDPM, diffusion_loss
+from lora_lab.diffusion.objectives import diffusion_loss, objective_for
 from lora_lab.diffusion.sampling import image_grid, sample
 
 SEED = 0
 N_TRAIN = 1600        # digits 0..1599 train the base; 1600..1796 are held out
-VAE_STEPS = 120       # AutoencoderKL steps
+VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-UNET_STEPS = 600      # UNet + text encoder steps
-UNET_BATCH = 64
-UNET_LR = 2e-3
+STEPS = {"sdxl": 600, "sd3": 1500}   # denoiser + text encoder steps
+BATCH = 64
+LR = {"sdxl": 2e-3, "sd3": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
-SAMPLE_SEEDS = 5      # samples per digit for the metrics
+SAVE_EVERY = 100      # steps between saved training states (--resume)
+SAMPLE_SEEDS = 10     # samples per digit for the metrics (10 x 10 = 100)
 SAMPLE_STEPS = 20
 GUIDANCE = 4.0
+# The SD3-like base's transformer: patch 1 (each of the 8x8 latent pixels is a token), 4 joint blocks of
+# width 64. The random tiny sd3 config (models.CONFIGS) is too small to learn ten digits well.
+SD3_TRANSFORMER = {"sample_size": M.RESOLUTION // 2, "patch_size": 1, "in_channels": 4, "out_channels": 4,
+                   "num_layers": 4, "attention_head_dim": 16, "num_attention_heads": 4,
+                   "caption_projection_dim": 64, "joint_attention_dim": 64, "pooled_projection_dim": 64,
+                   "pos_embed_max_size": 16}
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,6 +80,21 @@ def lr_at(step: int, steps: int, base: float) -> float:
         return base * (step + 1) / WARMUP
     p = (step - WARMUP) / max(1, steps - WARMUP)
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def build(kind: str):
+    """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER and data/base/sdxl's VAE."""
+    if kind == "sdxl":
+        return M.build_pipeline("sdxl", seed=SEED)
+    import diffusers
+
+    parts = M.build_components("sd3", seed=SEED)
+    torch.manual_seed(SEED)
+    parts["transformer"] = diffusers.SD3Transformer2DModel(**SD3_TRANSFORMER).eval()
+    parts["vae"] = diffusers.AutoencoderKL.from_pretrained(HERE / "base" / "sdxl" / "vae", local_files_only=True)
+    pipe = M.pipeline_class("sd3")(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> None:
@@ -88,30 +118,56 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> Non
     vae.eval()
 
 
-def train_unet(pipe, mean: torch.Tensor, std: torch.Tensor, captions: list[str], steps: int,
-               g: torch.Generator) -> list[float]:
-    """UNet + both text encoders, epsilon objective; latents drawn from the cached posteriors."""
-    unet, te1, te2 = pipe.unet.train(), pipe.text_encoder.train(), pipe.text_encoder_2.train()
-    params = [*unet.parameters(), *te1.parameters(), *te2.parameters()]
-    opt = torch.optim.AdamW(params, lr=UNET_LR, weight_decay=1e-2)
-    ddpm = M.CONFIGS["sdxl"]["scheduler"]
-    objective = DDPM(prediction_type=ddpm["prediction_type"], beta_start=ddpm["beta_start"],
-                     beta_end=ddpm["beta_end"])
+def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
+    names = ["unet", "text_encoder", "text_encoder_2"] if kind == "sdxl" else \
+        ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"]
+    return {n: getattr(pipe, n) for n in names}
+
+
+def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Text embeddings with gradients; a dropped caption (keep = 0) becomes the pipeline's unconditional
+    input: zero embeddings for SDXL, the encoded empty prompt for SD3."""
+    if kind == "sdxl":
+        embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
+    captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
+    embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
+                                              do_classifier_free_guidance=False, max_sequence_length=M.t5_length(pipe))
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, captions: list[str], steps: int,
+                   g: torch.Generator, work: Path, resume: bool) -> list[float]:
+    """Denoiser + text encoders with the kind's objective; latents drawn from the cached posteriors.
+    The training state is saved to work/state.pt every SAVE_EVERY steps; `resume` continues from it."""
+    modules = trained_modules(pipe, kind)
+    for m in modules.values():
+        m.train()
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=1e-2)
+    objective = objective_for(pipe)  # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3
     sf = pipe.vae.config.scaling_factor
-    losses = []
+    losses, start = [], 0
+    state_path = work / "state.pt"
+    if resume and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)  # our own file, written below
+        for n, m in modules.items():
+            m.load_state_dict(state["modules"][n])
+        opt.load_state_dict(state["optimizer"])
+        g.set_state(state["generator"])
+        losses, start = state["losses"], state["step"]
+        print(f"resumed {kind} at step {start} from {state_path}", flush=True)
     t0 = time.time()
-    for step in range(steps):
+    for step in range(start, steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, UNET_LR)
-        idx = torch.randint(0, len(mean), (UNET_BATCH,), generator=g)
+            group["lr"] = lr_at(step, steps, LR[kind])
+        idx = torch.randint(0, len(mean), (BATCH,), generator=g)
         x0 = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * sf  # (B, 4, 8, 8)
-        embeds, _, pooled, _ = pipe.encode_prompt([captions[i] for i in idx], device="cpu",
-                                                  do_classifier_free_guidance=False)
-        keep = (torch.rand(UNET_BATCH, generator=g) >= DROP_PROB).float()
-        cond = {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
+        keep = (torch.rand(BATCH, generator=g) >= DROP_PROB).float()
+        cond = conditioning(pipe, kind, [captions[i] for i in idx], keep)
         noise = torch.randn(x0.shape, generator=g)
-        t = objective.sample_timesteps(UNET_BATCH, g)
-        pred = M.predict("sdxl", unet, objective.noisy(x0, noise, t), t, cond)
+        t = objective.sample_timesteps(BATCH, g)
+        pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond)
         loss = diffusion_loss(pred, objective.target(x0, noise, t))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -120,74 +176,110 @@ def train_unet(pipe, mean: torch.Tensor, std: torch.Tensor, captions: list[str],
         losses.append(loss.item())
         if step % 25 == 0 or step == steps - 1:
             avg = sum(losses[-25:]) / len(losses[-25:])
-            print(f"unet {step:4d}/{steps} loss {avg:.4f}  {time.time() - t0:6.1f}s", flush=True)
-    for m in (unet, te1, te2):
+            print(f"{kind} {step:4d}/{steps} loss {avg:.4f}  {time.time() - t0:6.1f}s", flush=True)
+        if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:
+            work.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step + 1, "modules": {n: m.state_dict() for n, m in modules.items()},
+                        "optimizer": opt.state_dict(), "generator": g.get_state(), "losses": losses},
+                       work / "state.tmp")
+            (work / "state.tmp").replace(state_path)
+    for m in modules.values():
         m.eval()
     return losses
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=HERE / "base" / "sdxl")
-    ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
-    ap.add_argument("--unet-steps", type=int, default=UNET_STEPS)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(SEED)
-    g = torch.Generator().manual_seed(SEED)
-    t_start = time.time()
-
-    images, labels = digit_images(range(N_TRAIN))  # (N, 3, 16, 16) in [-1, 1]
-    captions = captions_for(labels)
-    pipe = M.build_pipeline("sdxl", seed=SEED)
-
-    train_vae(pipe, images, args.vae_steps, g)
-    with torch.no_grad():
-        post = pipe.vae.encode(images).latent_dist
-        mean, std = post.mean, post.std  # (N, 4, 8, 8)
-        rec_mse = diffusion_loss(pipe.vae.decode(mean).sample, images).item()
-        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(-images).latent_dist.mean).sample, -images).item()
-    scaling = 1.0 / mean.std().item()
-    pipe.vae.register_to_config(scaling_factor=scaling)
-    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}", flush=True)
-
-    losses = train_unet(pipe, mean, std, captions, args.unet_steps, g)
-
-    # Save next to the target, then swap, so a half-written folder never replaces a good one.
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    shutil.rmtree(args.out, ignore_errors=True)
-    tmp.rename(args.out)
-    train_seconds = time.time() - t_start
-
-    # Measure: which digit do samples show (classifier fitted on the training digits, checked on the
-    # held-out ones), and are any of them inverted (they should not be: the base never saw it).
-    held = range(N_TRAIN, 1797)
+def measure(pipe, kind: str) -> tuple[dict, torch.Tensor]:
+    """Which digit do samples show (classifier fitted on the training digits, checked on the held-out
+    ones), how sure is it, and are any of them inverted (they should not be: the base never saw it)."""
+    images, labels = digit_images(range(N_TRAIN))
+    real_x, real_y = digit_images(range(N_TRAIN, 1797))
     digits = DigitClassifier().fit(images, labels)
     inverted = InvertedClassifier().fit(images, digit_images(range(N_TRAIN), inverted=True)[0])
-    real_x, real_y = digit_images(held)
     want = torch.arange(10).repeat(SAMPLE_SEEDS)
     samples = torch.cat([sample(pipe, captions_for(torch.arange(10)), seed=s, steps=SAMPLE_STEPS,
                                 guidance=GUIDANCE) for s in range(SAMPLE_SEEDS)])  # (10*S, 3, 16, 16) in [0, 1]
     samples_pm = samples * 2 - 1
     metrics = {
-        "vae_reconstruction_mse": rec_mse,
-        "vae_reconstruction_mse_inverted": inv_mse,
-        "vae_scaling_factor": scaling,
-        "unet_final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "digit_classifier_accuracy_on_heldout_real": digits.accuracy(real_x, real_y),
+        "digit_classifier_confidence_on_heldout_real": digits.confidence(real_x, real_y),
         "digit_accuracy_of_samples": digits.accuracy(samples_pm, want),
+        "digit_confidence_of_samples": digits.confidence(samples_pm, want),
         "inverted_rate_of_samples": inverted.rate(samples_pm),
         "inverted_rate_of_heldout_real": inverted.rate(real_x),
         "samples": f"{SAMPLE_SEEDS} seeds x 10 digits, {SAMPLE_STEPS} Euler steps, guidance {GUIDANCE}",
-        "train_seconds": round(train_seconds, 1),
-        "steps": {"vae": args.vae_steps, "unet": args.unet_steps}, "threads": args.threads, "seed": SEED,
     }
-    (args.out.parent / "sdxl_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    image_grid(samples, rows=SAMPLE_SEEDS, scale=4).save(args.out.parent / "sdxl_samples.png")
+    return metrics, samples
+
+
+def write_measurements(out: Path, kind: str, pipe, extra: dict) -> None:
+    metrics, samples = measure(pipe, kind)
+    metrics.update(extra)
+    (out.parent / f"{kind}_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    image_grid(samples, rows=SAMPLE_SEEDS, scale=4).save(out.parent / f"{kind}_samples.png")
     print(json.dumps(metrics, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kind", choices=["sdxl", "sd3"], default="sdxl")
+    ap.add_argument("--out", type=Path, default=None, help="default: data/base/<kind>")
+    ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
+    ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: STEPS[kind])")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
+    ap.add_argument("--work", type=Path, default=None, help="training state folder (default: /tmp/make_base_<kind>)")
+    ap.add_argument("--resume", action="store_true", help="continue from the state saved in --work")
+    ap.add_argument("--measure-only", action="store_true", help="re-measure the base in --out; train nothing")
+    args = ap.parse_args()
+    kind = args.kind
+    out = args.out or HERE / "base" / kind
+    steps = args.steps or STEPS[kind]
+    work = args.work or Path(f"/tmp/make_base_{kind}")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    g = torch.Generator().manual_seed(SEED)
+
+    if args.measure_only:
+        old = out.parent / f"{kind}_metrics.json"
+        kept = {k: v for k, v in json.loads(old.read_text()).items()
+                if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
+                         "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads", "seed")}
+        write_measurements(out, kind, M.build_pipeline(kind, out), kept)
+        return
+
+    t_start = time.time()
+    images, labels = digit_images(range(N_TRAIN))  # (N, 3, 16, 16) in [-1, 1]
+    captions = captions_for(labels)
+    pipe = build(kind)
+    if kind == "sdxl":
+        train_vae(pipe, images, args.vae_steps, g)
+    with torch.no_grad():
+        post = pipe.vae.encode(images).latent_dist
+        mean, std = post.mean, post.std  # (N, 4, 8, 8)
+        rec_mse = diffusion_loss(pipe.vae.decode(mean).sample, images).item()
+        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(-images).latent_dist.mean).sample, -images).item()
+    if kind == "sdxl":
+        pipe.vae.register_to_config(scaling_factor=1.0 / mean.std().item())
+    scaling = pipe.vae.config.scaling_factor
+    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}", flush=True)
+
+    losses = train_denoiser(pipe, kind, mean, std, captions, steps, g, work, args.resume)
+
+    # Save next to the target, then swap, so a half-written folder never replaces a good one.
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    shutil.rmtree(work, ignore_errors=True)
+    write_measurements(out, kind, pipe, {
+        "vae_reconstruction_mse": rec_mse,
+        "vae_reconstruction_mse_inverted": inv_mse,
+        "vae_scaling_factor": scaling,
+        "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
+        "train_seconds": round(time.time() - t_start, 1),
+        "steps": {"vae": args.vae_steps if kind == "sdxl" else 0, kind: steps},
+        "threads": args.threads, "seed": SEED,
+    })
 
 
 if __name__ == "__main__":

@@ -123,9 +123,22 @@ def test_errors_name_the_problem(tmp_path):
         M.build_pipeline("sdxl", base=bad)
 
 
+def test_shipped_sd3_base_draws_recognisable_digits():
+    """data/base/sd3 (flow matching, `data/make_base.py --kind sd3`) loads and draws the digit asked for."""
+    pytest.importorskip("sklearn")
+    from lora_lab.diffusion.effect import fit_classifiers
+    from lora_lab.diffusion.sampling import sample
+
+    pipe = M.build_pipeline("sd3", base=M.shipped_base("sd3"))
+    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
+    digits, inverted = fit_classifiers(range(1600))
+    assert digits.accuracy(images, torch.arange(10)) >= 0.8
+    assert inverted.rate(images) == 0.0
+
+
 def test_shipped_sdxl_base_draws_recognisable_digits():
     """data/base/sdxl (made by data/make_base.py) loads with from_pretrained and draws the digit it is
-    asked for; only sdxl ships pre-trained, the other kinds are built from a seed."""
+    asked for; sdxl and sd3 ship pre-trained, sd15 and flux are built from a seed."""
     pytest.importorskip("sklearn")
     from lora_lab.diffusion.effect import digit_images, fit_classifiers
     from lora_lab.diffusion.sampling import sample

@@ -1,6 +1,7 @@
 """LoRA training for diffusers models: model builders, objectives, image+caption data, sampling.
 
     from lora_lab.diffusion import build_pipeline, encode_prompts, objective_for, predict
+    from lora_lab.diffusion import TrainConfig, train
 """
 
 from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
@@ -20,6 +21,7 @@ from .models import (
 )
 from .objectives import DDPM, FlowMatching, ObjectiveError, diffusion_loss, objective_for
 from .sampling import image_grid, loras_applied, sample
+from .train import TrainConfig, TrainConfigError, TrainResult, train
 
 __all__ = [
     "DDPM",
@@ -30,6 +32,9 @@ __all__ = [
     "ImageCaptionDataset",
     "ModelLoadError",
     "ObjectiveError",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
     "aspect_buckets",
     "build_components",
     "build_pipeline",
@@ -47,4 +52,5 @@ __all__ = [
     "predict",
     "sample",
     "shipped_base",
+    "train",
 ]

@@ -3,6 +3,7 @@
 API:
     digit_images(indices=None, size=RESOLUTION, inverted=False) -> (images (N, 3, size, size) in [-1, 1], labels (N,))
     DigitClassifier.fit(images, labels) / .predict(images) -> labels;  .accuracy(images, labels) -> float
+        .confidence(images, labels) -> float: the mean probability the classifier gives the digit asked for
     InvertedClassifier.fit(normal, inverted) / .predict(images) -> bool (N,);  .rate(images) -> float
     fit_classifiers(train_indices) -> (DigitClassifier, InvertedClassifier) fitted on real digits
 
@@ -85,6 +86,13 @@ class DigitClassifier:
 
     def accuracy(self, images: torch.Tensor, labels: torch.Tensor) -> float:
         return float((self.predict(images) == torch.as_tensor(labels)).float().mean())
+
+    def confidence(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        """The mean over images of the probability given to the digit asked for (`labels`): an image
+        read correctly but hesitantly scores below 1, one read as another digit scores near 0."""
+        proba = self.model.predict_proba(_pixels8(images))  # (N, 10), columns = self.model.classes_
+        col = np.searchsorted(self.model.classes_, torch.as_tensor(labels).numpy())
+        return float(proba[np.arange(len(col)), col].mean())
 
 
 @dataclass

@@ -5,6 +5,9 @@ One optimizer step, with per-process batch b, accumulation a and world size w (g
     x0, text  <- G examples in the order of this epoch's permutation (cached VAE latents, text embeddings)
     noise, t  <- drawn for all G examples from a generator seeded by (seed, step): every rank draws the same
     loss      =  mean over the G examples of objective(denoiser + LoRA, x0, text, noise, t)
+                 (+ prior_loss_weight * the same over G examples of reg_dataset: DreamBooth's prior preservation;
+                 text <- the pipeline's unconditional input with probability caption_dropout; with buckets, the G
+                 examples share one aspect-ratio bucket)
     grad      <- all-reduce mean over ranks of (sum over the a micro-batches of grad(loss_micro) / a)
     LoRA      <- optimizer(grad, lr(step))      lr(step): linear warm-up, then constant | linear | cosine
 
@@ -76,6 +79,22 @@ class TrainConfig:
     resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the base's)"})
     skip_bad_images: bool = field(
         default=False, metadata={"help": "skip unreadable images and images without a caption, with a warning"}
+    )
+    buckets: bool = field(
+        default=False, metadata={"help": "aspect-ratio buckets: each image keeps its shape at about resolution^2 "
+                                 "pixels (kohya-style), batches come from one bucket; off: every image is cropped square"}
+    )
+    reg_dataset: str | None = field(
+        default=None, metadata={"help": "folder of regularization images in the base's own style, with captions: "
+                                "prior preservation (DreamBooth; kohya's reg images), their loss added to each step"}
+    )
+    prior_loss_weight: float = field(
+        default=1.0, metadata={"help": "weight of the regularization images' loss (with --reg-dataset)"}
+    )
+    caption_dropout: float = field(
+        default=0.0, metadata={"help": "probability that an example is trained with the pipeline's unconditional "
+                               "input (SDXL: zeros, others: the empty prompt) instead of its caption, so "
+                               "classifier-free guidance's negative branch learns the new data too"}
     )
     # the adapter
     rank: int = field(default=16, metadata={"help": "LoRA rank r"})
@@ -171,6 +190,12 @@ class TrainConfig:
                 parse_policy(self.checkpoint_policy())
             except CheckpointError as e:
                 bad("gradient_checkpointing", str(e))
+        if self.reg_dataset is not None and not Path(self.reg_dataset).is_dir():
+            bad("reg_dataset", "is not a folder")
+        if not (isinstance(self.prior_loss_weight, (int, float)) and 0 <= self.prior_loss_weight < math.inf):
+            bad("prior_loss_weight", "must be a finite number >= 0")
+        if not (isinstance(self.caption_dropout, (int, float)) and 0 <= self.caption_dropout < 1):
+            bad("caption_dropout", "must be a probability in [0, 1)")
         if self.base is not None and not Path(self.base).exists():
             bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
         if self.base_quantization is not None and self.base_quantization not in FORMATS:
@@ -267,6 +292,30 @@ def global_batch_indices(seed: int, step: int, global_batch: int, n: int) -> tor
         mask = epochs == e
         out[mask] = epoch_order(seed, e, n)[slots[mask] % n]
     return out
+
+
+def bucket_batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int, int]]) -> torch.Tensor:
+    """Dataset indices of optimizer step `step` when images keep their aspect ratio: all from one bucket.
+
+    One epoch is `BucketBatchSampler`'s batches of `global_batch` for (seed, epoch); a bucket's last, short
+    batch is filled up cyclically from the same bucket, so every step has exactly `global_batch` examples.
+    """
+    from types import SimpleNamespace
+
+    from .data import BucketBatchSampler
+
+    sampler = BucketBatchSampler(SimpleNamespace(sizes=sizes), global_batch, seed=seed)
+    n_batches = len(sampler)
+    sampler.set_epoch(step // n_batches)
+    batch = list(sampler)[step % n_batches]
+    return torch.tensor([batch[i % len(batch)] for i in range(global_batch)])
+
+
+def batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int, int]]) -> torch.Tensor:
+    """Step `step`'s examples: `global_batch_indices` when every example has one size, else one bucket's."""
+    if len(set(sizes)) == 1:
+        return global_batch_indices(seed, step, global_batch, len(sizes))
+    return bucket_batch_indices(seed, step, global_batch, sizes)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -497,6 +546,8 @@ def train(config: TrainConfig) -> TrainResult:
     out = Path(config.output)
     resume_from, state, bad_checkpoints = _resume_checkpoint(config, out)
     fingerprint = folder_fingerprint(_dataset_dir(config))
+    if config.reg_dataset is not None:  # a changed regularization folder changes the run too
+        fingerprint += "+" + folder_fingerprint(config.reg_dataset)
 
     # 1. the frozen base, and the examples as cached latents and text embeddings
     base = config.base if config.base is not None else shipped_base(config.model)
@@ -505,8 +556,11 @@ def train(config: TrainConfig) -> TrainResult:
     model = denoiser(pipe)
     resolution = config.resolution or default_resolution(pipe)
     check_config_for_base(config, pipe, resolution)
-    latents, embeds, captions = _encode_dataset(config, pipe, resolution, encode_images, encode_prompts)
-    n_examples = len(captions)
+    data = _encode_dataset(config, pipe, resolution, _dataset_dir(config), encode_images, encode_prompts)
+    reg = None if config.reg_dataset is None else \
+        _encode_dataset(config, pipe, resolution, Path(config.reg_dataset), encode_images, encode_prompts)
+    empty = _unconditional(pipe, encode_prompts) if config.caption_dropout else None  # what a dropped caption becomes
+    captions, n_examples = data.captions, len(data.captions)
     objective = objective_for(pipe)
     resolved = _resolved(config, base, resolution)
 
@@ -560,22 +614,28 @@ def train(config: TrainConfig) -> TrainResult:
         lr = config.lr * lr_factor(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        idx = global_batch_indices(config.seed, step, global_batch, n_examples)  # (G,)
+        idx = batch_indices(config.seed, step, global_batch, data.sizes)  # (G,)
         g = step_generator(config.seed, step, torch.device("cpu"))
-        noise = torch.randn((global_batch, *latents.shape[1:]), generator=g)  # (G, C, h, w)
-        if config.noise_offset:  # a constant per (example, channel): shifts the mean the model must remove
-            noise = noise + config.noise_offset * torch.randn((global_batch, latents.shape[1], 1, 1), generator=g)
-        t = objective.sample_timesteps(global_batch, generator=g)  # (G,)
+        noise, t = _draw_noise(config, objective, data, idx, g)  # (G, C, h, w), (G,)
+        drop = None if empty is None else torch.rand(global_batch, generator=g) < config.caption_dropout  # (G,)
         mine = slice(env.rank * per_process, (env.rank + 1) * per_process)  # this process's share
         idx, noise, t = idx[mine], noise[mine], t[mine]
+        if reg is not None:  # prior preservation: as many regularization examples, their own order and noise
+            reg_idx = batch_indices(config.seed + 1, step, global_batch, reg.sizes)
+            reg_noise, reg_t = _draw_noise(config, objective, reg, reg_idx, g)
+            reg_idx, reg_noise, reg_t = reg_idx[mine], reg_noise[mine], reg_t[mine]
 
         step_loss = torch.zeros((), dtype=torch.float64)
         for m in range(config.grad_accum):
             mb = slice(m * config.batch_size, (m + 1) * config.batch_size)
-            x0 = latents[idx[mb]].to(device)
+            x0 = data.latents_of(idx[mb]).to(device)
             eps, tm = noise[mb].to(device), t[mb].to(device)
-            cond = {k: v[idx[mb]].to(device) for k, v in embeds.items()}
+            cond = data.embeds_of(idx[mb], None if drop is None else drop[mine][mb], empty, device)
             loss = denoising_loss(config, pipe, objective, x0, eps, tm, cond)
+            if reg is not None:
+                loss = loss + config.prior_loss_weight * denoising_loss(
+                    config, pipe, objective, reg.latents_of(reg_idx[mb]).to(device), reg_noise[mb].to(device),
+                    reg_t[mb].to(device), reg.embeds_of(reg_idx[mb], None, None, device))
             scaler.scale(loss / config.grad_accum).backward()
             step_loss += loss.detach().double().cpu() / config.grad_accum
 
@@ -706,6 +766,7 @@ def _resolved(config: TrainConfig, base: Path | str | None, resolution: int) -> 
         resolution=resolution,
         alpha=float(config.rank if config.alpha is None else config.alpha),
         dataset=str(_dataset_dir(config)),
+        reg_dataset=None if config.reg_dataset is None else str(config.reg_dataset),
     )
 
 
@@ -808,22 +869,71 @@ def _dataset_dir(config: TrainConfig) -> Path:
     return Path(config.dataset) if config.dataset is not None else DATA_DIR / DEFAULT_DATASET
 
 
-def _encode_dataset(config: TrainConfig, pipe, resolution: int, encode_images, encode_prompts):
-    """Every example once through the frozen VAE and text encoders: latents (N, C, h, w), embeddings (N, ...).
+@dataclass
+class EncodedExamples:
+    """A dataset as the loop uses it: one cached latent (C, h, w) per example (shapes differ across
+    aspect-ratio buckets, never within a batch), text embeddings (N, ...), captions, bucket sizes."""
+
+    latents: list[torch.Tensor]
+    embeds: dict[str, torch.Tensor]
+    captions: list[str]
+    sizes: list[tuple[int, int]]
+
+    def latents_of(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.latents[i] for i in idx.tolist()])  # (B, C, h, w)
+
+    def embeds_of(self, idx: torch.Tensor, drop: torch.Tensor | None, empty: dict | None, device) -> dict:
+        """The examples' text embeddings; where `drop` is True, the empty prompt's (caption dropout)."""
+        out = {}
+        for k, v in self.embeds.items():
+            e = v[idx]
+            if drop is not None:
+                e = torch.where(drop.reshape(-1, *[1] * (e.dim() - 1)), empty[k].expand_as(e), e)
+            out[k] = e.to(device)
+        return out
+
+
+def _unconditional(pipe, encode_prompts) -> dict[str, torch.Tensor]:
+    """The pipeline's own unconditional input (its classifier-free guidance's negative branch), (1, ...):
+    zero embeddings where it forces zeros for an empty prompt (SDXL), else the encoded empty prompt."""
+    embeds = encode_prompts(pipe, [""])
+    if getattr(pipe.config, "force_zeros_for_empty_prompt", False):
+        embeds = {k: torch.zeros_like(v) for k, v in embeds.items()}
+    return embeds
+
+
+def _draw_noise(config: TrainConfig, objective, data: EncodedExamples, idx: torch.Tensor, g: torch.Generator):
+    """Noise (G, C, h, w) for the latents of `idx` (one size) and timesteps (G,), drawn from `g`."""
+    shape = (len(idx), *data.latents[int(idx[0])].shape)
+    noise = torch.randn(shape, generator=g)
+    if config.noise_offset:  # a constant per (example, channel): shifts the mean the model must remove
+        noise = noise + config.noise_offset * torch.randn((*shape[:2], 1, 1), generator=g)
+    return noise, objective.sample_timesteps(len(idx), generator=g)
+
+
+def _encode_dataset(config: TrainConfig, pipe, resolution: int, folder: Path, encode_images,
+                    encode_prompts) -> EncodedExamples:
+    """Every example once through the frozen VAE and text encoders.
 
     The VAE posterior is sampled with a generator seeded by the config's seed, so every process (and a
-    resumed run) caches the same latents. Images go through the VAE `ENCODE_BATCH` at a time.
+    resumed run) caches the same latents. Images go through the VAE `ENCODE_BATCH` at a time (of one
+    size: with buckets, consecutive images of the same bucket).
     """
-    from .data import ImageCaptionDataset
+    from .data import ImageCaptionDataset, aspect_buckets
 
-    ds = ImageCaptionDataset(_dataset_dir(config), resolution, skip_bad=config.skip_bad_images)
+    buckets = aspect_buckets(resolution) if config.buckets else None
+    ds = ImageCaptionDataset(folder, resolution, buckets=buckets, skip_bad=config.skip_bad_images)
     g = torch.Generator(device=pipe.vae.device).manual_seed(config.seed)
-    latents = []
-    for start in range(0, len(ds), ENCODE_BATCH):
-        images = torch.stack([ds[i]["image"] for i in range(start, min(start + ENCODE_BATCH, len(ds)))])
-        latents.append(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
-    embeds = encode_prompts(pipe, ds.captions)
-    return torch.cat(latents), embeds, ds.captions
+    latents: list[torch.Tensor] = []
+    start = 0
+    while start < len(ds):
+        stop = start + 1
+        while stop < min(start + ENCODE_BATCH, len(ds)) and ds.sizes[stop] == ds.sizes[start]:
+            stop += 1
+        images = torch.stack([ds[i]["image"] for i in range(start, stop)])
+        latents.extend(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
+        start = stop
+    return EncodedExamples(latents, encode_prompts(pipe, ds.captions), ds.captions, ds.sizes)
 
 
 def _save_lora_files(out: Path, pipe, kind: str) -> dict[str, Path]:

@@ -1,0 +1,121 @@
+"""diffusion/train.py's data options: aspect-ratio buckets, prior preservation (reg_dataset,
+prior_loss_weight) and caption dropout; their validation and CLI flags."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+from lora_lab.cli import build_parser
+from lora_lab.diffusion import TrainConfig, train
+from lora_lab.diffusion.train import EncodedExamples, TrainConfigError, bucket_batch_indices
+
+# `lora_lab.diffusion.train` the attribute is the function (`from lora_lab.diffusion import train`); the module:
+train_module = sys.modules["lora_lab.diffusion.train"]
+
+SEED = 3
+FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
+SIZES = [(24, 24), (24, 24), (16, 32), (16, 32), (32, 16), (32, 16), (24, 24)]  # (H, W) of each image
+
+
+def _folder(root: Path, sizes, caption: str) -> Path:
+    """sklearn digits resized to each (H, W), captioned `caption` + the digit's name."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    root.mkdir()
+    d = load_digits()
+    for i, (h, w) in enumerate(sizes):
+        img = Image.fromarray((d.images[i] * 16).clip(0, 255).astype(np.uint8)).resize((w, h)).convert("RGB")
+        img.save(root / f"{i:02d}.png")
+        (root / f"{i:02d}.txt").write_text(f"{caption} {d.target[i]}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("options")
+    return {"mixed": _folder(root / "mixed", SIZES, "a digit"),
+            "reg": _folder(root / "reg", [(32, 32)] * 4, "a digit")}
+
+
+@pytest.mark.parametrize("field, value", [("reg_dataset", "/no/such/folder"), ("prior_loss_weight", -1.0),
+                                          ("prior_loss_weight", float("inf")), ("caption_dropout", 1.0),
+                                          ("caption_dropout", -0.1)])
+def test_bad_option_is_a_clear_error(field, value):
+    with pytest.raises(TrainConfigError, match=f"TrainConfig.{field}="):
+        TrainConfig(**{field: value})
+
+
+def test_cli_flags(folders):
+    args = build_parser().parse_args(["train", "--reg-dataset", str(folders["reg"]), "--prior-loss-weight", "0.5",
+                                      "--caption-dropout", "0.1", "--buckets"])
+    assert (args.reg_dataset, args.prior_loss_weight, args.caption_dropout, args.buckets) == \
+        (str(folders["reg"]), 0.5, 0.1, True)
+    assert build_parser().parse_args(["train"]).buckets is False
+
+
+def test_bucket_batches_are_one_size_cover_the_epoch_and_repeat():
+    sizes = [(16, 16)] * 5 + [(8, 24)] * 3 + [(24, 8)] * 2
+    steps_per_epoch = 3 + 2 + 1  # batches of 2: ceil(5/2) + ceil(3/2) + ceil(2/2)
+    seen = []
+    for step in range(steps_per_epoch):
+        idx = bucket_batch_indices(SEED, step, 2, sizes)
+        assert len(idx) == 2 and len({sizes[i] for i in idx.tolist()}) == 1
+        torch.testing.assert_close(idx, bucket_batch_indices(SEED, step, 2, sizes))  # a function of (seed, step)
+        seen += idx.tolist()
+    assert set(seen) == set(range(len(sizes)))  # every example in one epoch (a short batch is filled up)
+
+
+def _x0_shapes(monkeypatch) -> list:
+    shapes = []
+    real = train_module.denoising_loss
+
+    def spy(config, pipe, objective, x0, *rest):
+        shapes.append(tuple(x0.shape[-2:]))
+        return real(config, pipe, objective, x0, *rest)
+
+    monkeypatch.setattr(train_module, "denoising_loss", spy)
+    return shapes
+
+
+def test_buckets_train_mixed_sizes_without_cropping_square(folders, tmp_path, monkeypatch):
+    shapes = _x0_shapes(monkeypatch)
+    cfg = dict(model="sdxl", dataset=str(folders["mixed"]), resolution=24, steps=4, **FAST)
+    result = train(TrainConfig(output=str(tmp_path / "b"), buckets=True, **cfg))
+    assert all(np.isfinite(result.losses))
+    # latents are half the image size (the tiny VAE); 16x32 and 32x16 images keep their aspect ratio
+    assert {(8, 16), (16, 8)} <= set(shapes) and len(shapes) == 4
+    shapes.clear()
+    train(TrainConfig(output=str(tmp_path / "square"), buckets=False, **cfg))
+    assert set(shapes) == {(12, 12)}
+
+
+def test_prior_preservation_adds_the_weighted_reg_loss(folders, tmp_path, monkeypatch):
+    cfg = dict(model="sd3", dataset=str(folders["mixed"]), resolution=16, steps=3, **FAST)
+    plain = train(TrainConfig(output=str(tmp_path / "plain"), **cfg))
+    zero = train(TrainConfig(output=str(tmp_path / "zero"), reg_dataset=str(folders["reg"]), prior_loss_weight=0.0, **cfg))
+    shapes = _x0_shapes(monkeypatch)
+    one = train(TrainConfig(output=str(tmp_path / "one"), reg_dataset=str(folders["reg"]), prior_loss_weight=1.0, **cfg))
+    assert len(shapes) == 2 * 3  # one style and one regularization micro-batch per step
+    a, b, c = (load_file(str(r.outputs["lora_diffusers"])) for r in (plain, zero, one))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # weight 0: exactly the run without regularization
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert one.losses[0] > plain.losses[0]  # the first step's loss adds the (positive) reg loss
+
+
+def test_caption_dropout_swaps_in_the_empty_prompt():
+    embeds = {"prompt_embeds": torch.arange(12.0).reshape(3, 2, 2), "pooled_prompt_embeds": torch.ones(3, 4)}
+    empty = {"prompt_embeds": torch.full((1, 2, 2), -1.0), "pooled_prompt_embeds": torch.zeros(1, 4)}
+    ex = EncodedExamples([torch.zeros(4, 2, 2)] * 3, embeds, ["a", "b", "c"], [(4, 4)] * 3)
+    out = ex.embeds_of(torch.tensor([2, 0]), torch.tensor([True, False]), empty, "cpu")
+    torch.testing.assert_close(out["prompt_embeds"], torch.stack([-torch.ones(2, 2), embeds["prompt_embeds"][0]]))
+    torch.testing.assert_close(out["pooled_prompt_embeds"], torch.tensor([[0.0] * 4, [1.0] * 4]))
