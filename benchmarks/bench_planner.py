@@ -2,6 +2,7 @@
 
     python benchmarks/bench_planner.py                 # real-size table (predictions) + planner speed
     python benchmarks/bench_planner.py --validate      # tiny models on the CPU: predicted vs measured, 32 runs
+    python benchmarks/bench_planner.py --quantized     # real size with a quantized frozen denoiser (NF4, int8)
 
 Real-size rows are predictions from fake tensors (no GPU was used). Targets (issue 10): a plan for the real
 SDXL at 1024 in <= 10 s and < 2 GiB resident on the 2-core machine; `fit` over all options < 1 minute;
@@ -31,16 +32,25 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
+QUANTIZED_ROWS = [  # (model, resolution, checkpointing, optimizer, base quantization)
+    ("flux-dev", 1024, False, "adamw", "nf4"), ("flux-dev", 1024, True, "adamw8bit", "nf4"),
+    ("flux-dev", 1024, False, "adamw", "int8"), ("flux-dev", 1024, True, "adamw8bit", "int8"),
+    ("sdxl", 1024, False, "adamw", "nf4"), ("sdxl", 1024, True, "adamw8bit", "nf4"),
+]
+
+
 def real_table(rows, rank: int) -> None:
     from lora_lab.planner import plan_memory
 
-    print("| model | resolution | checkpointing | optimizer | attention | weights (denoiser / others) GiB | "
-          "saved activations GiB | predicted peak GiB | phase | plan time s |")
-    print("| --- | ---: | --- | --- | --- | ---: | ---: | ---: | --- | ---: |")
-    for model, res, ckpt, opt in rows:
-        p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt)
+    quantized = len(rows[0]) == 5
+    print(f"| model | resolution | {'base | ' if quantized else ''}checkpointing | optimizer | attention | "
+          "weights (denoiser / others) GiB | saved activations GiB | predicted peak GiB | phase | plan time s |")
+    print(f"| --- | ---: | {'--- | ' if quantized else ''}--- | --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for model, res, ckpt, opt, *q in rows:
+        p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt,
+                        base_quantization=q[0] if q else None)
         w = p.parts
-        print(f"| {model} | {res} | {'yes' if ckpt else 'no'} | {opt} | {p.attention} | "
+        print(f"| {model} | {res} | {q[0] + ' | ' if q else ''}{'yes' if ckpt else 'no'} | {opt} | {p.attention} | "
               f"{gib(w['frozen weights'])} / {gib(w['resident (VAE, text encoders)'])} | {gib(p.saved_activations)} | "
               f"**{gib(p.peak)}** | {p.peak_phase} | {p.seconds:.1f} |", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -93,9 +103,12 @@ if __name__ == "__main__":
     ap.add_argument("--validate", action="store_true", help="the tiny-model matrix instead of the real-size table")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--only", default=None, help="comma-separated models of the real table (default: all)")
+    ap.add_argument("--quantized", action="store_true", help="real size with an NF4 / int8 frozen denoiser")
     args = ap.parse_args()
     if args.validate:
         validate()
+    elif args.quantized:
+        real_table(QUANTIZED_ROWS, args.rank)
     else:
         speed()
         rows = [r for r in REAL_ROWS if args.only is None or r[0] in args.only.split(",")]
