@@ -9,7 +9,7 @@ inverted", the notebook's seeds) at strength 1 and prints the inverted rate and 
 by the notebook's classifiers (`fit_classifiers()`), and the same for the plain prompts ("a digit zero" ..):
 what prior preservation is for. Rows: the recipe; prior preservation (data/lora_reg) on/off; caption
 dropout 0.1 on/off; only the first 120 style images (the set before issue 15); captions without the digit
-("a digit, inverted"); half the steps.
+("a digit, inverted"); half the steps; on the UNet bases, no LoCon.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lora_lab.diffusion.sampling import sample
 from lora_lab.notebook import _literal_assignments
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_diffusion_lora.ipynb"
+UNETS = ("sdxl", "sd15")  # trained for UNET_STEPS, with LoCon when CONV (as notebook 07 does)
 
 
 def recipe() -> dict:
@@ -51,12 +52,19 @@ def subset_folder(tmp: Path, n: int | None, caption=None) -> Path:
     return out
 
 
+def steps_of(p: dict, model: str) -> int:
+    """Notebook 07's rule: UNET_STEPS for the UNet bases, STEPS for the transformers."""
+    return p["UNET_STEPS"] if model in UNETS else p["STEPS"]
+
+
 def run(p: dict, model: str, dataset: Path | None, out: Path) -> dict:
+    steps = steps_of(p, model)
     config = TrainConfig(model=model, output=str(out), dataset=None if dataset is None else str(dataset),
-                         steps=p["STEPS"], rank=p["RANK"], lr=p["LR"], batch_size=p["BATCH_SIZE"],
+                         steps=steps, rank=p["RANK"], lr=p["LR"], batch_size=p["BATCH_SIZE"],
+                         conv=bool(p["CONV"]) and model in UNETS,
                          reg_dataset=str(DATA_DIR / "lora_reg") if p["PRIOR"] else None,
                          prior_loss_weight=p["PRIOR_LOSS_WEIGHT"], caption_dropout=p["CAPTION_DROPOUT"],
-                         dora=p["DORA"], warmup_steps=max(1, p["STEPS"] // 10), schedule="cosine", seed=p["SEED"],
+                         dora=p["DORA"], warmup_steps=max(1, steps // 10), schedule="cosine", seed=p["SEED"],
                          sample_steps=0, progress=False)
     t0 = time.time()
     result = train(config)
@@ -90,8 +98,12 @@ def main() -> None:
              {**base, "CAPTION_DROPOUT": 0.0 if base["CAPTION_DROPOUT"] else 0.1}, None),
             ("120 style images, not all 197", base, subset_folder(tmp, 120)),
             ("captions without the digit", base, subset_folder(tmp, None, lambda t: "a digit, inverted\n")),
-            (f"{base['STEPS'] // 2} steps, not {base['STEPS']}", {**base, "STEPS": base["STEPS"] // 2}, None),
         ]
+        n = steps_of(base, args.model)
+        rows.append((f"{n // 2} steps, not {n}", {**base, "STEPS": base["STEPS"] // 2, "UNET_STEPS": base["UNET_STEPS"] // 2},
+                     None))
+        if args.model in UNETS and base["CONV"]:
+            rows.append(("no LoCon (attention projections only)", {**base, "CONV": False}, None))
         print(f"{args.model}, {10 * base['EVAL_SEEDS']} samples per prompt set, strength 1:")
         print("| changed | inverted rate | digit accuracy | plain prompt: inverted rate, digit accuracy | train s |")
         print("| --- | ---: | ---: | ---: | ---: |")

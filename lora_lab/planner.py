@@ -358,9 +358,13 @@ def _components(model: str, size: str, resident: str, base_dtype: torch.dtype) -
     torch.set_default_dtype(base_dtype)
     try:
         if size == "tiny":  # a few MB: built for real on the CPU (its scheduler needs real tensors)
-            from .diffusion.models import build_components
+            from .diffusion.models import build_components, build_pipeline, shipped_base
 
-            comps = {k: v for k, v in build_components(model).items() if isinstance(v, torch.nn.Module)}
+            # what the trainer trains by default: the pre-trained base shipped in data/ where one ships
+            base = shipped_base(model)
+            built = build_components(model) if base is None else build_pipeline(
+                model, base, dtype=None if base_dtype == torch.float32 else base_dtype).components
+            comps = {k: v for k, v in built.items() if isinstance(v, torch.nn.Module)}
             return {k: v for k, v in comps.items() if resident == "all" or k in ("unet", "transformer")}
         with torch.device("meta"):
             if size not in ("real", "tiny"):
@@ -461,7 +465,8 @@ def plan_memory(
     """Predict the peak memory of one training step of lora_lab's trainer with these options.
 
     model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev) or a tiny kind
-    (`size="tiny"`: sd15 | sdxl | sd3 | flux, the configs of `lora_lab.diffusion.models`).
+    (`size="tiny"`: sd15 | sdxl | sd3 | flux, what the trainer builds by default: the pre-trained base
+    shipped in data/base/ where one ships, else the tiny configs of `lora_lab.diffusion.models`).
     resolution: image side in pixels (default: 1024, or 512 for sd15; tiny: 16). Options as in
     `TrainConfig` (rank, dora, conv = LoCon, optimizer adamw | adamw8bit | bnb-adamw8bit, gradient
     checkpointing, mixed_precision no | bf16 | fp16); base_dtype fp32 | bf16 | fp16 (the frozen weights;
