@@ -1,7 +1,6 @@
 """lora_lab: adapter training on frozen models in PyTorch, verified."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__
 from .checkpoint import (
     CheckpointError,
     CheckpointPlan,
@@ -21,9 +20,9 @@ from .diffusion import (
     sample,
 )
 from .diffusion.train import NonFiniteLossError, TrainConfig, TrainConfigError, train
+from .errors import LoraFormatError, LoraLabError, TensorKindError, WeightFileError
 from .formats import (
     LoraFile,
-    LoraFormatError,
     LoraModule,
     UnetLayout,
     convert_lora,
@@ -34,7 +33,7 @@ from .formats import (
     unet_layout,
 )
 from .kernels import KernelBackendError, KernelInputError, resolve_backend
-from .layers import Frozen, Linear, Trainable
+from .layers import Frozen, Linear, Trainable, count_parameters
 from .lora import (
     LoRAConfig,
     LoRAConfigError,
@@ -62,10 +61,6 @@ from .memory import (
 from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
 from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .params import (
-    LoraLabError,
-    TensorKindError,
-    WeightFileError,
-    count_parameters,
     load_frozen,
     var_from_tensor,
 )

@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .params import LoraLabError
+from .errors import LoraLabError
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -10,7 +10,7 @@ import sys
 import typing
 from pathlib import Path
 
-from .params import LoraLabError
+from .errors import LoraLabError
 
 # ----------------------------------------------------------------------------- LoRA files (issue 4)
 

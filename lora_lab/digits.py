@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .params import LoraLabError
+from .errors import LoraLabError
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One Linear layer whose weight is either frozen or trainable: the seeds' `Linear<T>` over Tensor/Var.
+"""One Linear layer whose weight is either frozen or trainable (the `Linear<T>` over Tensor/Var), and counting weights.
 
     y = x W^T + b
 
@@ -72,3 +72,29 @@ class Linear(nn.Module, Generic[Kind]):
     def extra_repr(self) -> str:
         kind = "frozen" if self.is_frozen else "trainable"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) element counts.
+
+    Trainable: parameters with requires_grad. Frozen: parameters without it, plus the weights that
+    `lora_lab.Linear.frozen` keeps as buffers (other buffers, such as norm statistics, are not
+    weights and are not counted).
+    """
+    trainable = frozen = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    for m in model.modules():
+        if isinstance(m, Linear) and m.is_frozen:
+            for b in (m.weight, m.bias):
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    frozen += b.numel()
+    return trainable, frozen

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dora
+from .errors import LoraLabError
 from .kernels import BACKENDS, resolve_backend
 from .layers import Linear
-from .params import LoraLabError
 from .quant import QuantLinear, matches_targets
 
 INITS = ("kaiming", "gaussian", "pissa")

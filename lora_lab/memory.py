@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .params import LoraLabError
+from .errors import LoraLabError
 
 
 class MemoryMeasurementUnavailable(LoraLabError, RuntimeError):

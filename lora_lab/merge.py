@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .formats import LoraFile, LoraFormatError, LoraModule, atomic_save, load_lora, match_modules
+from .errors import LoraFormatError
+from .fileio import atomic_save_safetensors
+from .formats import LoraFile, LoraModule, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
 from .params import load_frozen
 from .quant import QuantizationError, QuantLinear
@@ -154,7 +156,7 @@ def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, met
     """Write every weight of `merged` (base dtype) to a safetensors file, atomically, merging and writing one
     weight at a time (a `MergedState` never holds more than one merged weight)."""
     path = Path(path)
-    atomic_save(path, merged, metadata or {}, like=merged.base if isinstance(merged, MergedState) else None)
+    atomic_save_safetensors(path, merged, metadata or {}, like=merged.base if isinstance(merged, MergedState) else None)
     return path
 
 

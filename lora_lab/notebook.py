@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .formats import atomic_write_bytes
-from .params import LoraLabError
+from .errors import LoraLabError
+from .fileio import atomic_write_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

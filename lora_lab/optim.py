@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .errors import LoraLabError
 from .kernels import BACKENDS, resolve_backend
-from .params import LoraLabError
 
 BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096

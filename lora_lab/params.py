@@ -1,4 +1,4 @@
-"""Frozen vs trainable weights: fresh leaf parameters, memory-mapped frozen loading, counting.
+"""Frozen vs trainable weights: fresh leaf parameters and memory-mapped frozen loading (counting: layers.py).
 
 The seeds' Candle fork needed `make_var()` because `Var::from_tensor` failed on CUDA for tensors
 that carried graph history. In PyTorch the same need is: a fresh leaf `nn.Parameter` with its own
@@ -14,17 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
-class LoraLabError(Exception):
-    """Base class of every error lora_lab raises on purpose."""
-
-
-class WeightFileError(LoraLabError, OSError):
-    """A weights file that is missing, not a safetensors file, or damaged."""
-
-
-class TensorKindError(LoraLabError, TypeError):
-    """A tensor of a kind the operation cannot take (e.g. an integer tensor made trainable)."""
+from .errors import TensorKindError, WeightFileError
 
 
 def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
@@ -69,31 +59,3 @@ def load_frozen(
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise WeightFileError(f"{path}: not a readable safetensors file ({e})") from e
     return out
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) element counts.
-
-    Trainable: parameters with requires_grad. Frozen: parameters without it, plus the weights that
-    `lora_lab.Linear.frozen` keeps as buffers (other buffers, such as norm statistics, are not
-    weights and are not counted).
-    """
-    from .layers import Linear
-
-    trainable = frozen = 0
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.requires_grad:
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
-    for m in model.modules():
-        if isinstance(m, Linear) and m.is_frozen:
-            for b in (m.weight, m.bias):
-                if b is not None and id(b) not in seen:
-                    seen.add(id(b))
-                    frozen += b.numel()
-    return trainable, frozen

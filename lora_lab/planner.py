@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .params import LoraLabError
+from .errors import LoraLabError
 from .quant import quantize_base
 
 GiB = 1 << 30

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .params import LoraLabError
+from .errors import LoraLabError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import LoraLabError
 from .layers import Linear
 from .optim import _blocks, dequantize_blockwise, quantize_blockwise
-from .params import LoraLabError
 
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default

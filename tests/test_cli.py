@@ -216,11 +216,11 @@ def test_os_errors_are_one_line_naming_the_path_and_leave_the_disk_as_it_was(fil
 
 _KILLED_WRITER = """
 import os, signal, sys
-from lora_lab import formats
+from lora_lab import fileio
 def killed(src, dst):  # the process dies after writing its temp file, before the rename
     os.kill(os.getpid(), signal.SIGKILL)
-formats.os.replace = killed
-formats.atomic_write_bytes(sys.argv[1], b"x" * 100000)
+fileio.os.replace = killed
+fileio.atomic_write_bytes(sys.argv[1], b"x" * 100000)
 """
 
 

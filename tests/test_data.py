@@ -21,7 +21,7 @@ from lora_lab.diffusion.data import (
     collate,
     folder_fingerprint,
 )
-from lora_lab.params import LoraLabError
+from lora_lab.errors import LoraLabError
 
 SEED = 5
 RES = 16

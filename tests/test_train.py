@@ -468,7 +468,7 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
 ])
 def test_a_failed_start_leaves_no_output_folder(dataset, tmp_path, change, error):
     """The output folder (and its checkpoints/) is made only once the run is sure to start."""
-    from lora_lab.params import LoraLabError
+    from lora_lab.errors import LoraLabError
 
     if change.get("dataset") == "EMPTY":
         (tmp_path / "EMPTY").mkdir()

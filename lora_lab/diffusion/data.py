@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..params import LoraLabError
+from ..errors import LoraLabError
 from .models import RESOLUTION
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..params import LoraLabError
+from ..errors import LoraLabError
 from ..quiet import quiet_loading
 
 KINDS = ("sd15", "sdxl", "sd3", "flux")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..params import LoraLabError
+from ..errors import LoraLabError
 
 
 class ObjectiveError(LoraLabError, ValueError):

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..formats import atomic_write_bytes
-from ..params import LoraLabError
+from ..errors import LoraLabError
+from ..fileio import atomic_torch_save, atomic_write_bytes
 from ..quant import FORMATS, matches_targets, quantize_base
 from .data import folder_fingerprint
 
@@ -316,13 +316,6 @@ def batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int
     if len(set(sizes)) == 1:
         return global_batch_indices(seed, step, global_batch, len(sizes))
     return bucket_batch_indices(seed, step, global_batch, sizes)
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save, written atomically (`formats.atomic_write_bytes`): a kill never leaves half a file."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def checkpoint_path(output: Path, step: int) -> Path:
@@ -814,7 +807,7 @@ def _save_checkpoint(out, step, named, optimizer, scaler, losses, resolved, n_ex
             "try a lower --lr, --mixed-precision no, or --max-grad-norm"
         )
     if env.main:
-        atomic_save(
+        atomic_torch_save(
             {
                 "step": step,
                 "adapter": {n: p.detach().cpu().clone() for n, p in named},

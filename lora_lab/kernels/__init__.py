@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..params import LoraLabError
+from ..errors import LoraLabError
 
 BACKENDS = ("auto", "triton", "torch")
 
