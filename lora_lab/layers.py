@@ -57,7 +57,7 @@ class Linear(nn.Module, Generic[Kind]):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> Linear[Trainable]:
-        """A layer of fresh parameters, initialised as the seeds do: weight ~ N(0, 0.02^2), bias = 0."""
+        """A layer of fresh parameters, initialised as GPT-2 does: weight ~ N(0, 0.02^2), bias = 0."""
         w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
         b = torch.zeros(out_features, device=device, dtype=dtype) if bias else None
         return cls(w, b, trainable=True)

@@ -1,9 +1,9 @@
 """Frozen vs trainable weights: fresh leaf parameters and memory-mapped frozen loading (counting: layers.py).
 
-The seeds' Candle fork needed `make_var()` because `Var::from_tensor` failed on CUDA for tensors
-that carried graph history. In PyTorch the same need is: a fresh leaf `nn.Parameter` with its own
-contiguous storage, cut from any graph, whatever the source tensor was (a view, an expanded
-tensor, an activation in the middle of a graph).
+A Candle trainer needs `make_var()` because `Var::from_tensor` fails on CUDA for tensors that carry
+graph history. In PyTorch the same need is: a fresh leaf `nn.Parameter` with its own contiguous
+storage, cut from any graph, whatever the source tensor was (a view, an expanded tensor, an
+activation in the middle of a graph).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .errors import TensorKindError, WeightFileError
 
 
 def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
-    """A fresh, trainable leaf `nn.Parameter` with its own contiguous storage (the seeds' `make_var`).
+    """A fresh, trainable leaf `nn.Parameter` with its own contiguous storage (Candle's `make_var`).
 
     Works from a leaf, a non-leaf with grad history, a non-contiguous view or an expanded tensor,
     on any device. Writing to the result never changes `t`, and `t`'s graph is not kept alive.
