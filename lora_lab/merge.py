@@ -27,10 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import dora
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraModule, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
+from .lowrank import lowrank_delta
+from .modules import replace_weight, swap_module
 from .params import load_frozen
 from .quant import QuantizationError, QuantLinear
 
@@ -39,13 +42,10 @@ LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 def lora_change(weight: torch.Tensor, m: LoraModule, strength: float) -> torch.Tensor:
     """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
-    delta = m.delta().to(weight.device).reshape(weight.shape)  # (alpha / r) up @ down (a linear LoRA fits a 1x1 conv)
+    down, up = m.down.to(weight.device), m.up.to(weight.device)  # a linear LoRA fits a 1x1 conv: both are flattened
     if m.dora_scale is None:
-        return strength * delta
-    w = weight.float()
-    v = w + delta
-    norm = torch.linalg.vector_norm(v.flatten(1), dim=1).reshape(-1, *[1] * (w.dim() - 1))  # (out, 1[, 1, 1])
-    return strength * (m.dora_scale.to(w.device).float().reshape(norm.shape) * v / norm - w)
+        return strength * lowrank_delta(down, up, m.scale).reshape(weight.shape)
+    return dora.weight_change(weight, down, up, m.dora_scale.to(weight.device).float(), m.scale, strength)
 
 
 class MergedState(Mapping):
@@ -244,11 +244,7 @@ def apply_loras(
                 if isinstance(module, QuantLinear):  # merged into the dequantized weight, then quantized again
                     module.requantize(MergedState({key: module.dequantize()}, {key: patches[key]})[key])
                     continue
-                w = merged[key]
-                if isinstance(module.weight, nn.Parameter):
-                    module.weight.data = w
-                else:  # a frozen lora_lab.Linear keeps its weight as a buffer
-                    module.weight = w
+                replace_weight(module, merged[key])
         return AppliedLoras("merge", merged.patched)
 
     per_file: list[list[LoRAModule]] = [[] for _ in loras]
@@ -266,10 +262,5 @@ def apply_loras(
             a.strength = p.strength
             adapters.append(a)
             per_file[p.source].append(a)
-        _replace(model, path, adapters[0] if len(adapters) == 1 else LoRAStack(base, adapters))
+        swap_module(model, path, adapters[0] if len(adapters) == 1 else LoRAStack(base, adapters))
     return AppliedLoras("runtime", sorted(patches), per_file)
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
