@@ -12,12 +12,16 @@ and B is a 1 x 1 convolution, so B A is again a k x k kernel and W + s B A merge
     add_lora(model, LoRAConfig(rank=8, alpha=8, targets=r".*attn\\.(q|k|v)"))   # wrap, freeze the rest
     with lora_disabled(model): ...                                            # the base model
     merge_lora(model); unmerge_lora(model); remove_lora(model, merge=True)
+    losses = train_adapters(model, lambda: F.mse_loss(model(x), y), steps=30, lr=1e-2)   # a small fit
+
+Here: the whole-model operations. The config and errors are in lora_config.py, the layers in
+lora_layers.py; both are part of this module's API (`from lora_lab.lora import LoRALinear`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -33,7 +37,7 @@ from .quant import QuantLinear
 __all__ = [  # the config and the layers are defined beside this module and are part of lora.py's API
     "INITS", "LoRAConfig", "LoRAConfigError", "LoRAConv2d", "LoRALinear", "LoRAModule", "LoRAStateError",
     "LoRATargetError", "add_lora", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora",
-    "remove_lora", "set_lora_strength", "unmerge_lora",
+    "remove_lora", "set_lora_strength", "train_adapters", "unmerge_lora",
 ]
 
 
@@ -174,3 +178,27 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if m.magnitude is not None:
             out[p + "dora_scale"] = keep(m.magnitude).reshape(-1, *[1] * (m.up.dim() - 1))
     return out
+
+
+def train_adapters(model: nn.Module, loss: Callable[[], torch.Tensor], steps: int, lr: float) -> list[float]:
+    """`steps` Adam steps (learning rate `lr`) on the adapters of `model` minimising `loss()`; the loss of each step.
+
+    The small loop for fitting adapters to a fixed target (as notebook 04 does); training a diffusion
+    LoRA on image data is `lora_lab.diffusion.train`.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise LoRAConfigError(f"train_adapters: steps must be an int >= 1, got {steps!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise LoRAConfigError(f"train_adapters: lr must be a finite number > 0, got {lr!r}")
+    params = [p for _, m in lora_modules(model) for p in m.adapter_parameters()]
+    if not params:
+        raise LoRATargetError(f"{type(model).__name__} has no adapters to train: add_lora(model, config) first")
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        value = loss()
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    return losses

@@ -10,9 +10,8 @@ in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshap
 A single DoRA file at strength t is exactly ComfyUI's W + t (W_dora - W); ComfyUI applies several
 files one after the other, which differs from the sum above only when a DoRA file is stacked.
 
-`merge_loras` is the seeds' `LoRABackend` over Candle's VarBuilder: a read-only mapping over the
-base weights that merges a weight only when it is asked for (`merged.get(name)`), so a model can
-be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
+`merge_loras` is a read-only mapping over the base weights that merges a weight only when it is
+asked for (`merged.get(name)`), so a model can be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
 or wraps the adapted modules in lora_lab adapters whose strengths can be changed later (mode="runtime").
 """
 
@@ -141,8 +140,8 @@ def merge_loras(
 
 
 def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Fill `model`'s weights from `merged` one tensor at a time (the seeds' "build the UNet from the
-    LoRA VarBuilder"): only one merged weight exists beside the model at any moment."""
+    """Fill `model`'s weights from `merged` one tensor at a time: only one merged weight exists beside
+    the model at any moment."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             w = merged.get(name)

@@ -472,6 +472,27 @@ def test_add_lora_freezes_the_base_and_counts():
     torch.testing.assert_close(m(x), y0, **TOL)  # B = 0 and m = ||W||: the model is unchanged
 
 
+def test_train_adapters_fits_a_target_and_leaves_the_base_as_it_was():
+    from lora_lab.lora import train_adapters
+
+    torch.manual_seed(0)
+    m = Tiny()
+    x = torch.randn(16, 8)
+    want = (0.5 * m(x)).detach()
+    frozen = {n: t.clone() for n, t in m.state_dict().items()}
+    add_lora(m, LoRAConfig(rank=2, targets=["q", "proj"]))
+    losses = train_adapters(m, lambda: F.mse_loss(m(x), want), steps=40, lr=1e-2)
+    assert len(losses) == 40 and losses[-1] < 0.5 * losses[0]
+    for _, a in lora_modules(m):
+        assert a.up.abs().sum() > 0  # B left zero: the adapters moved
+    remove_lora(m, merge=False)  # the plain modules back: every weight as it was before training
+    assert all(torch.equal(t, m.state_dict()[n]) for n, t in frozen.items()) and m.state_dict().keys() == frozen.keys()
+    with pytest.raises(LoRATargetError, match="no adapters"):
+        train_adapters(Tiny(), lambda: torch.zeros(()), steps=1, lr=1e-2)
+    with pytest.raises(LoRAConfigError, match="steps"):
+        train_adapters(m, lambda: torch.zeros(()), steps=0, lr=1e-2)
+
+
 def test_gradient_reaches_adapters_in_frozen_model():
     """Frozen base, an input without requires_grad: the adapters still get gradients, the base none."""
     m = Tiny()

@@ -13,12 +13,12 @@ from lora_lab.notebook import (
     NotebookParameterError,
     Record,
     _cli_value,
-    _literal_assignments,
-    _parameters_from_history,
-    check_parameters,
     report_dir,
     run_notebook,
 )
+from lora_lab.notebook_params import check_parameters
+from lora_lab.notebook_params import literal_assignments as _literal_assignments
+from lora_lab.notebook_params import parameters_from_history as _parameters_from_history
 
 DEFAULTS = {"EPOCHS": 3, "LR": 1e-3, "NAME": "a", "SIZES": (1, 2), "FLAG": True}
 
