@@ -1,4 +1,4 @@
-"""One Linear layer whose weight is either frozen or trainable (one type, two kinds), and counting weights.
+"""One Linear layer whose weight is either frozen or trainable (the `Linear<T>` over Tensor/Var), and counting weights.
 
     y = x W^T + b
 
@@ -57,7 +57,7 @@ class Linear(nn.Module, Generic[Kind]):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> Linear[Trainable]:
-        """A layer of fresh parameters, initialised as nanoGPT does: weight ~ N(0, 0.02^2), bias = 0."""
+        """A layer of fresh parameters, initialised as the seeds do: weight ~ N(0, 0.02^2), bias = 0."""
         w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
         b = torch.zeros(out_features, device=device, dtype=dtype) if bias else None
         return cls(w, b, trainable=True)
