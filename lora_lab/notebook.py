@@ -251,7 +251,7 @@ def ensure_kernel() -> str:
 
 def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = None, timeout: int = 1800) -> dict:
     """Execute one notebook with papermill into `out_dir`; return its recorded JSON (or a failure record)."""
-    import papermill as pm
+    import papermill as pm  # the `notebooks` extra (see ensure_kernel)
 
     isolate_caches()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -347,6 +347,24 @@ def _new_tensors(fn, *args) -> list[int]:
     return sizes
 
 
+@pytest.mark.parametrize("conv", [False, True])
+def test_dora_formula_on_plain_tensors(conv):
+    from lora_lab import dora
+
+    torch.manual_seed(0)
+    k = (3, 3) if conv else ()
+    w = torch.randn(OUT, IN, *k) * 0.3
+    down, up = torch.randn(RANK, IN, *k) * 0.2, torch.randn(OUT, RANK, *[1] * len(k)) * 0.2
+    m, s, t = torch.rand(OUT) + 0.5, ALPHA / RANK, 0.7
+    v = w.flatten(1) + s * up.flatten(1) @ down.flatten(1)  # W + s B A, (out, in * kh * kw)
+    expected = (w.flatten(1) + t * (m[:, None] * v / v.norm(dim=1, keepdim=True) - w.flatten(1))).reshape(w.shape)
+    merged = dora.merged_weight(w, down, up, m, s, t)
+    torch.testing.assert_close(merged, expected, **TOL)
+    torch.testing.assert_close(dora.weight_change(w, down, up, m, s, t), expected - w, **TOL)
+    norm = dora.weight_norm(w, down, up, s)
+    torch.testing.assert_close(dora.unmerged_weight(merged, down, up, m, s, t, norm), w, **TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dora_norm_makes_one_weight_sized_temporary(dtype):
     from lora_lab.dora import weight_norm
