@@ -45,7 +45,7 @@ from .notebook_params import NotebookParameterError, check_parameters, literal_v
 
 __all__ = [  # NotebookParameterError (notebook_params.py) is what Record.start raises
     "ClaimFailed", "NotebookParameterError", "Record", "ensure_kernel", "isolate_caches", "kernel_environment",
-    "main", "report_dir", "run_notebook",
+    "main", "report_dir", "run_notebook", "select_notebooks",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,6 +292,13 @@ def _cli_value(text: str) -> Any:
         return text
 
 
+def select_notebooks(names: list[str]) -> list[Path]:
+    """The notebooks in notebooks/ that `names` name (a stem, a file name or a path; none: all), in order."""
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    wanted = {Path(n).name for n in names}  # a path names the notebook of that name in notebooks/
+    return [p for p in paths if p.stem in wanted or p.name in wanted] if names else paths
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook", description="Execute the notebooks with papermill.")
     ap.add_argument("names", nargs="*", help="notebook names or paths, e.g. 03_lora_dora or notebooks/03_lora_dora.ipynb "
@@ -302,10 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve() if args.out else report_dir()
-    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
-    if args.names:
-        wanted = {Path(n).name for n in args.names}  # a path names the notebook of that name in notebooks/
-        paths = [p for p in paths if p.stem in wanted or p.name in wanted]
+    paths = select_notebooks(args.names)
     if not paths:
         print(f"no notebooks found in {NOTEBOOKS} matching {args.names}", file=sys.stderr)
         return 2

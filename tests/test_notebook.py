@@ -15,6 +15,7 @@ from lora_lab.notebook import (
     _cli_value,
     report_dir,
     run_notebook,
+    select_notebooks,
 )
 from lora_lab.notebook_params import check_parameters
 from lora_lab.notebook_params import literal_assignments as _literal_assignments
@@ -197,3 +198,10 @@ def test_notebook_02_frozen_and_trainable(run_notebook):
     assert data["passed"], data
     assert data["numbers"]["test_accuracy"] >= 0.90
     assert len(data["claims"]) == 5
+
+
+def test_runner_selects_notebooks_by_name_file_name_or_path():
+    first = min(NOTEBOOKS.glob("*.ipynb"))
+    for name in (first.stem, first.name, f"notebooks/{first.name}", str(first)):
+        assert select_notebooks([name]) == [first]
+    assert select_notebooks([]) == sorted(NOTEBOOKS.glob("*.ipynb")) and select_notebooks(["no_such"]) == []
