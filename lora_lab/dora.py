@@ -13,13 +13,16 @@ At strength t = 1 that is W' x + b (PEFT's output); at t = 0 it is the base. The
 weight linearly from W to W' (W + t (W' - W)), as ComfyUI applies a DoRA file at a strength; it is not
 folded into s, so the norm always uses s = alpha / rank.
 
-Switched on by `LoRAConfig(use_dora=True)`; the layers are lora.LoRALinear / lora.LoRAConv2d.
+Tensors in, a tensor out: W (out, in[, kh, kw]), A = down (r, ...), B = up (out, r[, 1, 1]), m (out,).
+The layers (lora.LoRALinear / LoRAConv2d with `LoRAConfig(use_dora=True)`), merging LoRA files
+(merge.py) and the Triton kernel (kernels/dora.py) take the formula from here.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from .lowrank import lowrank_delta
 
 
 @torch.no_grad()
@@ -29,46 +32,41 @@ def weight_norm(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scal
     The temporary is s B A (the scale is applied to the small (out, r) B first); W is added into it in
     place (a bf16/fp16 W is widened element by element, not copied) and the rows are reduced.
     """
-    out, r = weight.shape[0], down.shape[0]
-    w = (up.reshape(out, r) * scale) @ down.reshape(r, -1)  # (out, in * kh * kw) fp32: the one temporary
-    w += weight.reshape(out, -1)
+    w = lowrank_delta(down, up, scale)  # (out, in * kh * kw) fp32: the one temporary
+    w += weight.reshape(weight.shape[0], -1)
     return torch.linalg.vector_norm(w, dim=1)
 
 
-def dora_forward(layer, x: torch.Tensor) -> torch.Tensor:
-    """DoRA output of a LoRALinear / LoRAConv2d with a magnitude, in fp32 (see the module docstring)."""
-    w, b = layer.base.weight, layer.base.bias
-    t, s = layer.strength, layer.lora_scale
-    g = layer.magnitude / weight_norm(w, layer.down, layer.up, s)  # (out,), the norm a constant
-    # t g s goes on the small (out, r) B, the bias into the same product: no extra pass over the output
-    up = layer.up * (t * s * g).reshape(-1, *[1] * (layer.up.dim() - 1))
-    c = layer.out_axis(t * (g - 1))  # (out,) on the output axis
-    xd = layer.dropout(x.to(torch.float32))
-    lora = layer._up(layer._down(xd), up, None if b is None else b.to(torch.float32))  # t g s B A xd + b
-    if layer.training and isinstance(layer.dropout, nn.Dropout):
-        # As PEFT: under dropout the (g - 1) W term sees the dropped input too, so W is applied twice.
-        return layer._base_product(x.to(w.dtype)) + torch.addcmul(lora, layer._base_product(xd.to(w.dtype)), c)
-    # One product with W: (1 + t (g - 1)) W x + t g s B A x + b; its gradient to x is one matmul too.
-    return torch.addcmul(lora, layer._base_product(x.to(w.dtype)), 1 + c)
+def factors(magnitude: torch.Tensor, norm: torch.Tensor, scale: float, strength: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, u), each (out,): W' = (1 + k) W + u B A with g = m / norm, k = t (g - 1), u = t s g."""
+    g = magnitude.reshape(-1) / norm
+    return strength * (g - 1), strength * scale * g
 
 
-def _parts(layer, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(c, D): W' = c * W + D with c = 1 + t (g - 1) per output row and D = t g s B A, (out, in * kh * kw)."""
-    out, r = layer.up.shape[0], layer.rank
-    g = layer.magnitude / norm
-    t, s = layer.strength, layer.lora_scale
-    d = (layer.up.reshape(out, r) * (t * s * g)[:, None]) @ layer.down.reshape(r, -1)
-    return (1 + t * (g - 1))[:, None], d
+def weight_change(
+    weight: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    magnitude: torch.Tensor,
+    scale: float,
+    strength: float = 1.0,
+    norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W' - W = t (m (W + s B A) / norm - W) in fp32, in W's shape; `norm` defaults to ||W + s B A||."""
+    if norm is None:
+        norm = weight_norm(weight, down, up, scale)
+    k, u = factors(magnitude, norm, scale, strength)
+    w = weight.reshape(weight.shape[0], -1).float()
+    return torch.addcmul(lowrank_delta(down, up, u[:, None]), w, k[:, None]).reshape(weight.shape)
 
 
-def merged_weight(layer, norm: torch.Tensor) -> torch.Tensor:
-    """W' = W + t (m (W + s B A) / norm - W) in fp32, in the base weight's shape; `norm` from the unmerged W."""
-    w = layer.base.weight
-    c, d = _parts(layer, norm)
-    return (c * w.reshape(w.shape[0], -1).float() + d).reshape(w.shape)
+def merged_weight(weight, down, up, magnitude, scale: float, strength: float = 1.0, norm=None) -> torch.Tensor:
+    """W' = W + t (m (W + s B A) / norm - W) in fp32, in W's shape; `norm` from the unmerged W (the default)."""
+    return weight.float() + weight_change(weight, down, up, magnitude, scale, strength, norm)
 
 
-def unmerged_weight(layer, merged: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """W back from W' (fp32) with the norm the merge used: W = (W' - D) / c."""
-    c, d = _parts(layer, norm)
-    return ((merged.reshape(merged.shape[0], -1) - d) / c).reshape(merged.shape)
+def unmerged_weight(merged, down, up, magnitude, scale: float, strength: float, norm: torch.Tensor) -> torch.Tensor:
+    """W back from W' (fp32) with the norm the merge used: W = (W' - t g s B A) / (1 + t (g - 1))."""
+    k, u = factors(magnitude, norm, scale, strength)
+    w = merged.reshape(merged.shape[0], -1).float()
+    return ((w - lowrank_delta(down, up, u[:, None])) / (1 + k[:, None])).reshape(merged.shape)

@@ -45,6 +45,7 @@ from torch import nn
 from ._version import __version__
 from .errors import LoraFormatError
 from .fileio import WEIGHT_DTYPES, atomic_save_safetensors, parse_json, read_safetensors
+from .lowrank import lowrank_delta
 
 FORMATS = ("kohya", "peft")
 BASES = ("sd15", "sdxl", "sd3", "flux")
@@ -160,11 +161,7 @@ class LoraModule:
 
     def delta(self) -> torch.Tensor:
         """(alpha / rank) * up @ down in fp32, in the adapted weight's shape (conv: (out, in, kh, kw))."""
-        up, down = self.up.float(), self.down.float()
-        d = up.flatten(1) @ down.flatten(1)  # (out, in * kh * kw)
-        if down.dim() == 4:
-            d = d.reshape(up.shape[0], *down.shape[1:])
-        return self.scale * d
+        return lowrank_delta(self.down, self.up, self.scale).reshape(self.weight_shape())
 
     def weight_shape(self) -> tuple[int, ...]:
         return (self.up.shape[0], *self.down.shape[1:])

@@ -10,9 +10,8 @@ in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshap
 A single DoRA file at strength t is exactly ComfyUI's W + t (W_dora - W); ComfyUI applies several
 files one after the other, which differs from the sum above only when a DoRA file is stacked.
 
-`merge_loras` is the seeds' `LoRABackend` over Candle's VarBuilder: a read-only mapping over the
-base weights that merges a weight only when it is asked for (`merged.get(name)`), so a model can
-be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
+`merge_loras` is a read-only mapping over the base weights that merges a weight only when it is
+asked for (`merged.get(name)`), so a model can be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
 or wraps the adapted modules in lora_lab adapters whose strengths can be changed later (mode="runtime").
 """
 
@@ -27,10 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import dora
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraModule, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
+from .lowrank import lowrank_delta
+from .modules import replace_weight, swap_module
 from .params import load_frozen
 from .quant import QuantizationError, QuantLinear
 
@@ -39,13 +41,10 @@ LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 def lora_change(weight: torch.Tensor, m: LoraModule, strength: float) -> torch.Tensor:
     """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
-    delta = m.delta().to(weight.device).reshape(weight.shape)  # (alpha / r) up @ down (a linear LoRA fits a 1x1 conv)
+    down, up = m.down.to(weight.device), m.up.to(weight.device)  # a linear LoRA fits a 1x1 conv: both are flattened
     if m.dora_scale is None:
-        return strength * delta
-    w = weight.float()
-    v = w + delta
-    norm = torch.linalg.vector_norm(v.flatten(1), dim=1).reshape(-1, *[1] * (w.dim() - 1))  # (out, 1[, 1, 1])
-    return strength * (m.dora_scale.to(w.device).float().reshape(norm.shape) * v / norm - w)
+        return strength * lowrank_delta(down, up, m.scale).reshape(weight.shape)
+    return dora.weight_change(weight, down, up, m.dora_scale.to(weight.device).float(), m.scale, strength)
 
 
 class MergedState(Mapping):
@@ -141,8 +140,8 @@ def merge_loras(
 
 
 def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Fill `model`'s weights from `merged` one tensor at a time (the seeds' "build the UNet from the
-    LoRA VarBuilder"): only one merged weight exists beside the model at any moment."""
+    """Fill `model`'s weights from `merged` one tensor at a time: only one merged weight exists beside
+    the model at any moment."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             w = merged.get(name)
@@ -244,11 +243,7 @@ def apply_loras(
                 if isinstance(module, QuantLinear):  # merged into the dequantized weight, then quantized again
                     module.requantize(MergedState({key: module.dequantize()}, {key: patches[key]})[key])
                     continue
-                w = merged[key]
-                if isinstance(module.weight, nn.Parameter):
-                    module.weight.data = w
-                else:  # a frozen lora_lab.Linear keeps its weight as a buffer
-                    module.weight = w
+                replace_weight(module, merged[key])
         return AppliedLoras("merge", merged.patched)
 
     per_file: list[list[LoRAModule]] = [[] for _ in loras]
@@ -266,10 +261,5 @@ def apply_loras(
             a.strength = p.strength
             adapters.append(a)
             per_file[p.source].append(a)
-        _replace(model, path, adapters[0] if len(adapters) == 1 else LoRAStack(base, adapters))
+        swap_module(model, path, adapters[0] if len(adapters) == 1 else LoRAStack(base, adapters))
     return AppliedLoras("runtime", sorted(patches), per_file)
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)

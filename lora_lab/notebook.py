@@ -10,10 +10,10 @@ In a notebook:
     nb.finish()                                   # writes the JSON, then fails if a claim failed
 
 `Record.start` reads the defaults from the notebook's `parameters` cell (from the IPython input
-history, so it works in JupyterLab and under papermill alike) and checks every injected parameter:
-a name the notebook does not define (in any case), a value of another type than the default's (also
-inside lists and dicts), or NaN/Inf where the parameter's comment does not say it takes them is a
-`NotebookParameterError` naming the parameter, raised in the cell right after the parameters.
+history, so it works in JupyterLab and under papermill alike) and checks every injected parameter
+(notebook_params.py): a name the notebook does not define (in any case), a value of another type than
+the default's (also inside lists and dicts), or NaN/Inf where the parameter's comment does not say it
+takes them is a `NotebookParameterError` naming the parameter, raised in the cell right after the parameters.
 `finish()` shows one table of the claims (held or not) and writes the JSON.
 
 Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
@@ -33,7 +33,6 @@ import html
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,12 @@ from typing import Any
 
 from .errors import LoraLabError
 from .fileio import atomic_write_bytes
+from .notebook_params import NotebookParameterError, check_parameters, literal_value, parameter_cells
+
+__all__ = [  # NotebookParameterError (notebook_params.py) is what Record.start raises
+    "ClaimFailed", "NotebookParameterError", "Record", "ensure_kernel", "isolate_caches", "kernel_environment",
+    "main", "report_dir", "run_notebook", "select_notebooks",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -49,10 +54,6 @@ REPORTS_ENV = "LORA_LAB_REPORTS"
 KERNEL_NAME = "lora-lab"
 # The kernels the runner starts draw inline (figures in the executed copies), headless as Agg is.
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
-
-
-class NotebookParameterError(LoraLabError):
-    """An injected parameter that the notebook does not define, of the wrong type, or NaN/Inf where not allowed."""
 
 
 class ClaimFailed(LoraLabError):
@@ -65,162 +66,6 @@ def report_dir() -> Path:
     if os.environ.get(REPORTS_ENV):
         return Path(os.environ[REPORTS_ENV]).expanduser().resolve()
     return REPO / "reports" if NOTEBOOKS.is_dir() else Path("reports").resolve()
-
-
-_NONFINITE_NAMES = {"nan", "inf", "infinity"}
-
-
-def _value(node: ast.AST) -> Any:
-    """A literal, or float('nan') / float('inf') (as papermill writes them), also inside containers and signed."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" \
-            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant) \
-            and str(node.args[0].value).strip().lower().lstrip("+-") in _NONFINITE_NAMES:
-        return float(node.args[0].value)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _value(node.operand)
-        if isinstance(v, bool) or not isinstance(v, (int, float, complex)):
-            raise TypeError("a sign before a non-number")
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        items = [_value(e) for e in node.elts]
-        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
-    if isinstance(node, ast.Dict):
-        if any(k is None for k in node.keys):
-            raise ValueError("** in a dict")
-        return {_value(k): _value(v) for k, v in zip(node.keys, node.values)}
-    return ast.literal_eval(node)  # constants (and binary complex numbers); anything else: ValueError
-
-
-def _assignments(source: str) -> dict[str, tuple[Any, str]] | None:
-    """{name: (value, comment)} if `source` is only `name = value  # comment` lines, else None."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, RecursionError, MemoryError):
-        return None
-    if not tree.body:
-        return None
-    lines = source.splitlines()
-    out = {}
-    for stmt in tree.body:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            return None
-        try:
-            value = _value(stmt.value)
-        except (ValueError, TypeError, SyntaxError, RecursionError):
-            return None
-        rest = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode(errors="replace")  # offsets: bytes
-        out[stmt.targets[0].id] = (value, rest.partition("#")[2].strip())
-    return out
-
-
-def _literal_assignments(source: str) -> dict[str, Any] | None:
-    """{NAME: value} if `source` is only `UPPER_CASE = literal` lines (and comments), else None."""
-    found = _assignments(source)
-    if found is None or not all(name.isupper() for name in found):
-        return None
-    return {name: value for name, (value, _) in found.items()}
-
-
-def _injected_assignments(source: str) -> dict[str, Any]:
-    """papermill's injected cell as {name: value}, names in any case; NotebookParameterError if unreadable."""
-    found = _assignments(source)
-    if found is None:
-        bad = next((ln for ln in source.splitlines()[1:] if ln.strip() and _assignments(ln) is None), source)
-        name = bad.partition("=")[0].strip() or "?"
-        raise NotebookParameterError(f"injected parameter {name}: cannot read {bad.strip()!r} "
-                                     "(each must be NAME = a literal value)")
-    return {name: value for name, (value, _) in found.items()}
-
-
-def _kind_error(default: Any, value: Any) -> str | None:
-    """Why `value` cannot replace `default` (None if it can): the same type, also inside lists and dicts."""
-    if isinstance(default, bool) or isinstance(value, bool):
-        ok = type(default) is type(value)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float))  # papermill injects 1 for 1.0
-    elif isinstance(default, (list, tuple)):
-        ok = isinstance(value, (list, tuple))  # papermill turns tuples into lists
-        kinds = {type(d) for d in default}
-        if ok and default and (len(kinds) == 1 or kinds == {int, float}):  # a homogeneous list: so are its items
-            model = float(default[0]) if float in kinds else default[0]
-            for i, item in enumerate(value):
-                why = _kind_error(model, item)
-                if why:
-                    return f"item {i}: {why}"
-    elif isinstance(default, dict):
-        ok = isinstance(value, dict)
-        for key, item in value.items() if ok else ():
-            if key not in default:
-                return f"key {key!r} is not one of {sorted(map(str, default))}"
-            why = _kind_error(default[key], item)
-            if why:
-                return f"key {key!r}: {why}"
-    elif default is None:
-        ok = True  # None: the notebook says in the comment what else it takes
-    else:
-        ok = type(default) is type(value)
-    if ok:
-        return None
-    return f"{value!r} is a {type(value).__name__}, but the default {default!r} is a {type(default).__name__}"
-
-
-def _nonfinite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, (list, tuple, set)):
-        return any(map(_nonfinite, value))
-    if isinstance(value, dict):
-        return any(map(_nonfinite, value.values()))
-    return False
-
-
-def _takes_nonfinite(comment: str) -> bool:
-    """A parameter takes NaN/Inf only where its comment names them (e.g. `# float; inf = no limit`)."""
-    return re.search(r"\b(nan|inf|infinity)\b", comment, re.IGNORECASE) is not None
-
-
-def check_parameters(defaults: dict[str, Any], injected: dict[str, Any], nonfinite_ok: frozenset[str] = frozenset()) -> None:
-    """Raise NotebookParameterError naming the parameter for an unknown name (any case), a value of
-    another type than its default, or NaN/Inf in a parameter not listed in `nonfinite_ok`."""
-    unknown = sorted(set(injected) - set(defaults))
-    if unknown:
-        near = {u: [d for d in defaults if d.lower() == u.lower()] for u in unknown}
-        hint = "".join(f" ({u!r}: did you mean {n[0]!r}?)" for u, n in near.items() if n)
-        raise NotebookParameterError(
-            f"unknown parameter(s) {unknown}{hint}; this notebook takes {sorted(defaults)}"
-        )
-    for name, value in injected.items():
-        why = _kind_error(defaults[name], value)
-        if why:
-            raise NotebookParameterError(f"parameter {name}: {why}")
-        if name not in nonfinite_ok and _nonfinite(value):
-            raise NotebookParameterError(f"parameter {name}={value!r}: NaN and Inf are not allowed here "
-                                         "(its comment in the parameters cell says what is)")
-
-
-def _parameters_from_history(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(defaults, injected) from the executed cells: the last literal-only cell is the
-    defaults; papermill's injected cell (it begins with '# Parameters') follows it."""
-    defaults, injected, _ = _parameter_cells(inputs)
-    return defaults, injected
-
-
-def _parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], frozenset[str]]:
-    """(defaults, injected, names whose comment allows NaN/Inf) from the executed cells."""
-    defaults: dict[str, Any] = {}
-    injected: dict[str, Any] = {}
-    nonfinite_ok: frozenset[str] = frozenset()
-    for src in inputs:
-        if src.lstrip().startswith("# Parameters"):
-            injected = _injected_assignments(src)
-            continue
-        found = _assignments(src)
-        if found is None or not all(name.isupper() for name in found):
-            continue
-        defaults = {name: value for name, (value, _) in found.items()}
-        nonfinite_ok = frozenset(name for name, (_, comment) in found.items() if _takes_nonfinite(comment))
-        injected = {}
-    return defaults, injected, nonfinite_ok
 
 
 @dataclass
@@ -239,7 +84,7 @@ class Record:
         """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
         inputs = namespace.get("In")
         if isinstance(inputs, list):
-            defaults, injected, nonfinite_ok = _parameter_cells(inputs)
+            defaults, injected, nonfinite_ok = parameter_cells(inputs)
             check_parameters(defaults, injected, nonfinite_ok)
             # the values in use, typed into the parameters cell too (NaN/Inf there)
             current = {k: namespace[k] for k in defaults if k in namespace}
@@ -331,7 +176,7 @@ class _Shown(dict):
 
 def _show(text: str, table: str) -> None:
     """The table as HTML in a notebook (plain text in its text/plain part), else printed."""
-    try:
+    try:  # IPython only where a notebook runs: Record also works in a plain interpreter
         from IPython import get_ipython
         from IPython.display import display
     except ImportError:
@@ -389,6 +234,7 @@ def kernel_environment(reports: Path):
 
 def ensure_kernel() -> str:
     """Register the `lora-lab` Jupyter kernel for this interpreter (inside sys.prefix) if missing."""
+    # jupyter_client, ipykernel and papermill are the `notebooks` extra: imported by the runner only
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     try:
@@ -405,7 +251,7 @@ def ensure_kernel() -> str:
 
 def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = None, timeout: int = 1800) -> dict:
     """Execute one notebook with papermill into `out_dir`; return its recorded JSON (or a failure record)."""
-    import papermill as pm
+    import papermill as pm  # the `notebooks` extra (see ensure_kernel)
 
     isolate_caches()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -441,23 +287,29 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
 def _cli_value(text: str) -> Any:
     """`-p NAME VALUE`: a Python literal (3, 0.5, True, [1, 2], float('nan')), else the text as a string."""
     try:
-        return _value(ast.parse(text.strip(), mode="eval").body)
+        return literal_value(ast.parse(text.strip(), mode="eval").body)
     except (SyntaxError, ValueError, TypeError, RecursionError):
         return text
 
 
+def select_notebooks(names: list[str]) -> list[Path]:
+    """The notebooks in notebooks/ that `names` name (a stem, a file name or a path; none: all), in order."""
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    wanted = {Path(n).name for n in names}  # a path names the notebook of that name in notebooks/
+    return [p for p in paths if p.stem in wanted or p.name in wanted] if names else paths
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook", description="Execute the notebooks with papermill.")
-    ap.add_argument("names", nargs="*", help="notebook names (default: all in notebooks/)")
+    ap.add_argument("names", nargs="*", help="notebook names or paths, e.g. 03_lora_dora or notebooks/03_lora_dora.ipynb "
+                    "(default: all in notebooks/)")
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                     help="inject a parameter (a Python literal, else a string), as papermill's -p; repeatable")
     ap.add_argument("--out", default=None,
                     help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve() if args.out else report_dir()
-    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
-    if args.names:
-        paths = [p for p in paths if p.stem in args.names or p.name in args.names]
+    paths = select_notebooks(args.names)
     if not paths:
         print(f"no notebooks found in {NOTEBOOKS} matching {args.names}", file=sys.stderr)
         return 2
@@ -470,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         r["wall_seconds"] = round(time.time() - t0, 1)
         results.append(r)
     summary = {"notebooks": results, "passed": all(r["passed"] for r in results)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2, default=_jsonable).encode())
     print(f"\nreports: {out}  (summary: {out / 'summary.json'})")
     for r in results:
         n = len(r.get("claims", {}))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from torch import nn
 
 from .errors import LoraLabError
 from .layers import Linear
+from .modules import matches_targets, parent_name, swap_module
 from .optim import _blocks, dequantize_blockwise, quantize_blockwise
 
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
@@ -369,13 +369,6 @@ class QuantLinear(nn.Module):
 # ----------------------------------------------------------------------------- whole models
 
 
-def matches_targets(name: str, targets: str | Sequence[str]) -> bool:
-    """A str target: re.fullmatch on the full module name; a list: names or name suffixes."""
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 @dataclass
 class QuantReport:
     """What `quantize_base` did: the layers swapped and the bytes of their weights before and after."""
@@ -431,7 +424,7 @@ def quantize_base(
             raise QuantizationError("the model itself is a Linear: use QuantLinear.from_linear(layer, fmt)")
         if m.weight.requires_grad or m.bias is not None and m.bias.requires_grad:
             trainable.append(name)
-        elif getattr(modules[name.rpartition(".")[0]], "merged", False):  # lora_lab's adapters say `merged`
+        elif getattr(modules[parent_name(name)], "merged", False):  # lora_lab's adapters say `merged`
             merged.append(name)
         found.append(name)
     if trainable:
@@ -456,8 +449,7 @@ def quantize_base(
         before += m.weight.numel() * m.weight.element_size()
         after += q.weight_bytes()
         transient = max(transient, q.transient_bytes())
-        parent_name, _, child = name.rpartition(".")
-        setattr(modules[parent_name], child, q)
+        swap_module(model, name, q)
     return QuantReport(fmt, found, params, before, after, before_model, model_bytes(model), transient)
 
 

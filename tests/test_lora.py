@@ -347,6 +347,24 @@ def _new_tensors(fn, *args) -> list[int]:
     return sizes
 
 
+@pytest.mark.parametrize("conv", [False, True])
+def test_dora_formula_on_plain_tensors(conv):
+    from lora_lab import dora
+
+    torch.manual_seed(0)
+    k = (3, 3) if conv else ()
+    w = torch.randn(OUT, IN, *k) * 0.3
+    down, up = torch.randn(RANK, IN, *k) * 0.2, torch.randn(OUT, RANK, *[1] * len(k)) * 0.2
+    m, s, t = torch.rand(OUT) + 0.5, ALPHA / RANK, 0.7
+    v = w.flatten(1) + s * up.flatten(1) @ down.flatten(1)  # W + s B A, (out, in * kh * kw)
+    expected = (w.flatten(1) + t * (m[:, None] * v / v.norm(dim=1, keepdim=True) - w.flatten(1))).reshape(w.shape)
+    merged = dora.merged_weight(w, down, up, m, s, t)
+    torch.testing.assert_close(merged, expected, **TOL)
+    torch.testing.assert_close(dora.weight_change(w, down, up, m, s, t), expected - w, **TOL)
+    norm = dora.weight_norm(w, down, up, s)
+    torch.testing.assert_close(dora.unmerged_weight(merged, down, up, m, s, t, norm), w, **TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dora_norm_makes_one_weight_sized_temporary(dtype):
     from lora_lab.dora import weight_norm
@@ -470,6 +488,27 @@ def test_add_lora_freezes_the_base_and_counts():
     assert frozen == (8 * 8 + 8) * 3 + (2 * 2 * 9 + 2) + 2 * 8 + (8 * 3 + 3)
     assert all(not p.requires_grad for n, p in m.named_parameters() if n.endswith(("weight", "bias")))
     torch.testing.assert_close(m(x), y0, **TOL)  # B = 0 and m = ||W||: the model is unchanged
+
+
+def test_train_adapters_fits_a_target_and_leaves_the_base_as_it_was():
+    from lora_lab.lora import train_adapters
+
+    torch.manual_seed(0)
+    m = Tiny()
+    x = torch.randn(16, 8)
+    want = (0.5 * m(x)).detach()
+    frozen = {n: t.clone() for n, t in m.state_dict().items()}
+    add_lora(m, LoRAConfig(rank=2, targets=["q", "proj"]))
+    losses = train_adapters(m, lambda: F.mse_loss(m(x), want), steps=40, lr=1e-2)
+    assert len(losses) == 40 and losses[-1] < 0.5 * losses[0]
+    for _, a in lora_modules(m):
+        assert a.up.abs().sum() > 0  # B left zero: the adapters moved
+    remove_lora(m, merge=False)  # the plain modules back: every weight as it was before training
+    assert all(torch.equal(t, m.state_dict()[n]) for n, t in frozen.items()) and m.state_dict().keys() == frozen.keys()
+    with pytest.raises(LoRATargetError, match="no adapters"):
+        train_adapters(Tiny(), lambda: torch.zeros(()), steps=1, lr=1e-2)
+    with pytest.raises(LoRAConfigError, match="steps"):
+        train_adapters(m, lambda: torch.zeros(()), steps=0, lr=1e-2)
 
 
 def test_gradient_reaches_adapters_in_frozen_model():

@@ -13,12 +13,13 @@ from lora_lab.notebook import (
     NotebookParameterError,
     Record,
     _cli_value,
-    _literal_assignments,
-    _parameters_from_history,
-    check_parameters,
     report_dir,
     run_notebook,
+    select_notebooks,
 )
+from lora_lab.notebook_params import check_parameters
+from lora_lab.notebook_params import literal_assignments as _literal_assignments
+from lora_lab.notebook_params import parameters_from_history as _parameters_from_history
 
 DEFAULTS = {"EPOCHS": 3, "LR": 1e-3, "NAME": "a", "SIZES": (1, 2), "FLAG": True}
 
@@ -197,3 +198,10 @@ def test_notebook_02_frozen_and_trainable(run_notebook):
     assert data["passed"], data
     assert data["numbers"]["test_accuracy"] >= 0.90
     assert len(data["claims"]) == 5
+
+
+def test_runner_selects_notebooks_by_name_file_name_or_path():
+    first = min(NOTEBOOKS.glob("*.ipynb"))
+    for name in (first.stem, first.name, f"notebooks/{first.name}", str(first)):
+        assert select_notebooks([name]) == [first]
+    assert select_notebooks([]) == sorted(NOTEBOOKS.glob("*.ipynb")) and select_notebooks(["no_such"]) == []

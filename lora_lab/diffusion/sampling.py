@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..modules import swap_module
 from .models import default_resolution, denoiser, encode_prompts, kind_of, t5_length
 
 
@@ -39,9 +40,7 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
     finally:
         for key in applied.weights:
             path = key[: -len(".weight")]
-            parent, _, child = path.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, child, getattr(owner, child).base)  # LoRALinear / LoRAConv2d / LoRAStack .base
+            swap_module(model, path, model.get_submodule(path).base)  # LoRALinear / LoRAConv2d / LoRAStack .base
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..dora import factors
 from . import KernelInputError, require_triton
 from .lora import FLOAT_DTYPES, _block_r, _dot_dtype, _mma, _precision, check_device, lora_linear
 
@@ -101,10 +102,9 @@ def dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: fl
     that is x W'^T + b for W' = W + t (m (W + s B A) / ||W + s B A|| - W), as lora_lab's dora.py.
     The (N,)-sized factors are plain PyTorch, so autograd carries their gradients to m and B."""
     norm = dora_weight_norm(weight, down, up, scale)  # (N,) fp32, detached
-    g = magnitude.float() / norm
-    col_scale = 1 + strength * (g - 1)  # (N,) on the base product
-    up_scaled = up * (strength * scale * g)[:, None]  # (N, r): t g s B
-    return lora_linear(x, weight, bias, down, up_scaled, 1.0, col_scale=col_scale)
+    k, u = factors(magnitude.float(), norm, scale, strength)  # k = t (g - 1), u = t g s: (N,) each, g = m / norm
+    # (N,) column scale 1 + k on the base product, (N, r) t g s B
+    return lora_linear(x, weight, bias, down, up * u[:, None], 1.0, col_scale=1 + k)
 
 
 def reference_dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: float = 1.0) -> torch.Tensor:
