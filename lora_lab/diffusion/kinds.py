@@ -1,6 +1,7 @@
 """The model families lora_lab trains, one `ModelKind` each: everything that differs between them.
 
     KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
+    REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the name of a diffusers pipeline's kind, from its class
     t5_length(pipe)        -> T5 tokens per prompt (sd3: min(256, tokenizer), flux: min(512, tokenizer))
@@ -64,6 +65,7 @@ class ModelKind:
     addition_embed_type: str | None = None  # the UNet config's value that tells SDXL from SD1.5
     kohya_version: str = ""  # kohya's ss_base_model_version prefix of this family
     kohya_version_written: str | None = None  # the full ss_base_model_version lora_lab writes, where kohya has one
+    ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
 
     def denoiser_class(self):
@@ -78,11 +80,6 @@ class ModelKind:
     @property
     def t5_encoder(self) -> TextEncoder | None:
         return next((e for e in self.text_encoders if e.arch == "t5"), None)
-
-    def is_denoiser(self, model: torch.nn.Module) -> bool:
-        """Whether `model` is this family's denoiser (an SDXL UNet is not an SD1.5 one)."""
-        return (isinstance(model, self.denoiser_class())
-                and getattr(model.config, "addition_embed_type", None) == self.addition_embed_type)
 
 
 # ----------------------------------------------------------------------------- each family's calls
@@ -153,7 +150,7 @@ _KINDS = (
     ModelKind("sdxl", "unet", "StableDiffusionXLPipeline", "UNet2DConditionModel", "EulerDiscreteScheduler",
               (TextEncoder("text_encoder", "clip", 2), TextEncoder("text_encoder_2", "clip_projection", 3)),
               "ddpm", _UNET_BLOCKS, _encode_sdxl, _predict_sdxl, addition_embed_type="text_time",
-              kohya_version="sdxl", kohya_version_written="sdxl_base_v1-0"),
+              kohya_version="sdxl", kohya_version_written="sdxl_base_v1-0", ldm_names=True),
     ModelKind("sd3", "transformer", "StableDiffusion3Pipeline", "SD3Transformer2DModel",
               "FlowMatchEulerDiscreteScheduler",
               (TextEncoder("text_encoder", "clip_projection", 2), TextEncoder("text_encoder_2", "clip_projection", 3),
@@ -168,6 +165,8 @@ _KINDS = (
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)
+# every pipeline component a LoRA may adapt: the denoisers, then the text encoders
+COMPONENTS = tuple(dict.fromkeys([k.component for k in _KINDS] + [e.component for k in _KINDS for e in k.text_encoders]))
 
 
 def model_kind(name: str) -> ModelKind:
