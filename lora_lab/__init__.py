@@ -25,6 +25,7 @@ from .errors import LoraFormatError, LoraLabError, TensorKindError, WeightFileEr
 from .formats import (
     LoraFile,
     LoraModule,
+    LoraWeights,
     UnetLayout,
     convert_lora,
     diffusers_name,
@@ -104,6 +105,7 @@ __all__ = [
     "LoraFormatError",
     "LoraLabError",
     "LoraModule",
+    "LoraWeights",
     "MemoryMeasurementUnavailable",
     "MemoryPlan",
     "MixedPrecision",

@@ -41,6 +41,7 @@ from torch import nn
 from .blockwise import as_blocks, dequantize_blockwise, quantize_blockwise
 from .errors import LoraLabError
 from .layers import Linear
+from .memory import model_bytes
 
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default
@@ -398,16 +399,6 @@ class QuantReport:
                 f"{self.bytes_before / 2**20:.2f} -> {self.bytes_after / 2**20:.2f} MiB "
                 f"({self.bytes_per_param:.4f} bytes/param); model {self.model_bytes_before / 2**20:.2f} -> "
                 f"{self.model_bytes_after / 2**20:.2f} MiB")
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (shared tensors once), meta tensors included."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 def quantize_base(

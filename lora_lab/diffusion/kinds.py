@@ -8,7 +8,7 @@
 
 A ModelKind holds, as data, what models.py builds (pipeline, denoiser, scheduler, text encoders),
 what the trainer adapts and checkpoints (`component`, `checkpoint_blocks()`), the objective, and
-what formats.py writes into and reads from kohya files; and, as two small functions, how its
+what formats/ writes into and reads from kohya files; and, as two small functions, how its
 pipeline encodes prompts and how its denoiser is called. A new family is one entry in `_KINDS`
 (and its tiny config in models.CONFIGS). diffusers is imported only where a class is needed (it is
 heavy and optional for the rest of lora_lab).
