@@ -1,5 +1,4 @@
-"""What the denoisers take besides latents, timestep and text: Flux's 2x2 latent packing, its rotary
-position ids and guidance input; SDXL's micro-conditioning time ids. Plain tensors, no model.
+"""The denoisers' extra inputs, as plain tensors: Flux's 2x2 latent packing, rotary ids and guidance; SDXL's time ids.
 
     pack_latents(x) / unpack_latents(packed, h, w)  -> Flux's patch packing (B, C, h, w) <-> (B, hw/4, 4C)
     flux_latent_ids(h, w), flux_text_ids(T), flux_guidance(B, value)

@@ -1,4 +1,4 @@
-"""LoRA modules and files in memory: `LoraWeights` (one module's down, up, alpha and DoRA m), `LoraFile`, their checks.
+"""A LoRA in memory: `LoraWeights` (one module's down, up, alpha, DoRA m), `LoraFile` (modules by path), checks.
 
 In memory a LoRA is a set of modules, each named by its path in a diffusers pipeline
 (`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…`,

@@ -1,5 +1,8 @@
-"""Key-name maps: pipeline module paths <-> kohya/ComfyUI names per model family (prefixes, compound
-segments, CLIP's `text_model.` level), SDXL's LDM/sgm (sd-scripts) UNet names, and Flux's BFL names."""
+"""Key-name maps per model family: pipeline paths <-> kohya/ComfyUI names, SDXL's LDM/sgm names, Flux's BFL names.
+
+The kohya prefixes, the compound path segments, CLIP's `text_model.` level (`canonical_name`), the SDXL UNet's
+block numbering in sd-scripts' layout (`UnetLayout`), and the fused modules of Flux's original layout.
+"""
 
 from __future__ import annotations
 

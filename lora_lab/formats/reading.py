@@ -1,6 +1,8 @@
-"""Reading a LoRA file: kohya/ComfyUI or PEFT/diffusers safetensors, format detected from the keys, every
-tensor and alpha checked from the header (the weights stay memory-mapped); kohya's Flux files in BFL's
-layout split into diffusers modules."""
+"""Reading a LoRA file (kohya/ComfyUI or PEFT/diffusers safetensors) into a checked `LoraFile`.
+
+The format is detected from the keys; every tensor and alpha is checked from the header (the weights stay
+memory-mapped); kohya's Flux files in BFL's layout are split into diffusers modules.
+"""
 
 from __future__ import annotations
 

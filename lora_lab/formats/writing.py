@@ -1,5 +1,7 @@
-"""Writing a LoRA file: kohya/ComfyUI or PEFT/diffusers safetensors with their metadata, atomically, from a
-LoraFile, models with lora_lab adapters or a state dict; converting between the two formats."""
+"""Writing a LoRA file (kohya/ComfyUI or PEFT/diffusers safetensors, with metadata) atomically; converting.
+
+What is written comes from a LoraFile, models with lora_lab adapters, or a state dict.
+"""
 
 from __future__ import annotations
 
