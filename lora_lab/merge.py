@@ -29,7 +29,7 @@ from torch import nn
 from . import dora
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
-from .formats import LoraFile, LoraModule, load_lora, match_modules
+from .formats import LoraFile, LoraWeights, load_lora, match_modules
 from .lora import LoRAConv2d, LoRALinear, LoRAModule
 from .lowrank import lowrank_delta
 from .modules import replace_weight, swap_module
@@ -39,7 +39,7 @@ from .quant import QuantizationError, QuantLinear
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 
-def lora_change(weight: torch.Tensor, m: LoraModule, strength: float) -> torch.Tensor:
+def lora_change(weight: torch.Tensor, m: LoraWeights, strength: float) -> torch.Tensor:
     """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
     down, up = m.down.to(weight.device), m.up.to(weight.device)  # a linear LoRA fits a 1x1 conv: both are flattened
     if m.dora_scale is None:
@@ -91,7 +91,7 @@ def _load(lora) -> LoraFile:
 
 @dataclass
 class Patch:
-    module: LoraModule
+    module: LoraWeights
     strength: float
     source: int  # index of the LoRA file in the list given
     where: str = ""  # "<file>: module <key>", for errors

@@ -39,8 +39,9 @@ from ..errors import LoraLabError
 from ..fileio import atomic_torch_save, atomic_write_bytes
 from ..quant import FORMATS, matches_targets, quantize_base
 from .data import folder_fingerprint
+from .kinds import KINDS, model_kind
 
-MODELS = ("sd15", "sdxl", "sd3", "flux")
+MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -434,19 +435,7 @@ CONV_TARGETS = ("conv1", "conv2")
 
 def checkpoint_blocks(kind: str) -> tuple[type, ...]:
     """The block classes whose activations gradient checkpointing recomputes, per model family."""
-    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_flux import (
-        FluxSingleTransformerBlock,
-        FluxTransformerBlock,
-    )
-
-    return {
-        "sd15": (BasicTransformerBlock, ResnetBlock2D),
-        "sdxl": (BasicTransformerBlock, ResnetBlock2D),
-        "sd3": (JointTransformerBlock,),
-        "flux": (FluxTransformerBlock, FluxSingleTransformerBlock),
-    }[kind]
+    return model_kind(kind).checkpoint_blocks()
 
 
 def resolve_device(name: str) -> torch.device:
