@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lora_lab import Adam8bit, AdamW8bit, BlockStack, enable_checkpointing, optimizer_state_bytes
-from lora_lab.checkpoint import _is_costly, checkpoint_plan
+from lora_lab.checkpoint import checkpoint_plan
+from lora_lab.checkpoint_ops import _is_costly
 from lora_lab.fileio import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
 from lora_lab.notebook import isolate_caches

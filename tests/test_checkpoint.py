@@ -22,6 +22,8 @@ from lora_lab.checkpoint import (
     disable_checkpointing,
     enable_checkpointing,
 )
+from lora_lab import checkpoint_segment as ckpt_segment
+from lora_lab.checkpoint_ops import _Record
 from lora_lab.memory import BlockStack, ResidualMLP, saved_activation_bytes
 
 N_BLOCKS, WIDTH, HIDDEN, BATCH = 12, 64, 256, 16
@@ -251,7 +253,7 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
         enable_checkpointing(model, blocks, policy)
         _, grads = _grads(model, loss_fn)  # the first forward of a budget plans it
         kept[policy] = saved_activation_bytes(forward)
-        _, again = _grads(model, loss_fn) if exact else (None, grads)  # exact: planned or not, the same
+        _, again = _grads(model, loss_fn)  # planned or not, recorded or kept from the pack hook: the same
         for n in plain:
             for g in (grads, again):
                 if exact:
@@ -313,6 +315,49 @@ def test_every_policy_tiny_sd3_transformer_with_lora_inside():
     sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
     latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
     _check_policies(sd3, JointTransformerBlock, lambda: sd3(latents, prompt, pooled, steps).sample, exact=False, policies=FEW)
+
+
+class _Flagged(nn.Module):
+    """A block whose ops depend on a flag that no argument shows: scaled runs one more op before the GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scaled = nn.Linear(WIDTH, HIDDEN), False
+
+    def forward(self, x):
+        h = self.fc(x)
+        return nn.functional.gelu(h * 2.0 if self.scaled else h).sum(-1, keepdim=True) + x
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_selective_records_once_then_keeps_from_the_pack_hook_and_survives_a_changed_block(frozen, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Flagged(), _Flagged())
+    if frozen:  # a frozen base with LoRA in the second block; nothing the blocks receive requires grad
+        _with_lora(model, r"1\.fc")
+        with torch.no_grad():
+            model[1].fc.up.normal_()
+    x = torch.randn(BATCH, WIDTH, requires_grad=not frozen)
+    records = []
+    monkeypatch.setattr(ckpt_segment, "_Record", lambda *a, **k: records.append(1) or _Record(*a, **k))
+
+    def run(scaled):
+        for b in model:
+            b.scaled = scaled
+        return _loss_and_grads(model, x)[1]
+
+    plain = {scaled: run(scaled) for scaled in (False, True)}
+    enable_checkpointing(model, _Flagged, "selective")
+    got = [run(False), run(False)]
+    assert len(records) == 2  # the first forward records each block; the second keeps fc's output from the pack hook
+    # the flag changes the block's ops but not its arguments: the layout learnt before is used, found wrong
+    # when recomputing (the tensor kept for fc's output was the product's), and the block recomputed whole
+    got.append(run(True))
+    assert len(records) == 2
+    for g, scaled in zip(got, (False, False, True)):
+        assert g.keys() == plain[scaled].keys()
+        for n in g:
+            assert torch.equal(g[n], plain[scaled][n]), (scaled, n)
 
 
 class _CountOps(TorchDispatchMode):
