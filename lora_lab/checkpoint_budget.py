@@ -185,7 +185,8 @@ class _Profile(TorchDispatchMode):
         full_bytes = size(base)
         full_cost = sum(op.cost for ops in self.calls for op in ops)
         items = sorted(
-            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable),
+            # outputs autograd saves: kept from the pack hook after the first forward, with no dispatch mode
+            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable and self.inside[c].issuperset(op.origins)),
             key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
         )
         overhead = [_DISPATCH_COST * len(ops) for ops in self.calls]  # replaying op by op

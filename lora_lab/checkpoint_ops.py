@@ -73,6 +73,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape == b.shape and a.stride() == b.stride())
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
 @dataclass
 class _Kept:
     """One kept op: what ran (checked when replaying), its output's leaves (tensors detached) and their versions."""
@@ -88,107 +92,200 @@ class _Kept:
 
 
 @dataclass
+class _Plan:
+    """What the recomputation of one block call does op by op: `kept` ops answer from memory, `dead` ops (whose
+    outputs only kept ops would read) answer with uninitialised tensors of the right layout, the rest run again.
+    funcs: every numbered op up to the last kept or dead one, checked while replaying."""
+
+    kept: dict[int, _Kept]
+    dead: dict[int, tuple]  # op index -> (spec, leaves: (shape, stride, dtype, device) for a tensor, else the value)
+    funcs: list
+
+
+@dataclass
 class _Layout:
     """Where one block call's kept op outputs appear among its saved tensors, learnt by recording one call:
     a later call with the same inputs keeps them from the pack hook, with no dispatch mode in its forward."""
 
     n_saved: int
-    stop_op: int
-    ops: dict[int, tuple]  # op index -> (func, shapes, spec, leaves: a tensor's place is its save position)
+    # op index -> (func, shapes, spec, leaves): a tensor leaf is (save position, None if saved as itself, else
+    # (shape, stride, storage offset) to see it from the saved view), any other leaf (None, value)
+    ops: dict[int, tuple]
     versions: dict[int, int]  # save position -> the version its tensor had when made (and when saved)
+    dead: dict[int, tuple]
+    funcs: list
 
-    def kept(self, saved: dict[int, torch.Tensor]) -> dict[int, _Kept]:
+    def plan(self, saved: dict[int, torch.Tensor]) -> _Plan:
         out = {}
         for i, (func, shapes, spec, leaves) in self.ops.items():
-            ts = [saved[p] if tensor else p for p, tensor in leaves]
-            out[i] = _Kept(func, shapes, spec, ts, [self.versions[p] if tensor else 0 for p, tensor in leaves])
-        return out
+            ts, versions = [], []
+            for leaf in leaves:
+                if leaf[0] is None:  # not a tensor
+                    ts.append(leaf[1])
+                    versions.append(0)
+                else:  # the op's output, or one seen through a view of it (its storage, with its own view)
+                    t = saved[leaf[0]]
+                    ts.append(t if leaf[1] is None else t.as_strided(*leaf[1]))
+                    versions.append(self.versions[leaf[0]])
+            out[i] = _Kept(func, shapes, spec, ts, versions)
+        return _Plan(out, self.dead, self.funcs)
+
+
+@dataclass
+class _Step:
+    """One op of a recorded call, as data flow between storages."""
+
+    index: int | None  # its number among the counted ops (None: a view or in-place op, always run again)
+    ins: set[int]
+    outs: set[int]  # new storages it made
+    writes: set[int]  # storages it changed in place
+    root: bool  # must run again: draws RNG, or makes no new tensor (a scalar read, an output aliasing an input)
+    costly: bool
 
 
 class _Record(TorchDispatchMode):
-    """Forward of one block call: keeps the outputs of the ops `keep(func, args, kwargs, index)` picks.
+    """Forward of one block call, recorded op by op: the ops `keep(func, args, kwargs, index)` picks are kept.
 
-    only_saved: in the end keep only those whose output autograd saves for backward (so a policy never
-    keeps more than the unchecked run would)."""
+    only_saved ("selective"): keep a picked output only if autograd saves it (so a policy never keeps more
+    than the unchecked run would), and where a saved tensor could only be recomputed through a picked op
+    that is not kept, keep that saved tensor instead. Then every op whose outputs only kept ops read is dead:
+    the recomputation does not run it."""
 
     def __init__(self, keep: Callable[..., bool], only_saved: bool = False):
         super().__init__()
-        self.keep, self.n, self.kept, self.only_saved = keep, 0, {}, only_saved
-        self.storages: dict[int, int] = {}  # storage address -> op index
-        self.saved: set[int] = set()
-        self.at: dict[int, tuple[int, int]] = {}  # save position -> (op index, leaf): a kept output saved as itself
+        self.keep, self.only_saved, self.n = keep, only_saved, 0
+        self.ops: dict[int, _Kept] = {}  # every counted op's output, held until the call ends
+        self.picked: set[int] = set()
+        self.steps: list[_Step] = []
+        self.saves: list[torch.Tensor] = []
+        self.stop_step = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         out = func(*args, **kwargs)
-        if not _counted(func):
-            return out
-        if self.keep(func, args, kwargs, self.n):
+        ins = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        writes = set()
+        if func._schema.is_mutable:
+            for j, a in enumerate(func._schema.arguments):
+                t = args[j] if j < len(args) else kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
+                    writes.add(_storage(t))
+        index, outs, costly = None, set(), False
+        if _counted(func):
+            index, self.n = self.n, self.n + 1
             leaves, spec = tree_flatten(out)
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-            self.kept[self.n] = _Kept(func, _shapes(args, kwargs), spec, leaves,
-                                      [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
-            self.storages.update((t.untyped_storage()._cdata, self.n) for t in leaves if isinstance(t, torch.Tensor))
-        self.n += 1
+            self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
+                                    [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
+            outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)} - ins
+            costly = _is_costly(func, args, kwargs)
+            if self.keep(func, args, kwargs, index):
+                self.picked.add(index)
+        root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
+        self.steps.append(_Step(index, ins, outs, writes, root, costly))
         return out
 
-    def on_save(self, t: torch.Tensor, position: int) -> None:
-        i = self.storages.get(t.untyped_storage()._cdata)
-        if i is None:
-            return
-        self.saved.add(i)
-        kept = self.kept[i]
-        for k, leaf in enumerate(kept.leaves):  # the output itself, not changed in place since it was made
-            if isinstance(leaf, torch.Tensor) and _same_view(leaf, t) and t._version == kept.versions[k]:
-                self.at.setdefault(position, (i, k))
+    def on_save(self, t: torch.Tensor) -> None:
+        self.saves.append(t.detach())
+        self.stop_step = len(self.steps)
 
-    def wanted(self, stop_op: int) -> dict[int, _Kept]:
-        """Outputs worth keeping: made before the last save (the recomputation stops there), and saved if asked."""
-        return {i: v for i, v in self.kept.items() if i < stop_op and (not self.only_saved or i in self.saved)}
+    def _keepable(self, i: int, saved: set[int], written: set[int]) -> bool:
+        """Can be kept and replayed: no RNG, not changed in place later, and (only_saved) every output saved."""
+        k = self.ops[i]
+        tensors = [_storage(t) for t in k.leaves if isinstance(t, torch.Tensor)]
+        if torch.Tag.nondeterministic_seeded in k.func.tags and i not in self.picked:
+            return False
+        return bool(tensors) and not written.intersection(tensors) and (not self.only_saved or saved.issuperset(tensors))
 
-    def layout(self, wanted: dict[int, _Kept], n_saved: int, stop_op: int) -> _Layout | None:
-        """The layout of this call, or None when a wanted output is not saved as itself (then every call records)."""
-        where = {}
-        for p, ik in sorted(self.at.items(), reverse=True):  # the first save of each leaf wins
-            where[ik] = p
+    def plan(self) -> _Plan:
+        """What the recomputation (which stops at the last save) keeps, replays and skips."""
+        steps = self.steps[: self.stop_step]
+        saved = {_storage(t) for t in self.saves}
+        written = set().union(*(s.writes for s in steps))
+        kept = {s.index for s in steps if s.index in self.picked and self._keepable(s.index, saved, written)}
+        if self.only_saved:  # a saved tensor reached only through a picked op not kept: keep it instead
+            tainted: set[int] = set()
+            for s in steps:
+                if s.index in kept or not (s.costly and s.index in self.picked or s.ins & tainted):
+                    continue
+                if s.index is not None and s.outs & saved and self._keepable(s.index, saved, written):
+                    kept.add(s.index)
+                else:
+                    tainted |= s.outs | s.writes
+        need = saved - {_storage(t) for i in kept for t in self.ops[i].leaves if isinstance(t, torch.Tensor)}
+        dead = {}
+        for s in reversed(steps):
+            if s.index in kept:
+                continue
+            if s.root or s.outs & need or s.writes & need:
+                need |= s.ins
+            elif s.index is not None:
+                k = self.ops[s.index]
+                dead[s.index] = (k.spec, [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+                                          for t in k.leaves])
+        last = max(kept | set(dead), default=-1)
+        return _Plan({i: self.ops[i] for i in kept}, dead, [self.ops[i].func for i in range(last + 1)])
+
+    def layout(self, plan: _Plan) -> _Layout | None:
+        """The layout of this call, or None when a kept output is not among its saves (then every call records)."""
+        where: dict[tuple[int, int], tuple[int, bool]] = {}
+        for p in reversed(range(len(self.saves))):  # the first save of each leaf wins, as itself before a view
+            t = self.saves[p]
+            for i, k in plan.kept.items():
+                for j, leaf in enumerate(k.leaves):
+                    if (isinstance(leaf, torch.Tensor) and _storage(leaf) == _storage(t) and leaf.dtype == t.dtype
+                            and t._version == k.versions[j] and (_same_view(leaf, t) or not where.get((i, j), (0, False))[1])):
+                        where[(i, j)] = (p, _same_view(leaf, t))
         ops = {}
-        for i, k in wanted.items():
+        for i, k in plan.kept.items():
             leaves = []
             for j, leaf in enumerate(k.leaves):
                 if not isinstance(leaf, torch.Tensor):
-                    leaves.append((leaf, False))
+                    leaves.append((None, leaf))
                 elif (i, j) in where:
-                    leaves.append((where[(i, j)], True))
+                    p, itself = where[(i, j)]
+                    leaves.append((p, None if itself else (leaf.shape, leaf.stride(), leaf.storage_offset())))
                 else:
                     return None
             ops[i] = (k.func, k.shapes, k.spec, leaves)
-        versions = {where[(i, j)]: self.kept[i].versions[j] for i, j in where if i in ops}
-        return _Layout(n_saved, stop_op, ops, versions)
+        versions = {p: plan.kept[i].versions[j] for (i, j), (p, _) in where.items()}
+        return _Layout(len(self.saves), ops, versions, plan.dead, plan.funcs)
 
 
 class _Replay(TorchDispatchMode):
-    """Recomputation of one block call: kept ops answer from memory, every other op runs again."""
+    """Recomputation of one block call under a `_Plan`: kept ops answer from memory, dead ops with empty
+    tensors, every other op runs again."""
 
-    def __init__(self, kept: dict[int, _Kept]):
+    def __init__(self, plan: _Plan):
         super().__init__()
-        self.kept, self.n, self.last = kept, 0, max(kept)
+        self.plan, self.n, self.last = plan, 0, len(plan.funcs) - 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         n = self.n
-        if n > self.last or not _counted(func):  # past the last kept op, or a view / in-place op
+        if n > self.last or not _counted(func):  # past the last kept or dead op, or a view / in-place op
             return func(*args, **kwargs)
         self.n = n + 1
-        entry = self.kept.get(n)
+        if self.plan.funcs[n] is not func:
+            raise CheckpointError(
+                f"recomputation ran {func} as op {n} where the forward ran {self.plan.funcs[n]}: the block must run "
+                "the same ops (no data-dependent branches, no state changed between runs)"
+            )
+        dead = self.plan.dead.get(n)
+        if dead is not None:  # only kept ops read its outputs
+            spec, leaves = dead
+            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) if isinstance(m, tuple) else m
+                                   for m in leaves], spec)
+        entry = self.plan.kept.get(n)
         if entry is None:
             return func(*args, **kwargs)
-        if entry.func is not func or entry.shapes != _shapes(args, kwargs):
+        if entry.shapes != _shapes(args, kwargs):
             raise CheckpointError(
-                f"recomputation ran {func} on {_shapes(args, kwargs)} where the forward ran {entry.func} on {entry.shapes}: "
+                f"recomputation ran {func} on {_shapes(args, kwargs)} where the forward ran it on {entry.shapes}: "
                 "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
-        if [t._version if isinstance(t, torch.Tensor) else 0 for t in entry.leaves] == entry.versions:
-            return entry.output()  # unchanged since the forward: replay it
-        return func(*args, **kwargs)  # kept, then changed in place: recomputed
+        if [t._version if isinstance(t, torch.Tensor) else 0 for t in entry.leaves] != entry.versions:
+            raise CheckpointError(f"a kept output of {func} was changed in place after the forward")
+        return entry.output()

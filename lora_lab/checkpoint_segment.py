@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .checkpoint_ops import CheckpointError, _Kept, _Layout, _Record, _Replay, _same_view
+from .checkpoint_ops import CheckpointError, _Layout, _Plan, _Record, _Replay, _same_view
 
 _PRIMITIVE = (int, float, bool, str, type(None))
 
@@ -76,8 +76,7 @@ class _Call:
         self.record: _Record | None = None  # set while the forward records op outputs
         self.layout: _Layout | None = None  # set while the forward keeps them from the pack hook instead
         self.from_pack: dict[int, torch.Tensor] = {}
-        self.stop_op = 0  # ops dispatched before the last save: the recomputation never runs past it
-        self.kept_ops: dict[int, _Kept] = {}
+        self.plan: _Plan | None = None  # what the recomputation replays op by op
         self.unverified: dict[int, torch.Tensor] = {}  # kept from the pack hook: checked when recomputing
         self.outputs: list[tuple[weakref.ref, int, bool]] = []
 
@@ -93,8 +92,7 @@ class _Call:
         position = self.n_saved
         self.n_saved += 1
         if self.record is not None:
-            self.stop_op = self.record.n
-            self.record.on_save(t, position)
+            self.record.on_save(t)
         elif self.layout is not None:
             version = self.layout.versions.get(position)
             if version is not None and t._version == version:
@@ -104,17 +102,20 @@ class _Call:
     def finish(self, out, layouts: dict | None, key) -> None:
         """After the forward: save the inputs to keep and the kept op outputs through autograd."""
         if self.record is not None:
-            self.kept_ops = self.record.wanted(self.stop_op)
+            self.plan = self.record.plan()
             if layouts is not None:  # False: this call cannot skip recording
-                layouts[key] = self.record.layout(self.kept_ops, self.n_saved, self.stop_op) or False
+                layouts[key] = self.record.layout(self.plan) or False
         elif self.layout is not None:
             if self.n_saved == self.layout.n_saved and len(self.from_pack) == len(self.layout.versions):
-                self.kept_ops, self.unverified = self.layout.kept(self.from_pack), self.from_pack
+                self.plan, self.unverified = self.layout.plan(self.from_pack), self.from_pack
             else:  # the call ran other ops than the recorded one: recompute it whole, record the next one
                 layouts.pop(key, None)
         self.record = self.layout = None
         self.from_pack = {}
-        kept_out = [t for k in self.kept_ops.values() for t in k.leaves if isinstance(t, torch.Tensor)]
+        if self.plan is not None and not (self.plan.kept or self.plan.dead):
+            self.plan = None
+        kept = self.plan.kept.values() if self.plan is not None else ()
+        kept_out = [t for k in kept for t in k.leaves if isinstance(t, torch.Tensor)]
         # anchor requires grad, so the saver node exists even when no input requires grad
         self.keeper = _KeepInputs.apply(torch.empty(0, requires_grad=True), *self.to_keep, *kept_out)
         self.n_keep = len(self.to_keep)
@@ -143,20 +144,24 @@ class _Call:
         torch.set_rng_state(self.cpu_rng)
         for d, s in zip(self.cuda_devices, self.cuda_rng):
             torch.cuda.set_rng_state(s, d)
-        out = None
+        out, changed = None, False
         try:
             with torch.enable_grad(), _autocast(self.autocast), torch.autograd.graph.saved_tensors_hooks(keep, _same):
-                if self.kept_ops:
-                    with _Replay(self.kept_ops):
+                if self.plan is not None:
+                    with _Replay(self.plan):
                         out = self.fn(*args, **kwargs)
                 else:
                     out = self.fn(*args, **kwargs)
         except _StopRecompute:
             pass
-        if self.unverified and not all(p < len(saved) and _same_view(saved[p], t) for p, t in self.unverified.items()):
-            # a tensor kept from the pack hook was not the output of the op it replaced (the block ran other
-            # ops than when its layout was recorded, e.g. a flag changed): recompute it whole instead
-            self.kept_ops, self.unverified = {}, {}
+        except CheckpointError:
+            if not self.unverified:
+                raise
+            changed = True
+        if self.unverified and (changed or not all(p < len(saved) and _same_view(saved[p], t) for p, t in self.unverified.items())):
+            # the block ran other ops than when its layout was recorded (e.g. a flag changed), so the tensors
+            # kept from the pack hook may not be the outputs of the ops they replace: recompute it whole
+            self.plan, self.unverified = None, {}
             return self.rerun(produced, stop)
         if len(saved) != self.n_saved:
             raise CheckpointError(
