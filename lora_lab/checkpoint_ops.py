@@ -137,9 +137,9 @@ class _Step:
 
     index: int | None  # its number among the counted ops (None: a view or in-place op, always run again)
     ins: set[int]
-    outs: set[int]  # new storages it made
+    outs: set[int]  # storages of its outputs (an output may share an input's: _unsafe_view)
     writes: set[int]  # storages it changed in place
-    root: bool  # must run again: draws RNG, or makes no new tensor (a scalar read, an output aliasing an input)
+    root: bool  # must run again: draws RNG, or returns no tensor (a scalar read)
     costly: bool
 
 
@@ -178,7 +178,7 @@ class _Record(TorchDispatchMode):
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
             self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
                                     [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
-            outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)} - ins
+            outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
             costly = _is_costly(func, args, kwargs)
             if self.keep(func, args, kwargs, index):
                 self.picked.add(index)
@@ -220,8 +220,8 @@ class _Record(TorchDispatchMode):
                 continue
             if s.root or s.outs & need or s.writes & need:
                 need |= s.ins
-            elif s.index is not None:
-                k = self.ops[s.index]
+            elif s.index is not None and not s.outs <= s.ins:  # an output aliasing an input (_unsafe_view) always runs:
+                k = self.ops[s.index]  # what reads it may read the kept op's output through it
                 dead[s.index] = (k.spec, [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
                                           for t in k.leaves])
         last = max(kept | set(dead), default=-1)

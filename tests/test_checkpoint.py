@@ -388,6 +388,33 @@ def test_selective_recomputes_no_matmul_and_full_recomputes_up_to_the_last_save(
     assert backward_matmuls["selective"] == backward_matmuls["none"]  # fc1's output is replayed from memory
 
 
+COSTLY_OPS = ("addmm", "mm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def test_selective_recomputes_no_conv_matmul_or_attention_in_a_unet_with_lora():
+    """A ResNet block's norm2 reads conv1's output plus the time embedding, which autograd does not save:
+    selective keeps that saved sum instead, so conv1 (read by nothing else) is not run again either."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    torch.manual_seed(0)
+    unet = _with_lora(diffusers.UNet2DConditionModel(**TINY_UNET).train(), ATTENTION[:4] + ["conv1"])
+    sample, t, text = torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 5, 32)
+    counts = {}
+    for policy in ("none", "full", "selective"):
+        if policy != "none":
+            enable_checkpointing(unet, (ResnetBlock2D, Transformer2DModel), policy)
+        for step in range(2):  # selective: the first step records, the second keeps from the pack hook
+            loss = unet(sample, t, encoder_hidden_states=text).sample.square().mean()
+            with _CountOps() as count:
+                loss.backward()
+            unet.zero_grad(set_to_none=True)
+            counts[policy, step] = {op: count.ops[op] for op in COSTLY_OPS}
+    assert counts["full", 1]["convolution"] > counts["none", 1]["convolution"]
+    assert counts["selective", 0] == counts["selective", 1] == counts["none", 1], counts
+
+
 def test_recomputation_under_a_module_tracker_that_adds_views():
     """FlopCounterMode's module tracker runs view_as in every module's pre-hook during the backward only:
     the replay numbers only ops that make new tensors, so the extra views cannot shift it."""
