@@ -140,16 +140,14 @@ class _Step:
     outs: set[int]  # storages of its outputs (an output may share an input's: _unsafe_view)
     writes: set[int]  # storages it changed in place
     root: bool  # must run again: draws RNG, or returns no tensor (a scalar read)
-    costly: bool
 
 
 class _Record(TorchDispatchMode):
     """Forward of one block call, recorded op by op: the ops `keep(func, args, kwargs, index)` picks are kept.
 
-    only_saved ("selective"): keep a picked output only if autograd saves it (so a policy never keeps more
-    than the unchecked run would), and where a saved tensor could only be recomputed through a picked op
-    that is not kept, keep that saved tensor instead. Then every op whose outputs only kept ops read is dead:
-    the recomputation does not run it."""
+    only_saved ("selective"): keep a picked output only if every output of the op is saved by autograd (so a
+    policy never keeps more than the unchecked run would). Every op whose outputs only kept ops read is
+    dead: the recomputation does not run it (a kept matmul's input projection, a kept attention's q/k/v)."""
 
     def __init__(self, keep: Callable[..., bool], only_saved: bool = False):
         super().__init__()
@@ -171,7 +169,7 @@ class _Record(TorchDispatchMode):
                 t = args[j] if j < len(args) else kwargs.get(a.name)
                 if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
                     writes.add(_storage(t))
-        index, outs, costly = None, set(), False
+        index, outs = None, set()
         if _counted(func):
             index, self.n = self.n, self.n + 1
             leaves, spec = tree_flatten(out)
@@ -179,11 +177,10 @@ class _Record(TorchDispatchMode):
             self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
                                     [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
             outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
-            costly = _is_costly(func, args, kwargs)
             if self.keep(func, args, kwargs, index):
                 self.picked.add(index)
         root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
-        self.steps.append(_Step(index, ins, outs, writes, root, costly))
+        self.steps.append(_Step(index, ins, outs, writes, root))
         return out
 
     def on_save(self, t: torch.Tensor) -> None:
@@ -204,15 +201,6 @@ class _Record(TorchDispatchMode):
         saved = {_storage(t) for t in self.saves}
         written = set().union(*(s.writes for s in steps))
         kept = {s.index for s in steps if s.index in self.picked and self._keepable(s.index, saved, written)}
-        if self.only_saved:  # a saved tensor reached only through a picked op not kept: keep it instead
-            tainted: set[int] = set()
-            for s in steps:
-                if s.index in kept or not (s.costly and s.index in self.picked or s.ins & tainted):
-                    continue
-                if s.index is not None and s.outs & saved and self._keepable(s.index, saved, written):
-                    kept.add(s.index)
-                else:
-                    tainted |= s.outs | s.writes
         need = saved - {_storage(t) for i in kept for t in self.ops[i].leaves if isinstance(t, torch.Tensor)}
         dead = {}
         for s in reversed(steps):
