@@ -1,6 +1,6 @@
 """Memory benchmark: gradient checkpointing policies (activation bytes, step time) and 8-bit Adam (state bytes, step time).
 
-    python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png]
+    python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png] [--profile]
 
 Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer, each with no checkpointing,
 lora_lab's policies (full, selective, every_k, budgets) and torch.utils.checkpoint with and without its
@@ -15,6 +15,7 @@ hits all variants alike; ratios come from the same run. Prints a markdown table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -30,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lora_lab import Adam8bit, AdamW8bit, BlockStack, enable_checkpointing, optimizer_state_bytes
-from lora_lab.checkpoint import _is_costly, checkpoint_plan
+from lora_lab.checkpoint import checkpoint_plan
+from lora_lab.checkpoint_ops import _is_costly
 from lora_lab.fileio import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
 from lora_lab.notebook import isolate_caches
@@ -167,6 +169,75 @@ def checkpointing_rows(rounds: int, budgets: list[float]) -> list[dict]:
     return rows
 
 
+class _PassThrough(TorchDispatchMode):
+    """A Python dispatch mode that does nothing: what running every op through one costs."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _PassThrough.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def profile_rows(rounds: int) -> list[dict]:
+    """Where a step's time goes, per model: the forward (no grad) plain and under a pass-through dispatch mode,
+    the self time of the costly ops (torch profiler), and forward / backward of none, full and selective."""
+    from torch.profiler import profile
+
+    rows = []
+    for name, model, loss_fn, blocks in _subjects():
+        variants = {"none": model}
+        for policy in ("full", "selective"):
+            variants[policy] = copy.deepcopy(model)
+            enable_checkpointing(variants[policy], blocks(variants[policy]), policy)
+
+        def forward(mode=None, f=loss_fn, m=model):
+            with torch.no_grad(), mode or contextlib.nullcontext():
+                f(m)
+
+        def halves(m, f=loss_fn):
+            t0 = time.perf_counter()
+            loss = f(m)
+            t1 = time.perf_counter()
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+            return t1 - t0, time.perf_counter() - t1
+
+        for m in variants.values():
+            halves(m)
+        _PassThrough.ops = 0
+        forward(_PassThrough())
+        n_ops = _PassThrough.ops
+        times: dict[str, list[float]] = {k: [] for k in ("forward", "forward in a mode", *[f"{v} {h}" for v in variants for h in ("fwd", "bwd")])}
+        for _ in range(rounds):
+            for k, mode in (("forward", None), ("forward in a mode", _PassThrough())):
+                t0 = time.perf_counter()
+                forward(mode)
+                times[k].append(time.perf_counter() - t0)
+            for v, m in variants.items():
+                f, b = halves(m)
+                times[f"{v} fwd"].append(f)
+                times[f"{v} bwd"].append(b)
+        with profile() as prof:
+            forward()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        costly = sum(e.self_cpu_time_total for e in events if any(c in e.key for c in ("mm", "conv", "attention")))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"model": name, "ops": n_ops, "costly share": costly / total,
+                     "mode us/op": (med["forward in a mode"] - med["forward"]) / n_ops * 1e6, **med})
+    return rows
+
+
+def print_profile(rows: list[dict]) -> None:
+    print("| model | ops in a forward | forward ms (no grad) | + pass-through mode, us/op | matmul/conv/attention share of forward |"
+          " none fwd / bwd ms | full fwd / bwd ms | selective fwd / bwd ms |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['ops']} | {1e3 * r['forward']:.1f} | {r['mode us/op']:.1f} | {r['costly share']:.0%} | "
+              + " | ".join(f"{1e3 * r[v + ' fwd']:.1f} / {1e3 * r[v + ' bwd']:.1f}" for v in ("none", "full", "selective")) + " |")
+
+
 def pareto_plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -263,11 +334,15 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=Path("docs/checkpoint_pareto.png"), help="Pareto plot path ('' for none)")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
     ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
+    ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (dispatch mode, costly ops)")
     args = ap.parse_args()
     isolate_caches()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds\n", flush=True)
 
+    if args.profile:
+        print_profile(profile_rows(args.rounds))
+        print()
     if not args.no_checkpointing:
         rows = checkpointing_rows(args.rounds, args.budgets)
         print()

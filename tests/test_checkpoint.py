@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lora_lab import Linear, LoRAConfig, add_lora
+from lora_lab import checkpoint_segment as ckpt_segment
 from lora_lab.checkpoint import (
     CheckpointError,
     checkpoint,
@@ -22,6 +23,7 @@ from lora_lab.checkpoint import (
     disable_checkpointing,
     enable_checkpointing,
 )
+from lora_lab.checkpoint_ops import _Record
 from lora_lab.memory import BlockStack, ResidualMLP, saved_activation_bytes
 
 N_BLOCKS, WIDTH, HIDDEN, BATCH = 12, 64, 256, 16
@@ -251,7 +253,7 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
         enable_checkpointing(model, blocks, policy)
         _, grads = _grads(model, loss_fn)  # the first forward of a budget plans it
         kept[policy] = saved_activation_bytes(forward)
-        _, again = _grads(model, loss_fn) if exact else (None, grads)  # exact: planned or not, the same
+        _, again = _grads(model, loss_fn)  # planned or not, recorded or kept from the pack hook: the same
         for n in plain:
             for g in (grads, again):
                 if exact:
@@ -315,6 +317,49 @@ def test_every_policy_tiny_sd3_transformer_with_lora_inside():
     _check_policies(sd3, JointTransformerBlock, lambda: sd3(latents, prompt, pooled, steps).sample, exact=False, policies=FEW)
 
 
+class _Flagged(nn.Module):
+    """A block whose ops depend on a flag that no argument shows: scaled runs one more op before the GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scaled = nn.Linear(WIDTH, HIDDEN), False
+
+    def forward(self, x):
+        h = self.fc(x)
+        return nn.functional.gelu(h * 2.0 if self.scaled else h).sum(-1, keepdim=True) + x
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_selective_records_once_then_keeps_from_the_pack_hook_and_survives_a_changed_block(frozen, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Flagged(), _Flagged())
+    if frozen:  # a frozen base with LoRA in the second block; nothing the blocks receive requires grad
+        _with_lora(model, r"1\.fc")
+        with torch.no_grad():
+            model[1].fc.up.normal_()
+    x = torch.randn(BATCH, WIDTH, requires_grad=not frozen)
+    records = []
+    monkeypatch.setattr(ckpt_segment, "_Record", lambda *a, **k: records.append(1) or _Record(*a, **k))
+
+    def run(scaled):
+        for b in model:
+            b.scaled = scaled
+        return _loss_and_grads(model, x)[1]
+
+    plain = {scaled: run(scaled) for scaled in (False, True)}
+    enable_checkpointing(model, _Flagged, "selective")
+    got = [run(False), run(False)]
+    assert len(records) == 2  # the first forward records each block; the second keeps fc's output from the pack hook
+    # the flag changes the block's ops but not its arguments: the layout learnt before is used, found wrong
+    # when recomputing (the tensor kept for fc's output was the product's), and the block recomputed whole
+    got.append(run(True))
+    assert len(records) == 2
+    for g, scaled in zip(got, (False, False, True)):
+        assert g.keys() == plain[scaled].keys()
+        for n in g:
+            assert torch.equal(g[n], plain[scaled][n]), (scaled, n)
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -341,6 +386,39 @@ def test_selective_recomputes_no_matmul_and_full_recomputes_up_to_the_last_save(
     # full recomputes fc1 once per block: fc2 and the residual add come after the block's last save
     assert backward_matmuls["full"] == backward_matmuls["none"] + N_BLOCKS
     assert backward_matmuls["selective"] == backward_matmuls["none"]  # fc1's output is replayed from memory
+
+
+COSTLY_OPS = ("addmm", "mm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def test_selective_in_a_unet_with_lora_recomputes_no_attention_and_only_the_convs_before_a_saved_sum():
+    """What selective runs again, counted: no attention (kept, and its q/k/v projections are dead: only the kept
+    attention reads them), but each ResNet block's conv1 (its base and LoRA convs), since norm2 reads conv1's
+    output plus the time embedding: a sum autograd saves, not a conv output, so selective does not keep it."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    torch.manual_seed(0)
+    unet = _with_lora(diffusers.UNet2DConditionModel(**TINY_UNET).train(), ATTENTION[:4] + ["conv1"])
+    sample, t, text = torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 5, 32)
+    n_resnets = sum(isinstance(m, ResnetBlock2D) for m in unet.modules())
+    counts = {}
+    for policy in ("none", "full", "selective"):
+        if policy != "none":
+            enable_checkpointing(unet, (ResnetBlock2D, Transformer2DModel), policy)
+        for step in range(2):  # selective: the first step records, the second keeps from the pack hook
+            loss = unet(sample, t, encoder_hidden_states=text).sample.square().mean()
+            with _CountOps() as count:
+                loss.backward()
+            unet.zero_grad(set_to_none=True)
+            counts[policy, step] = {op: count.ops[op] for op in COSTLY_OPS}
+    none, full, sel = counts["none", 1], counts["full", 1], counts["selective", 1]
+    assert counts["selective", 0] == sel and n_resnets == 8
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+    assert sel[attention] == none[attention] < full[attention]
+    assert sel["convolution"] - none["convolution"] == 2 * n_resnets < full["convolution"] - none["convolution"]
+    assert sel["mm"] + sel["addmm"] < full["mm"] + full["addmm"]
 
 
 def test_recomputation_under_a_module_tracker_that_adds_views():

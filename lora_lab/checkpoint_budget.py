@@ -1,0 +1,252 @@
+"""Planning a memory budget: count every op's bytes and cost in one profiling forward, then pick what to keep.
+
+On the first forward of each input shape the model runs once more with nothing saved, counting every
+op's output bytes and its cost (FLOPs from torch's flop counter, `_FLOPS_PER_BYTE` per byte moved for
+memory-bound ops, plus `_OP_COST` per op run: works on meta tensors); a greedy knapsack then picks, by
+cost saved per byte, which op outputs each block keeps and which blocks run unchecked (`CheckpointPlan`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from .checkpoint_ops import CheckpointError, _counted, _replayable
+
+aten = torch.ops.aten
+
+# Costs are counted in FLOPs. Measured on one core of the project's CPU (benchmarks/bench_memory.py
+# --profile): matmuls run at ~50 GFLOP/s, and a tiny model's forward spends ~10 us per op outside the
+# costly ones (Python module code, the dispatcher) and another ~10 us per op under a Python dispatch mode.
+# an op that does few FLOPs per byte: bytes read and written times this (~5 GB/s against ~50 GFLOP/s;
+# a GPU's ratio is larger, which only favours keeping matmuls more)
+_FLOPS_PER_BYTE = 10.0
+# every op run again costs at least this (~10 us at ~50 GFLOP/s), however small its tensors
+_OP_COST = 5e5
+# every op a recomputation runs under the replay mode costs this more (~10 us): a block that keeps op
+# outputs replays its recomputation op by op, which only pays where the kept ops cost more
+_DISPATCH_COST = 5e5
+
+
+
+@dataclass
+class _Op:
+    name: str
+    origins: list[int]  # the output storages this op created
+    cost: float
+    replayable: bool
+    key: int | None  # its number among the block call's counted ops (what _Record and _Replay number)
+
+
+@dataclass
+class CheckpointPlan:
+    """What a memory budget chose, from counted bytes and costs of one forward (exact for that input shape).
+
+    plain_bytes: bytes the unchecked forward saves; kept_bytes: what the plan keeps (<= budget * plain_bytes
+    unless even whole-block checkpointing keeps more: then every block is checkpointed whole);
+    recompute_cost / full_recompute_cost: counted cost recomputed in backward, against whole-block
+    checkpointing's; kept_ops: how many outputs of each op the blocks keep; unchecked: block calls run plainly.
+    """
+
+    budget: float
+    plain_bytes: int
+    kept_bytes: int
+    full_bytes: int
+    recompute_cost: float
+    full_recompute_cost: float
+    kept_ops: dict[str, int]
+    unchecked: int
+    n_calls: int
+    decisions: list = field(default_factory=list, repr=False)  # per block call: None (unchecked) or op indices
+
+    def __str__(self) -> str:
+        ops = ", ".join(f"{n} x{c}" for n, c in sorted(self.kept_ops.items(), key=lambda kv: -kv[1])) or "none"
+        return (
+            f"budget {self.budget:g}: keeps {self.kept_bytes:,} of {self.plain_bytes:,} bytes "
+            f"({self.kept_bytes / max(self.plain_bytes, 1):.3f}; whole-block keeps {self.full_bytes / max(self.plain_bytes, 1):.3f}); "
+            f"recomputes {self.recompute_cost / max(self.full_recompute_cost, 1):.0%} of whole-block's counted cost; "
+            f"{self.unchecked} of {self.n_calls} block calls unchecked; keeps outputs of {ops}"
+        )
+
+
+def _cost(func, args, kwargs, out) -> float:
+    """Counted cost of one op: FLOPs where torch counts them (matmul, conv, attention), else bytes moved."""
+    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+    moved = _OP_COST + _FLOPS_PER_BYTE * sum(t.numel() * t.element_size() for t in tensors)
+    packet = func.overloadpacket
+    if packet in flop_registry:
+        return moved + flop_registry[packet](*args, **kwargs, out_val=out)
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        q, k = args[0], args[1]  # (B, H, L, D), (B, H, S, D): two matmuls
+        return moved + 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    return moved
+
+
+class _Profile(TorchDispatchMode):
+    """The profiling forward of a budget: every new storage gets an origin; ops inside block calls are listed."""
+
+    def __init__(self):
+        super().__init__()
+        self.origin: dict[int, int] = {}  # storage address -> origin (the newest storage there)
+        self.nbytes: list[int] = []
+        self.owner: dict[int, tuple[int, int]] = {}  # origin -> (call, op) that made it
+        self.calls: list[list[_Op]] = []  # per block call, its ops in order
+        self.counted: list[int] = []  # per block call, how many counted ops it has run so far
+        self.inputs: list[set[int]] = []  # per block call, origins of its tensor inputs
+        self.inside: list[set[int]] = []  # per block call, origins autograd saves inside it
+        self.outside: set[int] = set()  # origins autograd saves outside the blocks
+        self.call: int | None = None
+
+    def origin_of(self, t: torch.Tensor) -> int | None:
+        return self.origin.get(t.untyped_storage()._cdata)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if func._schema.is_mutable:  # an op output changed in place later: replaying it would be wrong
+            for i, a in enumerate(func._schema.arguments):
+                t = args[i] if i < len(args) else kwargs.get(a.name)
+                written = a.alias_info is not None and a.alias_info.is_write
+                o = self.origin_of(t) if written and isinstance(t, torch.Tensor) else None
+                if o is not None and o in self.owner:
+                    c, i = self.owner[o]
+                    self.calls[c][i].replayable = False
+        made = []
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s._cdata not in ins and s.nbytes() > 0:
+                    self.origin[s._cdata] = len(self.nbytes)
+                    made.append(len(self.nbytes))
+                    self.nbytes.append(s.nbytes())
+        if self.call is not None:
+            ops = self.calls[self.call]
+            for o in made:
+                self.owner[o] = (self.call, len(ops))
+            key = self.counted[self.call] if _counted(func) else None
+            if key is not None:
+                self.counted[self.call] += 1
+            ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out),
+                           key is not None and bool(made) and _replayable(func, args, kwargs), key))
+        return out
+
+    def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
+        def pack(t: torch.Tensor) -> None:
+            o = self.origin_of(t)
+            if o is not None:
+                into.add(o)
+            if stop is not None:
+                stop[0] = len(ops)  # ops dispatched before this save
+            # nothing is kept: the profiling forward is thrown away
+
+        return pack
+
+    def run_call(self, fn, args, kwargs):
+        """A block call inside the profiling forward: run plainly, note its inputs, ops and saves."""
+        ops, stop = [], [0]
+        self.calls.append(ops)
+        self.counted.append(0)
+        self.inputs.append({o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for o in [self.origin_of(t)] if o is not None})
+        self.inside.append(set())
+        outer, self.call = self.call, len(self.calls) - 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.saved(self.inside[-1], ops, stop), _unpack_nothing):
+                return fn(*args, **kwargs)
+        finally:
+            self.call = outer
+            for op in ops[stop[0] :]:  # the recomputation stops at the last save: these never run again
+                op.cost, op.replayable = 0.0, False
+
+    def plan(self, budget: float) -> CheckpointPlan:
+        n = len(self.calls)
+
+        def size(origins) -> int:
+            return sum(self.nbytes[o] for o in origins)
+
+        def kept(decisions) -> set[int]:
+            out = set(self.outside)
+            for c, d in enumerate(decisions):
+                if d is None:
+                    out |= self.inside[c]
+                else:
+                    out |= self.inputs[c]
+                    out.update(o for i in d for o in self.calls[c][i].origins)
+            return out
+
+        plain = size(self.outside.union(*self.inside))
+        cap = budget * plain
+        base = kept([set() for _ in range(n)])
+        full_bytes = size(base)
+        full_cost = sum(op.cost for ops in self.calls for op in ops)
+        items = sorted(
+            # outputs autograd saves: kept from the pack hook after the first forward, with no dispatch mode
+            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable and self.inside[c].issuperset(op.origins)),
+            key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
+        )
+        overhead = [_DISPATCH_COST * len(ops) for ops in self.calls]  # replaying op by op
+
+        def cost_of(decisions) -> float:
+            return sum(op.cost for c, d in enumerate(decisions) if d is not None for i, op in enumerate(self.calls[c]) if i not in d)
+
+        def greedy(blocks_first: bool, no_ops: set[int]) -> list:
+            """Most cost saved per byte first: op outputs to keep, and whole blocks to leave unchecked
+            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller).
+            no_ops: block calls whose kept outputs would save less than their op-by-op overhead: none there."""
+            decisions: list = [set() for _ in range(n)]
+            have, total = set(base), full_bytes
+
+            def ops():
+                nonlocal total
+                for c, i, op in items:
+                    more = size(set(op.origins) - have)
+                    if c not in no_ops and decisions[c] is not None and total + more <= cap:
+                        decisions[c].add(i)
+                        have.update(op.origins)
+                        total += more
+
+            def blocks():
+                nonlocal total
+                left = [sum(op.cost for i, op in enumerate(ops_c) if i not in (decisions[c] or ())) for c, ops_c in enumerate(self.calls)]
+                for c in sorted(range(n), key=lambda c: -left[c] / (size(self.inside[c] - have) + 1)):
+                    more = size(self.inside[c] - have)
+                    if decisions[c] is not None and total + more <= cap:
+                        decisions[c] = None
+                        have.update(self.inside[c])
+                        total += more
+
+            for step in (blocks, ops) if blocks_first else (ops, blocks):
+                step()
+            return decisions
+
+        def paying(blocks_first: bool) -> list:
+            """greedy(), then without the blocks whose kept outputs do not pay for the dispatch mode, refilled."""
+            no_ops: set[int] = set()
+            while True:
+                found = greedy(blocks_first, no_ops)
+                poor = {c for c, d in enumerate(found) if d and sum(self.calls[c][i].cost for i in d) < overhead[c]}
+                if not poor:
+                    return found
+                no_ops |= poor
+
+        decisions = [set() for _ in range(n)]
+        if full_bytes <= cap:
+            decisions = min(paying(True), paying(False), key=cost_of)
+        kept_ops = Counter(self.calls[c][i].name for c, d in enumerate(decisions) if d is not None for i in d)
+        cost = cost_of(decisions)
+        return CheckpointPlan(
+            budget=budget, plain_bytes=plain, kept_bytes=size(kept(decisions)), full_bytes=full_bytes,
+            recompute_cost=cost, full_recompute_cost=full_cost, kept_ops=dict(kept_ops),
+            unchecked=sum(d is None for d in decisions), n_calls=n,
+            decisions=[None if d is None else frozenset(self.calls[c][i].key for i in d) for c, d in enumerate(decisions)],
+        )
+
+
+def _unpack_nothing(_):
+    """The profiling forward's unpack hook: it never runs backward."""
+    raise CheckpointError("the profiling forward of a checkpoint budget cannot run backward")
