@@ -1,6 +1,7 @@
 """lora_lab: adapter training on frozen models in PyTorch, verified."""
 
 from ._version import __version__ as __version__
+from .budget import FitResult, fit
 from .checkpoint import (
     CheckpointError,
     CheckpointPlan,
@@ -53,6 +54,7 @@ from .lora import (
 )
 from .memory import (
     BlockStack,
+    LiveBytes,
     MemoryMeasurementUnavailable,
     optimizer_state_bytes,
     peak_memory,
@@ -64,7 +66,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
-from .planner import FitResult, LiveBytes, MemoryPlan, PlanError, fit, parse_bytes, plan_memory
+from .planner import MemoryPlan, PlanError, parse_bytes, plan_memory
 from .precision import MixedPrecision, PrecisionError
 from .quant import (
     QuantizationError,
