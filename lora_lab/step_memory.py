@@ -12,7 +12,6 @@ previous step live. The other components (VAE, text encoders) only add their byt
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -177,39 +176,10 @@ def _optimizer_step(optimizer, scaler) -> None:
         # the 8-bit step updates in place, in chunks of CHUNK_BLOCKS blocks (CUDA: one Triton kernel per tensor);
         # its fp32 temporaries are a few MiB at most, far below the backward's, so it is not run on fake tensors
         return
-    with _one_param_per_shape(optimizer):
-        if scaler.is_enabled():
-            optimizer.step()  # what scaler.step does when the gradients are finite (fake tensors hold no values to check)
-        else:
-            scaler.step(optimizer)
-
-
-@contextlib.contextmanager
-def _one_param_per_shape(optimizer):
-    """Step only the first parameter of each (shape, stride, dtype) in each group, when that gives the same peak.
-
-    torch's single-tensor AdamW (what it runs on CPU tensors, fake ones included) updates one parameter at a
-    time, in place, and frees each one's temporaries before the next: the step's peak is the live bytes
-    before it plus the largest one parameter's temporaries, which depend on its shape and dtype alone (and
-    the state, in place, stays the size it was). Stepping one of each shape gives that peak without a
-    thousand identical updates on fake tensors. Any other optimizer (or foreach / fused) steps in full.
-    """
-    groups = optimizer.param_groups
-    if type(optimizer) is not torch.optim.AdamW or any(g.get("foreach") or g.get("fused") for g in groups):
-        yield
-        return
-    full = [g["params"] for g in groups]
-    try:
-        for g in groups:
-            seen: dict[tuple, torch.Tensor] = {}
-            for p in g["params"]:
-                if p.grad is not None:
-                    seen.setdefault((p.shape, p.stride(), p.dtype, p.grad.dtype), p)
-            g["params"] = list(seen.values())
-        yield
-    finally:
-        for g, params in zip(groups, full):
-            g["params"] = params
+    if scaler.is_enabled():
+        optimizer.step()  # what scaler.step does when the gradients are finite (fake tensors hold no values to check)
+    else:
+        scaler.step(optimizer)
 
 
 # ----------------------------------------------------------------------------- measuring a real step
