@@ -5,7 +5,7 @@
     python benchmarks/bench_planner.py --quantized     # real size with a quantized frozen denoiser (NF4, int8)
     python benchmarks/bench_planner.py --speed         # only the planner's speed: 3 plans of SDXL 1024, fit
 
-Real-size rows are predictions from fake tensors (no GPU was used). Targets (issue 10): a plan for the real
+Real-size rows are predictions from fake tensors (no GPU was used). Targets: a plan for the real
 SDXL at 1024 in <= 10 s and < 2 GiB resident on the 2-core machine; `fit` over all options < 1 minute;
 every validation row within 5%.
 """

@@ -17,7 +17,7 @@ from lora_lab.memory import LiveBytes, saved_activation_bytes
 from lora_lab.planner import PlanError, parse_bytes, plan_memory
 from lora_lab.step_memory import measure_training_step
 
-TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
+TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 
 @pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
