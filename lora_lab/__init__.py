@@ -2,6 +2,7 @@
 
 from ._version import __version__ as __version__
 from .blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
+from .budget import FitResult, fit
 from .checkpoint import (
     CheckpointError,
     CheckpointPlan,
@@ -55,6 +56,7 @@ from .lora import (
 )
 from .memory import (
     BlockStack,
+    LiveBytes,
     MemoryMeasurementUnavailable,
     optimizer_state_bytes,
     peak_memory,
@@ -66,7 +68,7 @@ from .params import (
     load_frozen,
     var_from_tensor,
 )
-from .planner import FitResult, LiveBytes, MemoryPlan, PlanError, fit, parse_bytes, plan_memory
+from .planner import MemoryPlan, PlanError, parse_bytes, plan_memory
 from .precision import MixedPrecision, PrecisionError
 from .quant import (
     QuantizationError,

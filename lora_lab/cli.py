@@ -154,7 +154,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if args.vram is not None:
-        from .planner import fit_config
+        from .budget import fit_config
 
         config, why = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
@@ -170,7 +170,8 @@ def _run_train(args: argparse.Namespace) -> int:
 def add_plan_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
     from .diffusion.real import REAL_MODELS
-    from .planner import ATTENTION, DTYPES, RESIDENT
+    from .fakedevice import ATTENTION
+    from .planner import DTYPES, RESIDENT
     from .quant import FORMATS as QUANT_FORMATS
 
     p = sub.add_parser(
@@ -198,7 +199,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .planner import PlanError, fit, options_table, plan_memory
+    from .budget import fit, options_table
+    from .planner import PlanError, plan_memory
 
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
@@ -211,7 +213,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(options_table(plans, args.vram))
     if args.vram is not None:
         try:
-            result = fit(args.vram, args.model, batch_size=args.batch_size, **common)
+            result = fit(args.vram, args.model, batch_size=args.batch_size, plans=plans, **common)
         except PlanError as e:
             print(f"lora-lab: error: {e}", file=sys.stderr)
             return 1

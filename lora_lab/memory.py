@@ -1,4 +1,5 @@
-"""Measuring memory: what autograd keeps for backward, the CUDA peak, optimizer state, a model's own bytes.
+"""Measuring memory: what autograd keeps for backward, live tensor bytes and their peak, the CUDA peak, optimizer
+state, a model's own bytes.
 
     activation bytes = sum over distinct storages S saved for backward during fn, made during fn: nbytes(S)
 
@@ -7,10 +8,13 @@ adds up the storages that autograd's saved-tensor hooks hand over while `fn` run
 buffers and the inputs given to `fn` existed before `fn` and are not activations, so a saved
 tensor counts only if its storage was created during `fn` (seen by a dispatch mode that watches
 every op's outputs). Each storage counts once, however many ops save it or views of it.
+`LiveBytes` counts every live storage and the peak of their sum at the dispatch level, on any device
+(fake tensors included): the CPU keeps no allocator statistics.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -135,6 +139,114 @@ def model_bytes(model: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def _tensor_leaves(values):
+    """The tensors among `values`, looking into lists and tuples (what an aten op's arguments and outputs hold;
+    pytree's general walk costs more than the op itself on fake tensors)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensor_leaves(v)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages, and their peak, at the dispatch level (any device).
+
+    A storage is counted from the first op that outputs it, or the first op that reads it if it was
+    made before (weights loaded from a file, tensors made before the mode was entered), until it is
+    freed: each storage holds its Python object (PyTorch preserves it), and a weakref finalizer on it
+    runs when the storage goes. Views and in-place ops make no new storage. `track(tensors)` counts
+    tensors that no op has touched yet (e.g. weights that the step will use later).
+
+    `mark_saved` (a saved-tensor pack hook) records the storages autograd keeps that were made while
+    `in_forward` was set: their bytes are `saved_bytes`, the live part of them `saved_live`, and
+    `saved_at_peak` is that part at the moment of the peak. `lora_lab.planner` counts a planned training
+    step with it; `lora_lab.step_memory.measure_training_step` a real one.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.forward_born: set[int] = set()
+        self.in_forward = False
+        self.saved_total = 0  # bytes of every storage saved in the forward
+        self.saved_alive: set[int] = set()  # those still alive (keyed by id: a later storage may reuse a freed one's)
+        self.saved_live = 0
+        self.saved_at_peak = 0
+
+    def _free(self, key: int) -> None:
+        n = self.live.pop(key, 0)
+        self.current -= n
+        if key in self.saved_alive:
+            self.saved_alive.discard(key)
+            self.saved_live -= n
+        self.forward_born.discard(key)
+
+    def _count(self, t: torch.Tensor, born: bool) -> None:
+        s = t.untyped_storage()
+        key = id(s)
+        if key in self.live:
+            return
+        n = s.nbytes()
+        if n == 0:
+            return
+        self.live[key] = n
+        self.current += n
+        if born and self.in_forward:
+            self.forward_born.add(key)
+        weakref.finalize(s, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.saved_at_peak = self.saved_live
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._count(t, born=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:
+            # a subclass tensor's device, which C++ asks of Python before most ops (the most frequent call on fake
+            # tensors): it makes no storage, and the tensor's own `device` answers it without the modes below
+            return args[0].device
+        for t in _tensor_leaves(args):
+            self._count(t, born=False)
+        if kwargs:
+            for t in _tensor_leaves(kwargs.values()):
+                self._count(t, born=False)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        if isinstance(out, torch.Tensor):
+            self._count(out, born=True)
+        elif isinstance(out, (tuple, list)):
+            for t in _tensor_leaves(out):
+                self._count(t, born=True)
+        return out
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+        self.saved_at_peak = self.saved_live
+
+    def mark_saved(self, t: torch.Tensor) -> torch.Tensor:
+        key = id(t.untyped_storage())
+        if key in self.forward_born and key not in self.saved_alive:
+            n = self.live.get(key, 0)
+            self.saved_total += n
+            self.saved_alive.add(key)
+            self.saved_live += n
+        return t
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.saved_total
 
 
 class ResidualMLP(nn.Module):

@@ -506,7 +506,7 @@ def test_backward_peak_of_a_frozen_unet_with_lora_stays_below_the_unchecked_peak
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
-    from lora_lab.planner import LiveBytes
+    from lora_lab.memory import LiveBytes
 
     def peak(checkpointed: bool) -> int:
         torch.manual_seed(0)

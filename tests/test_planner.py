@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from lora_lab import planner
+from lora_lab.budget import fit
 from lora_lab.diffusion.train import TrainConfig
-from lora_lab.memory import saved_activation_bytes
-from lora_lab.planner import LiveBytes, PlanError, fit, measure_training_step, parse_bytes, plan_memory
+from lora_lab.fakedevice import DeviceRules
+from lora_lab.memory import LiveBytes, saved_activation_bytes
+from lora_lab.planner import PlanError, parse_bytes, plan_memory
+from lora_lab.step_memory import measure_training_step
 
-TOLERANCE = 0.05  # the issue's claim: predicted peak within 5% of the measured peak
+TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 
 @pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
@@ -70,7 +73,7 @@ def _saved_by_attention(backend: str, dtype=torch.bfloat16) -> int:
         q, k, v = (torch.randn(1, 2, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
         tracker = LiveBytes()
         tracker.in_forward = True
-        with tracker, planner._Attention(backend, "cuda"), torch.autograd.graph.saved_tensors_hooks(
+        with tracker, DeviceRules(backend, "cuda"), torch.autograd.graph.saved_tensors_hooks(
                 tracker.mark_saved, lambda x: x):
             out = F.scaled_dot_product_attention(q.transpose(1, 2).transpose(1, 2), k, v)
         del out
@@ -112,6 +115,46 @@ def test_fit_tries_fast_options_first(monkeypatch):
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw8bit"
     with pytest.raises(PlanError, match=r"smallest predicted peak is .*activations"):
         fit(5, "sdxl")
+
+
+def test_fit_reuses_the_plans_it_is_given(monkeypatch):
+    """fit(plans=...): an option already planned (same options) is not planned again; another one is."""
+    calls = []
+    step = planner.planned_step
+
+    def counting_step(*args, **kwargs):
+        calls.append(args[3]["optimizer"])
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "planned_step", counting_step)
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no"}
+    plans = [plan_memory("sd15", gradient_checkpointing=ck, optimizer=opt, **kw)
+             for ck in (False, True) for opt in ("adamw", "adamw8bit")]
+    assert len(calls) == 4
+    r = fit(max(p.peak for p in plans), "sd15", plans=plans, **kw)  # the first option fits
+    assert r.chosen is plans[0] and r.tried == [plans[0]] and len(calls) == 4
+    smallest = min(plans, key=lambda p: p.peak)
+    r = fit(smallest.peak, "sd15", plans=plans, **kw)  # only the smallest fits: every option tried, none re-planned
+    assert r.chosen is smallest and r.tried == plans and len(calls) == 4
+    r = fit(max(p.peak for p in plans), "sd15", plans=plans, **{**kw, "rank": 2})  # other options: planned
+    assert r.chosen not in plans and len(calls) == 5
+
+
+def test_cli_plan_vram_plans_each_option_once(monkeypatch, capsys):
+    """`lora-lab plan --vram` prints the table of 4 options and fit's choice from the same 4 plans."""
+    from lora_lab.cli import main
+
+    calls = []
+
+    def fake_step(comps, kind, config, options, tracker, vae_scale, text_shapes):
+        calls.append((options["gradient_checkpointing"], options["optimizer"]))
+        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30  # only checkpointing fits 24 GiB
+        return {"activations": tracker.peak}, "backward", 0, 0
+
+    monkeypatch.setattr(planner, "planned_step", fake_step)
+    assert main(["plan", "--model", "sdxl", "--vram", "24GiB"]) == 0
+    assert calls == [(False, "adamw"), (False, "adamw8bit"), (True, "adamw"), (True, "adamw8bit")]
+    assert "chose checkpointing, adamw, batch 1" in capsys.readouterr().out
 
 
 def test_parse_bytes():
