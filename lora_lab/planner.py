@@ -733,9 +733,8 @@ def measure_training_step(config) -> dict[str, int]:
 
 def _dataset_len(config) -> int:
     from .diffusion.data import ImageCaptionDataset
-    from .diffusion.train import _dataset_dir
 
-    return len(ImageCaptionDataset(_dataset_dir(config), config.resolution or 16, skip_bad=config.skip_bad_images))
+    return len(ImageCaptionDataset(config.dataset_dir(), config.resolution or 16, skip_bad=config.skip_bad_images))
 
 
 # ----------------------------------------------------------------------------- fitting a budget
@@ -849,9 +848,8 @@ def fit_config(config, budget: int | str):
     dataset_size = 0
     if device == "cpu":
         from .diffusion.data import ImageCaptionDataset
-        from .diffusion.train import _dataset_dir
 
-        dataset_size = len(ImageCaptionDataset(_dataset_dir(config), resolution or 16, skip_bad=config.skip_bad_images))
+        dataset_size = len(ImageCaptionDataset(config.dataset_dir(), resolution or 16, skip_bad=config.skip_bad_images))
     result = fit(budget, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
                  resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
                  mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),

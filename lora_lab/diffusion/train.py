@@ -43,7 +43,9 @@ from ..lora import LoRAConfig, add_lora, lora_disabled
 from ..optim import AdamW8bit
 from ..precision import MixedPrecision, autocast
 from ..quant import quantize_base
-from . import objectives  # called as objectives.X: a test swaps objectives.diffusion_loss for one that fails
+
+# objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped (tests inject a NaN loss)
+from . import objectives
 from .data import EncodedExamples, batch_indices, encode_dataset, folder_fingerprint, unconditional_embeds
 from .models import build_pipeline, default_resolution, denoiser, predict, shipped_base
 from .sampling import image_grid, sample
@@ -134,7 +136,7 @@ def load_base(config: TrainConfig, device: torch.device) -> tuple[Any, Path | st
     return pipe, base, resolution
 
 
-def encode_data(config: TrainConfig, pipe, resolution: int):
+def encode_data(config: TrainConfig, pipe, resolution: int) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
     """The examples (and the regularization examples, or None) as cached latents and text embeddings, and
     what a dropped caption becomes (None without caption dropout)."""
     options = {"buckets": config.buckets, "skip_bad": config.skip_bad_images, "seed": config.seed}
