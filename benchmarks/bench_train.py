@@ -38,7 +38,6 @@ from lora_lab.diffusion.models import (
 )
 from lora_lab.diffusion.objectives import diffusion_loss, objective_for
 from lora_lab.diffusion.train import (
-    ATTENTION_TARGETS,
     TrainConfig,
     add_adapter,
     checkpoint_blocks,
@@ -47,6 +46,7 @@ from lora_lab.diffusion.train import (
     step_generator,
     train,
 )
+from lora_lab.diffusion.train_config import ATTENTION_TARGETS
 from lora_lab.memory import optimizer_state_bytes, saved_activation_bytes
 
 WARMUP = 2  # steps dropped from each run's median

@@ -40,6 +40,8 @@ import torch
 from ..errors import LoraLabError
 from .models import RESOLUTION, encode_images, encode_prompts
 
+# PIL is imported in the functions that read images: Pillow is optional (the diffusion extra), and
+# `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 ENCODE_BATCH = 16  # images per VAE call when caching latents
 

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from ..digits import digit_arrays
 from .models import RESOLUTION
 
+# scikit-learn is imported where a classifier is fitted: it is optional (the notebooks extra).
+
 
 def digit_images(indices=None, size: int = RESOLUTION, inverted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sklearn's digits as RGB images in [-1, 1] (white ink on black; `inverted`: black on white)."""

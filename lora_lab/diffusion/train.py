@@ -50,8 +50,6 @@ from .data import EncodedExamples, batch_indices, encode_dataset, folder_fingerp
 from .models import build_pipeline, default_resolution, denoiser, predict, shipped_base
 from .sampling import image_grid, sample
 from .train_config import (
-    ATTENTION_TARGETS,
-    CONV_TARGETS,
     TrainConfig,
     TrainConfigError,
     check_config_for_base,
@@ -371,11 +369,9 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig) -> list[str]:
     model.requires_grad_(False)
     if config.base_quantization is not None:  # QLoRA: the frozen Linear weights stored quantized, under the adapters
         quantize_base(model, config.base_quantization)
-    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
-    alpha = float(config.rank if config.alpha is None else config.alpha)
     torch.manual_seed(config.seed)
-    return add_lora(model, LoRAConfig(rank=config.rank, alpha=alpha, targets=targets, use_dora=config.dora,
-                                      conv=config.conv))
+    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(), targets=config.adapter_targets(),
+                                      use_dora=config.dora, conv=config.conv))
 
 
 def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:

@@ -177,6 +177,14 @@ class TrainConfig:
         value = self.gradient_checkpointing
         return None if value is False or value == "none" else "full" if value is True else value
 
+    def adapter_alpha(self) -> float:
+        """LoRA alpha: `alpha`, or the rank (scale 1)."""
+        return float(self.rank if self.alpha is None else self.alpha)
+
+    def adapter_targets(self) -> list[str]:
+        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the convs."""
+        return list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+
     def dataset_dir(self) -> Path:
         """The training images' folder: `dataset`, or the set shipped in data/."""
         return Path(self.dataset) if self.dataset is not None else DATA_DIR / DEFAULT_DATASET
@@ -187,7 +195,7 @@ class TrainConfig:
             self,
             base=None if base is None else str(base),
             resolution=resolution,
-            alpha=float(self.rank if self.alpha is None else self.alpha),
+            alpha=self.adapter_alpha(),
             dataset=str(self.dataset_dir()),
             reg_dataset=None if self.reg_dataset is None else str(self.reg_dataset),
         )
@@ -220,9 +228,8 @@ def check_config_for_base(config: TrainConfig, pipe, resolution: int) -> None:
     """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
     the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
     model = denoiser(pipe)
-    targets = list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if config.conv else [])
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
-              if name and matches_targets(name, targets) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+              if name and matches_targets(name, config.adapter_targets()) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     if widths and config.rank > min(widths)[0]:
         width, name = min(widths)
         raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "

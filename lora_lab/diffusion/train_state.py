@@ -200,7 +200,7 @@ def truncate_log(path: Path, step: int) -> None:
                 torn.append(number)
     if torn:
         warnings.warn(f"{path}: dropped {len(torn)} line(s) that are not loss records (line {torn[0]}: "
-                      "a write cut short by a kill)", stacklevel=3)
+                      "a write cut short by a kill)", stacklevel=4)  # train() -> open_run -> here
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
