@@ -68,9 +68,10 @@ elif not torch.cuda.is_available():
 
 from torch import nn
 
+from lora_lab.adam import AdamHyper, adam_step_
+from lora_lab.blockwise import quantize_blockwise
 from lora_lab.kernels.adam8bit import adam8bit_step
 from lora_lab.lora import LoRAConfig, LoRALinear
-from lora_lab.optim import AdamHyper, adam_step_, quantize_blockwise
 
 DEVICE = torch.device("cpu" if ARGS.cpu_check else "cuda")
 DTYPE = torch.bfloat16

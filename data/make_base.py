@@ -42,6 +42,7 @@ import torch
 
 from lora_lab.diffusion import models as M
 from lora_lab.diffusion.effect import DigitClassifier, InvertedClassifier, digit_images
+from lora_lab.diffusion.kinds import t5_length
 from lora_lab.diffusion.objectives import diffusion_loss, objective_for
 from lora_lab.diffusion.sampling import image_grid, sample
 
@@ -132,7 +133,7 @@ def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> di
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
-                                              do_classifier_free_guidance=False, max_sequence_length=M.t5_length(pipe))
+                                              do_classifier_free_guidance=False, max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 

@@ -1,6 +1,7 @@
 """lora_lab: adapter training on frozen models in PyTorch, verified."""
 
 from ._version import __version__ as __version__
+from .blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
 from .checkpoint import (
     CheckpointError,
     CheckpointPlan,
@@ -24,6 +25,7 @@ from .errors import LoraFormatError, LoraLabError, TensorKindError, WeightFileEr
 from .formats import (
     LoraFile,
     LoraModule,
+    LoraWeights,
     UnetLayout,
     convert_lora,
     diffusers_name,
@@ -59,7 +61,7 @@ from .memory import (
     saved_activation_bytes,
 )
 from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
-from .optim import Adam8bit, AdamW8bit, OptimizerError, dequantize_blockwise, dynamic_map, quantize_blockwise
+from .optim import Adam8bit, AdamW8bit, OptimizerError
 from .params import (
     load_frozen,
     var_from_tensor,
@@ -103,6 +105,7 @@ __all__ = [
     "LoraFormatError",
     "LoraLabError",
     "LoraModule",
+    "LoraWeights",
     "MemoryMeasurementUnavailable",
     "MemoryPlan",
     "MixedPrecision",

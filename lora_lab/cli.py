@@ -10,9 +10,12 @@ import sys
 import typing
 from pathlib import Path
 
+from .diffusion.kinds import KINDS
 from .errors import LoraLabError
+from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
+from .merge import merge_loras, save_merged
 
-# ----------------------------------------------------------------------------- LoRA files (issue 4)
+# ----------------------------------------------------------------------------- LoRA files
 
 
 def _lora_spec(text: str) -> tuple[Path, float]:
@@ -47,15 +50,11 @@ def _os_error(e: OSError) -> str:
 
 
 def _inspect(args) -> int:
-    from .formats import load_lora
-
     print(load_lora(args.file).summary())
     return 0
 
 
 def _convert(args) -> int:
-    from .formats import convert_lora, load_lora
-
     _check_output(args.dst, [args.src], args.overwrite)
     out = convert_lora(args.src, args.dst, to=args.to, base=args.base)
     print(f"wrote {out} ({args.to}, {len(load_lora(out).modules)} modules)")
@@ -63,8 +62,6 @@ def _convert(args) -> int:
 
 
 def _merge(args) -> int:
-    from .merge import merge_loras, save_merged
-
     _check_output(args.out, [args.base, *(path for path, _ in args.lora)], args.overwrite)
     merged = merge_loras(args.base, args.lora, component=args.component, strict=not args.no_strict)
     if not merged.patched:  # e.g. --component text_encoder for a UNet-only LoRA: a copy of BASE would be a silent no-op
@@ -84,8 +81,8 @@ def add_lora_file_parsers(sub) -> None:
     p = sub.add_parser("convert", help="convert a LoRA file between kohya/ComfyUI and PEFT/diffusers")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
-    p.add_argument("--to", required=True, choices=["kohya", "peft"])
-    p.add_argument("--base", choices=["sd15", "sdxl", "sd3", "flux"], help="base model kind (sets lora_te_/lora_te1_)")
+    p.add_argument("--to", required=True, choices=FORMATS)
+    p.add_argument("--base", choices=KINDS, help="base model kind (sets lora_te_/lora_te1_)")
     p.add_argument("--overwrite", action="store_true", help="allow DST to be SRC (replaced atomically)")
     p.set_defaults(func=_convert)
 
@@ -94,7 +91,7 @@ def add_lora_file_parsers(sub) -> None:
     p.add_argument("out", type=Path, help="where to write the merged weights (safetensors, base dtype)")
     p.add_argument("--lora", action="append", required=True, type=_lora_spec, metavar="FILE:STRENGTH",
                    help="a LoRA file and its strength (default 1); repeat to stack")
-    p.add_argument("--component", choices=["unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"],
+    p.add_argument("--component", choices=COMPONENTS,
                    help="which component BASE is (default: the one the LoRA modules match)")
     p.add_argument("--no-strict", action="store_true", help="skip LoRA modules that match no weight (with a warning)")
     p.add_argument("--overwrite", action="store_true", help="allow OUT to be BASE or a --lora file (replaced atomically)")
@@ -126,7 +123,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train",
-        help="train a LoRA/DoRA on a diffusion model (sd15 | sdxl | sd3 | flux)",
+        help=f"train a LoRA/DoRA on a diffusion model ({' | '.join(KINDS)})",
         description="Train a LoRA on a diffusion model. Example: lora-lab train --model sdxl --dataset DIR "
         "--output DIR --rank 32 --steps 1000. Runs data-parallel under torchrun.",
     )
@@ -234,7 +231,7 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
         description="Make images from one prompt and seed with the base model, and with the base plus the "
         "given LoRA files (FILE:STRENGTH, kohya/ComfyUI or diffusers format) applied at run time.",
     )
-    p.add_argument("--model", required=True, choices=["sd15", "sdxl", "sd3", "flux"], help="model family")
+    p.add_argument("--model", required=True, choices=KINDS, help="model family")
     p.add_argument("--base", default=None, help="local diffusers folder or single file (default: tiny base in data/)")
     p.add_argument("--lora", action="append", default=[], type=_lora_spec, metavar="FILE[:STRENGTH]",
                    help="a LoRA file and its strength (repeat to stack several)")

@@ -1,4 +1,5 @@
-"""The root of every error lora_lab raises on purpose, and the errors of the bottom layer (files, tensors).
+"""The root of every error lora_lab raises on purpose, and the errors of the bottom layer (files, tensors,
+block-wise quantized optimizer state).
 
 Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant.py, ...);
 this module imports nothing of lora_lab, so every module can look down at it.
@@ -19,3 +20,8 @@ class TensorKindError(LoraLabError, TypeError):
 
 class LoraFormatError(LoraLabError, ValueError):
     """A LoRA file (or state dict) that is not what it should be; says which file and which key."""
+
+
+class OptimizerError(LoraLabError, ValueError):
+    """An optimizer misused (a frozen or sparse tensor, a bad hyper-parameter), or 8-bit state given values
+    its map cannot hold (negative values for the unsigned map)."""

@@ -1,6 +1,6 @@
 """Files, at the bottom: safetensors headers read and checked before any tensor is, and atomic writes.
 
-Nothing here knows what a LoRA is; formats.py, merge.py, the trainer and the notebook records write
+Nothing here knows what a LoRA is; formats/, merge.py, the trainer and the notebook records write
 through `atomic_write_bytes`, and every safetensors file lora_lab reads goes through `read_header`.
 """
 

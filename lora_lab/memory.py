@@ -1,4 +1,4 @@
-"""Measuring memory: what autograd keeps for backward, the CUDA peak, and optimizer state.
+"""Measuring memory: what autograd keeps for backward, the CUDA peak, optimizer state, a model's own bytes.
 
     activation bytes = sum over distinct storages S saved for backward during fn, made during fn: nbytes(S)
 
@@ -125,6 +125,16 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
             if key is not None:
                 seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
     return sum(seen.values())
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model` (shared tensors once), meta tensors included."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 class ResidualMLP(nn.Module):

@@ -403,7 +403,7 @@ def _folder_components(path: Path, resident: str) -> dict:
 
 
 def _folder_text_tokens(path: Path, kind: str) -> int:
-    """Tokens per prompt the trainer's encode_prompts gives for a folder's tokenizers (see models.t5_length)."""
+    """Tokens per prompt the trainer's encode_prompts gives for a folder's tokenizers (see kinds.t5_length)."""
     def max_len(sub: str, default: int) -> int:
         f = path / sub / "tokenizer_config.json"
         return int(json.loads(f.read_text()).get("model_max_length", default)) if f.is_file() else default
@@ -492,7 +492,8 @@ def plan_memory(
             raise PlanError(f"unknown real model {model!r}; choose one of {', '.join(REAL_MODELS)}")
         kind = family(model)
     else:
-        from .diffusion.models import KINDS, RESOLUTION
+        from .diffusion.kinds import KINDS
+        from .diffusion.models import RESOLUTION
 
         if model not in KINDS:
             raise PlanError(f"unknown tiny model {model!r}; choose one of {', '.join(KINDS)}")

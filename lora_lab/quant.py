@@ -10,7 +10,7 @@ Formats (`FORMATS`), all symmetric (no zero point), the scales in fp32:
     nf4         QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314): per block
                 of 64 values a = max |W|, code = the nearest of the 16 NF4 values to W / a, two codes a byte;
                 the absmax are double-quantized: a - mean(a) as 8-bit dynamic-map codes in blocks of 256
-                (lora_lab.optim's block-wise code), plus one fp32 absmax per 256 blocks and the fp32 mean
+                (lora_lab.blockwise), plus one fp32 absmax per 256 blocks and the fp32 mean
     fp8         float8 e4m3 (max 448) with one fp32 scale for the whole tensor: q = fp8(W / s), s = max |W| / 448
     fp8-row     the same with one scale per output row
 
@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blockwise import as_blocks, dequantize_blockwise, quantize_blockwise
 from .errors import LoraLabError
 from .layers import Linear
-from .optim import _blocks, dequantize_blockwise, quantize_blockwise
+from .memory import model_bytes
 
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default
@@ -132,14 +133,14 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         raise QuantizationError(f"quantize_weight needs a finite floating-point weight (shape {tuple(w.shape)}, {w.dtype})")
     w = w.detach()
     if fmt in ("int8", "int8-block"):
-        rows = w.float() if fmt == "int8" else _blocks(w.reshape(-1).float(), block_size)  # (rows, len)
+        rows = w.float() if fmt == "int8" else as_blocks(w.reshape(-1).float(), block_size)  # (rows, len)
         scale = rows.abs().amax(dim=1) / INT8_HALF_RANGE  # (rows,)
         # times 1 / scale (not / scale), as torchao does, so that codes agree bit for bit
         q = (rows * (1.0 / scale.clamp(min=1e-38))[:, None]).round_().clamp_(-128, 127).to(torch.int8)
         return {"qweight": q.reshape(-1)[: w.numel()].view(w.shape), "scale": scale}
     if fmt == "nf4":
         _, mid, _ = _nf4_tables(w.device)
-        absmax, scaled = _absmax_scaled(_blocks(w.reshape(-1).float(), block_size))
+        absmax, scaled = _absmax_scaled(as_blocks(w.reshape(-1).float(), block_size))
         codes = torch.bucketize(scaled.view(-1)[: w.numel()], mid).to(torch.uint8)  # nearest; a tie goes down
         codes = F.pad(codes, (0, codes.numel() % 2), value=7)  # 7 is the code of 0.0
         offset = absmax.mean()
@@ -163,13 +164,13 @@ def dequantize_weight(
     if fmt == "int8":
         return qw.to(torch.float32).mul_(q["scale"][:, None]).to(dtype)
     if fmt == "int8-block":
-        blocks = _blocks(qw.reshape(-1).to(torch.float32), block_size).mul_(q["scale"][:, None])
+        blocks = as_blocks(qw.reshape(-1).to(torch.float32), block_size).mul_(q["scale"][:, None])
         return blocks.view(-1)[:n].view(shape).to(dtype)
     if fmt == "nf4":
         absmax = nf4_absmax(q)
         _, _, pairs = _nf4_tables(qw.device)
         values = pairs.index_select(0, qw.int()).view(torch.float32)  # (2 * bytes,) one lookup a byte
-        return _blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
+        return as_blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
     scale = q["scale"][:, None] if fmt == "fp8-row" else q["scale"]
     values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())  # 2x faster than a cast on CPU
     return values.view(shape).mul_(scale).to(dtype)
@@ -398,16 +399,6 @@ class QuantReport:
                 f"{self.bytes_before / 2**20:.2f} -> {self.bytes_after / 2**20:.2f} MiB "
                 f"({self.bytes_per_param:.4f} bytes/param); model {self.model_bytes_before / 2**20:.2f} -> "
                 f"{self.model_bytes_after / 2**20:.2f} MiB")
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (shared tensors once), meta tensors included."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 def quantize_base(

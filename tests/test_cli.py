@@ -90,14 +90,14 @@ def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, c
 def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch, capsys):
     """diffusers' hub errors, wrapped in a ModelLoadError (`--base` a file from_single_file cannot place), have
     several lines; the CLI prints them joined, so that every error is one line."""
-    from lora_lab import formats
+    from lora_lab import cli
     from lora_lab.diffusion.models import ModelLoadError
 
     def fails(path):
         raise ModelLoadError(f"{path}: cannot load (LocalEntryNotFoundError: Got: ConnectError\n"
                              "An error happened while trying to locate the files on the Hub.)")
 
-    monkeypatch.setattr(formats, "load_lora", fails)
+    monkeypatch.setattr(cli, "load_lora", fails)
     assert main(["inspect", str(files / "a.safetensors")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and "ConnectError An error happened" in err

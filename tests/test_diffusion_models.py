@@ -10,7 +10,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from lora_lab.diffusion import models as M
-from lora_lab.diffusion.models import ModelLoadError
+from lora_lab.diffusion.inputs import sdxl_time_ids
+from lora_lab.diffusion.kinds import KINDS, ModelLoadError
 
 SEED = 3
 PROMPTS = ["a digit three", "a handwritten digit seven"]
@@ -33,7 +34,7 @@ def test_tokenizers_keep_caption_words_whole():
     assert len(clip("a zebra").input_ids) > 4
 
 
-@pytest.mark.parametrize("kind", M.KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_predict_matches_the_pipeline_denoiser_call(kind):
     """Capture the denoiser's input and output inside a real pipeline call, then recompute the
     output with `predict` from (latents, t, encode_prompts(...)): training sees what sampling sees."""
@@ -60,7 +61,7 @@ def test_predict_matches_the_pipeline_denoiser_call(kind):
         x, t, expected = kw["hidden_states"], kw["timestep"] / 1000, seen["out"]
     else:
         h = w = SIZE // 2
-        from lora_lab.diffusion.objectives import unpack_latents
+        from lora_lab.diffusion.inputs import unpack_latents
 
         x, t = unpack_latents(kw["hidden_states"], h, w), kw["timestep"]
         expected = unpack_latents(seen["out"], h, w)
@@ -79,7 +80,7 @@ def test_sdxl_uses_both_text_encoders_and_time_ids():
     x, t = torch.randn(2, 4, SIZE // 2, SIZE // 2), torch.tensor([500, 500])
     with torch.no_grad():
         a = M.predict("sdxl", pipe.unet, x, t, e)
-        b = M.predict("sdxl", pipe.unet, x, t, {**e, "time_ids": M.sdxl_time_ids(2, 64, 64)})
+        b = M.predict("sdxl", pipe.unet, x, t, {**e, "time_ids": sdxl_time_ids(2, 64, 64)})
     assert not torch.allclose(a, b)  # the micro-conditioning reaches the UNet
 
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_lab.diffusion.inputs import flux_guidance, flux_latent_ids, pack_latents, unpack_latents
 from lora_lab.diffusion.objectives import (
     DDPM,
     FlowMatching,
     ObjectiveError,
     diffusion_loss,
-    flux_guidance,
-    flux_latent_ids,
     objective_for,
-    pack_latents,
     shift_sigmas,
-    unpack_latents,
 )
 
 SEED = 11

@@ -7,17 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-import lora_lab.optim as optim_mod
+import lora_lab.adam as adam_mod
 from lora_lab import Linear
+from lora_lab.blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
 from lora_lab.memory import optimizer_state_bytes
-from lora_lab.optim import (
-    Adam8bit,
-    AdamW8bit,
-    OptimizerError,
-    dequantize_blockwise,
-    dynamic_map,
-    quantize_blockwise,
-)
+from lora_lab.optim import Adam8bit, AdamW8bit, OptimizerError
 
 LR = 1e-3
 BIG = (192, 256)  # 49152 values: 8-bit state (>= 4096), 192 blocks
@@ -170,9 +164,9 @@ def test_chunked_update_equals_one_pass(monkeypatch):
     p0 = torch.randn(1000, 333)  # 333000 values: more than one default chunk, not a multiple of 256
     grads = _grads((1000, 333), 3)
     a, _ = _trajectory(lambda ps: AdamW8bit(ps, lr=LR), p0, grads)
-    monkeypatch.setattr(optim_mod, "CHUNK_BLOCKS", 10**9)
+    monkeypatch.setattr(adam_mod, "CHUNK_BLOCKS", 10**9)
     b, _ = _trajectory(lambda ps: AdamW8bit(ps, lr=LR), p0, grads)
-    monkeypatch.setattr(optim_mod, "CHUNK_BLOCKS", 3)
+    monkeypatch.setattr(adam_mod, "CHUNK_BLOCKS", 3)
     c, _ = _trajectory(lambda ps: AdamW8bit(ps, lr=LR), p0, grads)
     assert torch.equal(a[-1], b[-1]) and torch.equal(a[-1], c[-1])
 

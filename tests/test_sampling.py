@@ -8,13 +8,14 @@ import torch
 pytest.importorskip("diffusers")
 
 from lora_lab.diffusion import models as M
+from lora_lab.diffusion.kinds import KINDS
 from lora_lab.diffusion.sampling import image_grid, sample
 
 SEED = 7
 PROMPTS = ["a digit one", "a digit eight"]
 
 
-@pytest.mark.parametrize("kind", M.KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_sample_is_seeded_and_in_range(kind):
     pipe = M.build_pipeline(kind, seed=SEED)
     a = sample(pipe, PROMPTS, seed=1, steps=2, guidance=1.0)

@@ -5,9 +5,8 @@
 """
 
 from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
+from .kinds import KINDS, ModelLoadError, kind_of
 from .models import (
-    KINDS,
-    ModelLoadError,
     build_components,
     build_pipeline,
     build_tokenizer,
@@ -15,7 +14,6 @@ from .models import (
     denoiser,
     encode_images,
     encode_prompts,
-    kind_of,
     predict,
     shipped_base,
 )

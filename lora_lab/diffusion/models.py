@@ -2,8 +2,7 @@
 
 API (stable; `diffusion/train.py` and the CLI build on it):
 
-    KINDS = ("sd15", "sdxl", "sd3", "flux")
-    CONFIGS[kind]                      -> {component name: config literal dict}
+    CONFIGS[kind]                      -> {component name: config literal dict} (kinds.KINDS: the kinds)
     build_tokenizer("clip" | "t5")     -> a CLIPTokenizer / T5Tokenizer made offline from `WORDS`
     build_components(kind, seed=0)     -> {name: module} ready for the pipeline class, random init from `seed`
     build_pipeline(kind, base=None, seed=0, dtype=None)
@@ -16,18 +15,16 @@ API (stable; `diffusion/train.py` and the CLI build on it):
     encode_prompts(pipe, prompts)      -> {"prompt_embeds": (B, T, D), "pooled_prompt_embeds": (B, P)?}
                                           (keys are the pipeline's own __call__ keywords, so cached
                                           embeddings go straight back into `pipe(**embeds)`)
-    t5_length(pipe)                    -> T5 tokens per prompt (sd3: min(256, tokenizer), flux: min(512, tokenizer))
     encode_images(pipe, images, generator=None) -> latents (B, C, h, w), already shifted and scaled
     decode_latents(pipe, latents)      -> images in [-1, 1], (B, 3, H, W)
-    kind_of(pipe)                      -> "sd15" | "sdxl" | "sd3" | "flux" from the pipeline's class
     predict(kind, model, latents, t, embeds, guidance=1.0, vae_scale_factor=2)
                                        -> the denoiser's output (B, C, h, w), one call for every kind
                                           (t: DDPM step index for sd15/sdxl, sigma in [0, 1] for sd3/flux)
-    sdxl_time_ids(batch, height, width) -> (B, 6) SDXL's micro-conditioning (original size, crop, target size)
 
-The tiny configs keep every structural feature of the real models (SDXL's second text encoder and
-text_time add-embedding; SD3's joint attention over CLIP+T5 text; Flux's 2x2 latent packing,
-rotary position ids and guidance embedding) at a size that trains on a CPU.
+What differs between the kinds (classes, text encoders, how each encodes and predicts) is kinds.py's
+`ModelKind`; this module reads it. The tiny configs keep every structural feature of the real models
+(SDXL's second text encoder and text_time add-embedding; SD3's joint attention over CLIP+T5 text;
+Flux's 2x2 latent packing, rotary position ids and guidance embedding) at a size that trains on a CPU.
 """
 
 from __future__ import annotations
@@ -37,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoraLabError
 from ..quiet import quiet_loading
+from .kinds import ModelLoadError, kind_of, model_kind
 
-KINDS = ("sd15", "sdxl", "sd3", "flux")
 TEXT_LEN = 16  # tokens per prompt; the tiny CLIP encoders have this many positions
 RESOLUTION = 16  # pixels of the tiny models' images (sklearn's 8x8 digits, upscaled 2x); latents are 8x8
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -51,10 +47,6 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 WORDS = ("a", "an", "the", "digit", "number", "photo", "of", "image", "picture", "drawing",
          "handwritten", "white", "black", "on", "inverted", "style", "colours", "colors") + DIGIT_NAMES
-
-
-class ModelLoadError(LoraLabError, ValueError):
-    """An unknown model kind, or a base model path that cannot be loaded as that kind."""
 
 
 # Text encoders: CLIP-L-like (hidden 32) and CLIP-G-like (hidden 32, projection 32), T5-like (d_model 64).
@@ -117,11 +109,6 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
 }
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ModelLoadError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -195,7 +182,7 @@ def build_components(kind: str, seed: int = 0) -> dict:
     """
     import diffusers
 
-    _check_kind(kind)
+    spec = model_kind(kind)
     cfg = CONFIGS[kind]
     clip_tok, t5_tok = build_tokenizer("clip"), build_tokenizer("t5")
 
@@ -204,33 +191,17 @@ def build_components(kind: str, seed: int = 0) -> dict:
         return make().eval()
 
     out: dict = {"vae": seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))}
-    if kind in ("sd15", "sdxl"):
-        out["unet"] = seeded(0, lambda: diffusers.UNet2DConditionModel(**cfg["unet"]))
-        out["scheduler"] = diffusers.EulerDiscreteScheduler(**cfg["scheduler"])
-    elif kind == "sd3":
-        out["transformer"] = seeded(0, lambda: diffusers.SD3Transformer2DModel(**cfg["transformer"]))
-        out["scheduler"] = diffusers.FlowMatchEulerDiscreteScheduler(**cfg["scheduler"])
-    else:
-        out["transformer"] = seeded(0, lambda: diffusers.FluxTransformer2DModel(**cfg["transformer"]))
-        out["scheduler"] = diffusers.FlowMatchEulerDiscreteScheduler(**cfg["scheduler"])
-
-    if kind == "sd15":
-        out["text_encoder"] = seeded(2, lambda: _clip_text_model(cfg["text_encoder"], clip_tok, False))
-        out["tokenizer"] = clip_tok
-        out.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    elif kind == "sdxl":
-        out["text_encoder"] = seeded(2, lambda: _clip_text_model(cfg["text_encoder"], clip_tok, False))
-        out["text_encoder_2"] = seeded(3, lambda: _clip_text_model(cfg["text_encoder_2"], clip_tok, True))
-        out.update(tokenizer=clip_tok, tokenizer_2=copy.deepcopy(clip_tok))
-    elif kind == "sd3":
-        out["text_encoder"] = seeded(2, lambda: _clip_text_model(cfg["text_encoder"], clip_tok, True))
-        out["text_encoder_2"] = seeded(3, lambda: _clip_text_model(cfg["text_encoder_2"], clip_tok, True))
-        out["text_encoder_3"] = seeded(4, lambda: _t5_model(cfg["text_encoder_3"], t5_tok))
-        out.update(tokenizer=clip_tok, tokenizer_2=copy.deepcopy(clip_tok), tokenizer_3=t5_tok)
-    else:
-        out["text_encoder"] = seeded(2, lambda: _clip_text_model(cfg["text_encoder"], clip_tok, False))
-        out["text_encoder_2"] = seeded(4, lambda: _t5_model(cfg["text_encoder_2"], t5_tok))
-        out.update(tokenizer=clip_tok, tokenizer_2=t5_tok)
+    out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
+    out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
+    for i, enc in enumerate(spec.text_encoders):
+        if enc.arch == "t5":
+            out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
+            out[enc.tokenizer] = t5_tok
+        else:
+            projection = enc.arch == "clip_projection"
+            out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component], p=projection: _clip_text_model(c, clip_tok, p))
+            out[enc.tokenizer] = clip_tok if i == 0 else copy.deepcopy(clip_tok)  # the second CLIP tokenizer a copy
+    out.update(spec.pipeline_extras)
     return out
 
 
@@ -238,14 +209,12 @@ def pipeline_class(kind: str):
     """The diffusers pipeline class of a kind."""
     import diffusers
 
-    _check_kind(kind)
-    return {"sd15": diffusers.StableDiffusionPipeline, "sdxl": diffusers.StableDiffusionXLPipeline,
-            "sd3": diffusers.StableDiffusion3Pipeline, "flux": diffusers.FluxPipeline}[kind]
+    return getattr(diffusers, model_kind(kind).pipeline)
 
 
 def shipped_base(kind: str) -> Path | None:
     """The pre-trained tiny base of a kind shipped in `data/base/<kind>`, or None where none ships."""
-    _check_kind(kind)
+    model_kind(kind)
     path = DATA_DIR / "base" / kind
     return path if (path / "model_index.json").is_file() else None
 
@@ -298,23 +267,7 @@ def denoiser(pipe) -> torch.nn.Module:
     return pipe.unet if hasattr(pipe, "unet") and pipe.unet is not None else pipe.transformer
 
 
-def kind_of(pipe) -> str:
-    """The kind of a pipeline object, from its class."""
-    for kind in KINDS:
-        if isinstance(pipe, pipeline_class(kind)):
-            return kind
-    raise ModelLoadError(f"not a pipeline lora_lab knows: {type(pipe).__name__}")
-
-
 # ----------------------------------------------------------------------------- encoding
-
-def t5_length(pipe) -> int:
-    """T5 tokens per prompt for sd3/flux: the pipeline's default (256 / 512) capped by its tokenizer's
-    length (TEXT_LEN for the tiny tokenizer), so tiny and real pipelines both get their own."""
-    kind = kind_of(pipe)
-    tok = pipe.tokenizer_3 if kind == "sd3" else pipe.tokenizer_2
-    return min(256 if kind == "sd3" else 512, tok.model_max_length)
-
 
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
@@ -325,21 +278,7 @@ def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
     flux: prompt_embeds (B, T, 64) (T5), pooled_prompt_embeds (B, 32) (CLIP). fp32, on the CPU.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    kind = kind_of(pipe)
-    device = pipe.device
-    if kind == "sd15":
-        embeds, _ = pipe.encode_prompt(prompts, device, 1, False)
-        out = {"prompt_embeds": embeds}
-    elif kind == "sdxl":
-        embeds, _, pooled, _ = pipe.encode_prompt(prompts, device=device, do_classifier_free_guidance=False)
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    elif kind == "sd3":
-        embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
-                                                  do_classifier_free_guidance=False, max_sequence_length=t5_length(pipe))
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    else:
-        embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device, max_sequence_length=t5_length(pipe))
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    out = model_kind(kind_of(pipe)).encode(pipe, prompts, pipe.device)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
@@ -362,12 +301,6 @@ def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(z).sample.clamp(-1, 1)
 
 
-def sdxl_time_ids(batch: int, height: int, width: int) -> torch.Tensor:
-    """SDXL's micro-conditioning as its pipeline builds it for an uncropped image of the target size:
-    (original h, original w, crop top, crop left, target h, target w), (B, 6)."""
-    return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).repeat(batch, 1)
-
-
 def predict(kind: str, model: torch.nn.Module, latents: torch.Tensor, t: torch.Tensor,
             embeds: dict[str, torch.Tensor], guidance: float = 1.0, vae_scale_factor: int = 2) -> torch.Tensor:
     """One denoiser call for every kind, with the inputs each pipeline gives it; returns (B, C, h, w).
@@ -375,34 +308,11 @@ def predict(kind: str, model: torch.nn.Module, latents: torch.Tensor, t: torch.T
     latents (B, 4, h, w) in `encode_images` units. t (B,): the DDPM step index (sd15, sdxl) or the
     flow-matching sigma in [0, 1] (sd3, flux). embeds: `encode_prompts` output for the batch.
     The output is what the model predicts: epsilon or v (sd15/sdxl), the velocity noise - x0 (sd3/flux).
-    sdxl: embeds["time_ids"] (B, 6) if given, else `sdxl_time_ids` for an image of the latents' size times
+    sdxl: embeds["time_ids"] (B, 6) if given, else `inputs.sdxl_time_ids` for an image of the latents' size times
     `vae_scale_factor` (2 for the tiny VAE, 8 for real SDXL: `pipe.vae_scale_factor`), as the pipeline does.
     """
-    from .objectives import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, unpack_latents
-
-    _check_kind(kind)
+    spec = model_kind(kind)
     dtype = next(model.parameters()).dtype
     x = latents.to(dtype)
     ctx = embeds["prompt_embeds"].to(x.device, dtype)
-    if kind == "sd15":
-        return model(x, t, encoder_hidden_states=ctx).sample
-    if kind == "sdxl":
-        B, _, h, w = x.shape
-        time_ids = embeds.get("time_ids")
-        if time_ids is None:
-            time_ids = sdxl_time_ids(B, h * vae_scale_factor, w * vae_scale_factor)
-        added = {"text_embeds": embeds["pooled_prompt_embeds"].to(x.device, dtype),
-                 "time_ids": time_ids.to(x.device, dtype)}
-        return model(x, t, encoder_hidden_states=ctx, added_cond_kwargs=added).sample
-    pooled = embeds["pooled_prompt_embeds"].to(x.device, dtype)
-    if kind == "sd3":
-        # SD3's pipeline passes the sigma scaled to the 0..1000 timestep range.
-        return model(hidden_states=x, timestep=t.to(dtype) * 1000, encoder_hidden_states=ctx,
-                     pooled_projections=pooled).sample
-    B, _, h, w = x.shape
-    out = model(hidden_states=pack_latents(x), timestep=t.to(dtype),  # Flux multiplies by 1000 itself
-                guidance=flux_guidance(B, guidance).to(x.device, dtype) if model.config.guidance_embeds else None,
-                pooled_projections=pooled, encoder_hidden_states=ctx,
-                txt_ids=flux_text_ids(ctx.shape[1]).to(x.device, dtype),
-                img_ids=flux_latent_ids(h, w).to(x.device, dtype)).sample
-    return unpack_latents(out, h, w)
+    return spec.predict(model, x, t, ctx, embeds, guidance, vae_scale_factor)

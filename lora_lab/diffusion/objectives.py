@@ -11,8 +11,6 @@ API (stable; `diffusion/train.py` builds on it):
     objective_for(pipe_or_kind, prediction_type=None) -> DDPM | FlowMatching matching the pipeline's scheduler
     diffusion_loss(pred, target)                    -> fp32 mean squared error
     shift_sigmas(sigma, shift)                      -> SD3's shift  s' = shift s / (1 + (shift - 1) s)
-    pack_latents(x) / unpack_latents(packed, h, w)  -> Flux's 2x2 patch packing (B, C, h, w) <-> (B, hw/4, 4C)
-    flux_latent_ids(h, w), flux_text_ids(T), flux_guidance(B, value) -> Flux's extra inputs
 
 The maths (x0: clean latents, e: standard normal noise):
 
@@ -33,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LoraLabError
+from .kinds import KINDS, kind_of, model_kind
+from .models import CONFIGS
 
 
 class ObjectiveError(LoraLabError, ValueError):
@@ -120,8 +120,6 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | Fl
     sd15/sdxl -> DDPM with the scheduler's betas and prediction type (overridable by `prediction_type`);
     sd3/flux -> FlowMatching with the scheduler's shift (SD3: 3.0).
     """
-    from .models import CONFIGS, KINDS, kind_of
-
     if isinstance(pipe_or_kind, str):
         kind = pipe_or_kind
         if kind not in KINDS:
@@ -130,7 +128,7 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | Fl
     else:
         kind = kind_of(pipe_or_kind)
         cfg = dict(pipe_or_kind.scheduler.config)
-    if kind in ("sd15", "sdxl"):
+    if model_kind(kind).objective == "ddpm":
         if cfg.get("beta_schedule", "scaled_linear") != "scaled_linear":
             raise ObjectiveError(f"only the scaled_linear beta schedule is supported, got {cfg['beta_schedule']!r}")
         return DDPM(prediction_type=prediction_type or cfg.get("prediction_type", "epsilon"),
@@ -144,37 +142,3 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | Fl
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error in fp32 (a bf16 model output is upcast before the reduction)."""
     return F.mse_loss(pred.float(), target.float())
-
-
-# ----------------------------------------------------------------------------- Flux's inputs
-
-def pack_latents(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, (h/2)(w/2), 4C): each 2x2 patch becomes one token, channels (C, 2, 2)."""
-    B, C, h, w = x.shape
-    x = x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # (B, h/2, w/2, C, 2, 2)
-    return x.reshape(B, (h // 2) * (w // 2), C * 4)
-
-
-def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack_latents`: (B, (h/2)(w/2), 4C) -> (B, C, h, w)."""
-    B, _, D = x.shape
-    x = x.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # (B, C, h/2, 2, w/2, 2)
-    return x.reshape(B, D // 4, h, w)
-
-
-def flux_latent_ids(h: int, w: int) -> torch.Tensor:
-    """Rotary position ids of the packed image tokens, ((h/2)(w/2), 3): (0, row, column)."""
-    ids = torch.zeros(h // 2, w // 2, 3)
-    ids[..., 1] = torch.arange(h // 2)[:, None]
-    ids[..., 2] = torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
-def flux_text_ids(num_tokens: int) -> torch.Tensor:
-    """Rotary position ids of the text tokens: all zero, (T, 3)."""
-    return torch.zeros(num_tokens, 3)
-
-
-def flux_guidance(batch: int, value: float = 1.0) -> torch.Tensor:
-    """The guidance-embedding input of guidance-distilled Flux: the guidance scale per sample, (B,)."""
-    return torch.full((batch,), float(value))

@@ -15,7 +15,7 @@ against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 
 
 from __future__ import annotations
 
-from .models import ModelLoadError
+from .kinds import ModelLoadError
 
 # ----------------------------------------------------------------------------- text encoders
 

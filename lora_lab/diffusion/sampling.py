@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .models import default_resolution, denoiser, encode_prompts, kind_of, t5_length
+from .kinds import kind_of, model_kind, t5_length
+from .models import default_resolution, denoiser, encode_prompts
 
 
 @contextlib.contextmanager
@@ -56,12 +57,12 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     loras: LoRA files with strengths, applied at run time for this call only (see `loras_applied`).
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    kind = kind_of(pipe)
+    kind = model_kind(kind_of(pipe))
     height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
     width = width or default_resolution(pipe)
     embeds = encode_prompts(pipe, prompts)
     embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
-    kwargs = {"max_sequence_length": t5_length(pipe)} if kind in ("sd3", "flux") else {}
+    kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
     with loras_applied(pipe, loras):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
                    generator=torch.Generator().manual_seed(seed), output_type="pt", **kwargs)

@@ -47,6 +47,7 @@ from ..quant import quantize_base
 # objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped (tests inject a NaN loss)
 from . import objectives
 from .data import EncodedExamples, batch_indices, encode_dataset, folder_fingerprint, unconditional_embeds
+from .kinds import model_kind
 from .models import build_pipeline, default_resolution, denoiser, predict, shipped_base
 from .sampling import image_grid, sample
 from .train_config import (
@@ -345,26 +346,13 @@ class DistEnv:
 
 def checkpoint_blocks(kind: str) -> tuple[type, ...]:
     """The block classes whose activations gradient checkpointing recomputes, per model family."""
-    # diffusers is imported here, not at the top: it is optional (the diffusion extra) and heavy to import
-    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_flux import (
-        FluxSingleTransformerBlock,
-        FluxTransformerBlock,
-    )
-
-    return {
-        "sd15": (BasicTransformerBlock, ResnetBlock2D),
-        "sdxl": (BasicTransformerBlock, ResnetBlock2D),
-        "sd3": (JointTransformerBlock,),
-        "flux": (FluxTransformerBlock, FluxSingleTransformerBlock),
-    }[kind]
+    return model_kind(kind).checkpoint_blocks()
 
 
 def add_adapter(model: torch.nn.Module, config: TrainConfig) -> list[str]:
     """Freeze the denoiser and wrap its attention projections (and, with config.conv, its ResNet convs)
     in LoRA/DoRA adapters initialised from config.seed; returns the wrapped module names."""
-    if config.conv and config.model in ("sd3", "flux"):
+    if config.conv and model_kind(config.model).component != "unet":
         raise TrainConfigError(f"TrainConfig.conv=True: the {config.model} transformer has no conv layers to adapt")
     model.requires_grad_(False)
     if config.base_quantization is not None:  # QLoRA: the frozen Linear weights stored quantized, under the adapters

@@ -15,9 +15,10 @@ from ..checkpoint import CheckpointError, parse_policy
 from ..errors import LoraLabError
 from ..precision import MODES
 from ..quant import FORMATS, matches_targets
+from .kinds import KINDS, model_kind
 from .models import DATA_DIR, denoiser
 
-MODELS = ("sd15", "sdxl", "sd3", "flux")
+MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
@@ -144,7 +145,7 @@ class TrainConfig:
             bad("lr", "must be a finite number > 0")
         if self.alpha is not None and not self.alpha > 0:
             bad("alpha", "must be > 0")
-        if self.noise_offset < 0 or (self.noise_offset > 0 and self.model in ("sd3", "flux")):
+        if self.noise_offset < 0 or (self.noise_offset > 0 and model_kind(self.model).objective == "flow"):
             bad("noise_offset", "must be >= 0, and 0 for the flow-matching models sd3 and flux")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
@@ -235,7 +236,8 @@ def check_config_for_base(config: TrainConfig, pipe, resolution: int) -> None:
         raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
                                f"(min(out, in) = {width}); use --rank {width} or less")
     vae_factor = pipe.vae_scale_factor
-    patch = 2 if config.model == "flux" else int(getattr(model.config, "patch_size", None) or 1)  # Flux packs 2x2
+    # latents reach the denoiser in patches: packed n x n (Flux), or cut by its patch embedding (SD3)
+    patch = model_kind(config.model).latent_packing * int(getattr(model.config, "patch_size", None) or 1)
     if resolution % (vae_factor * patch):
         raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {config.model} base needs a multiple of "
                                f"{vae_factor * patch} (VAE downsampling {vae_factor} x patch size {patch})")
