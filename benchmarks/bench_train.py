@@ -28,29 +28,25 @@ from pathlib import Path
 
 import torch
 
+from lora_lab.diffusion.data import encode_dataset, global_batch_indices
+from lora_lab.diffusion.kinds import model_kind
 from lora_lab.diffusion.models import (
     RESOLUTION,
     build_pipeline,
     denoiser,
-    encode_images,
-    encode_prompts,
     predict,
     shipped_base,
 )
 from lora_lab.diffusion.objectives import diffusion_loss, objective_for
 from lora_lab.diffusion.train import (
-    ATTENTION_TARGETS,
     TrainConfig,
-    _dataset_dir,
-    _encode_dataset,
     add_adapter,
-    checkpoint_blocks,
     denoising_loss,
-    global_batch_indices,
     make_optimizer,
     step_generator,
     train,
 )
+from lora_lab.diffusion.train_config import ATTENTION_TARGETS
 from lora_lab.memory import optimizer_state_bytes, saved_activation_bytes
 
 WARMUP = 2  # steps dropped from each run's median
@@ -84,12 +80,18 @@ def run_lora_lab(config: TrainConfig) -> tuple[float, int | None]:
     return statistics.median(r["seconds"] for r in log[WARMUP:]), peak
 
 
+def encoded(config: TrainConfig, pipe):
+    """The dataset as train() caches it (one size): latents (N, C, h, w), text embeddings, captions."""
+    data = encode_dataset(pipe, config.dataset_dir(), RESOLUTION, seed=config.seed)
+    return torch.stack(data.latents), data.embeds, data.captions
+
+
 def reference_setup(config: TrainConfig):
     """The same base, data and LoRA targets, with PEFT's adapter and torch's AdamW."""
     from peft import LoraConfig
 
     pipe = build_pipeline(config.model, shipped_base(config.model))
-    latents, embeds, captions = _encode_dataset(config, pipe, RESOLUTION, encode_images, encode_prompts)
+    latents, embeds, captions = encoded(config, pipe)
     unet = denoiser(pipe)
     unet.requires_grad_(False)
     torch.manual_seed(config.seed)
@@ -148,11 +150,11 @@ def memory_of(config: TrainConfig | None, base: TrainConfig) -> tuple[int, int, 
         from lora_lab.checkpoint import enable_checkpointing
 
         pipe = build_pipeline(cfg.model, shipped_base(cfg.model))
-        latents, embeds, _captions = _encode_dataset(cfg, pipe, RESOLUTION, encode_images, encode_prompts)
+        latents, embeds, _captions = encoded(cfg, pipe)
         model = denoiser(pipe)
         add_adapter(model, cfg)
         if cfg.gradient_checkpointing:
-            enable_checkpointing(model, checkpoint_blocks(cfg.model))
+            enable_checkpointing(model, model_kind(cfg.model).checkpoint_blocks())
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, cfg)
@@ -183,7 +185,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = TrainConfig(model="sdxl", output="unused", steps=args.steps, batch_size=args.batch_size, rank=args.rank,
                        lr=1e-3, sample_steps=0, progress=False, device="auto")
-    print(f"tiny SDXL-like base ({shipped_base('sdxl') or 'random init'}), data {_dataset_dir(base)}, "
+    print(f"tiny SDXL-like base ({shipped_base('sdxl') or 'random init'}), data {base.dataset_dir()}, "
           f"batch {args.batch_size}, rank {args.rank}, {args.steps} steps x {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}, device {'cuda' if torch.cuda.is_available() else 'cpu'}")
 

@@ -25,17 +25,22 @@ class Split:
     y_test: torch.Tensor
 
 
+def digit_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1797 of scikit-learn's digits: images (N, 8, 8) float32 with ink in [0, 1], labels (N,) int64."""
+    # scikit-learn is imported here, not at the top: it is optional (the notebooks extra)
+    from sklearn.datasets import load_digits as _sk_digits
+
+    data = _sk_digits()
+    return torch.tensor(data.images, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.int64)
+
+
 def load_digits(
     size: int = 8, classes: Sequence[int] | None = None, test_fraction: float = 0.25, seed: int = 0
 ) -> Split:
     """Digits as flat float32 vectors of size*size pixels, split into train/test (labels stay 0..9)."""
-    from sklearn.datasets import load_digits as _sk_digits
-
     if not 0.0 < test_fraction < 1.0:
         raise LoraLabError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    data = _sk_digits()
-    x = torch.tensor(data.images, dtype=torch.float32) / 16.0  # (1797, 8, 8)
-    y = torch.tensor(data.target, dtype=torch.int64)
+    x, y = digit_arrays()  # (1797, 8, 8), (1797,)
     if classes is not None:
         keep = torch.isin(y, torch.tensor(list(classes)))
         if not keep.any():

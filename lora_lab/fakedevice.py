@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from . import optim
-from .diffusion.train import checkpoint_blocks
+from .blockwise import dynamic_map
+from .diffusion.kinds import model_kind
 
 ATTENTION = ("auto", "flash", "efficient", "math", "native")
 
@@ -116,13 +116,13 @@ def _warm_caches() -> None:
     import transformers
 
     for signed in (True, False):
-        optim.dynamic_map(signed)
+        dynamic_map(signed)
     # import the model classes outside the fake mode (import-time tensors must be real)
     for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL"):
         getattr(diffusers, name)
     for name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
         getattr(transformers, name)
-    checkpoint_blocks("flux")
+    model_kind("flux").checkpoint_blocks()
 
 
 def to_fake(module: torch.nn.Module) -> None:

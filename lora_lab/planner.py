@@ -35,7 +35,7 @@ import torch
 from .diffusion.kinds import KINDS
 from .diffusion.models import RESOLUTION, TEXT_LEN, build_components, build_pipeline, shipped_base
 from .diffusion.real import REAL_CONFIGS, REAL_MODELS, TEXT_TOKENS, build_real, family
-from .diffusion.train import TrainConfig, TrainConfigError
+from .diffusion.train_config import TrainConfig, TrainConfigError
 from .errors import LoraLabError
 from .fakedevice import ATTENTION, DeviceRules, fake_device
 from .memory import LiveBytes

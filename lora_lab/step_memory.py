@@ -4,7 +4,7 @@
     measure_training_step(TrainConfig(...))   -> {"peak", "optimizer_state", "dataset_size"} of a real step (CPU)
 
 `planned_step` runs, under `fakedevice.fake_device()` and a `memory.LiveBytes`, what `train()` runs: the
-trainer's own `add_adapter`, `checkpoint_blocks` + `enable_checkpointing`, `make_optimizer` and
+trainer's own `add_adapter`, blocks to checkpoint + `enable_checkpointing`, `make_optimizer` and
 `denoising_loss`, then backward, gradient clipping and the optimizer step, with the optimizer state of a
 previous step live. The other components (VAE, text encoders) only add their bytes (from the meta build).
 `measure_training_step` is what the plans are checked against.
@@ -23,11 +23,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .checkpoint import enable_checkpointing
 from .diffusion import models
 from .diffusion.data import ImageCaptionDataset
+from .diffusion.kinds import model_kind
 from .diffusion.objectives import objective_for
 from .diffusion.train import (
-    _dataset_dir,
     add_adapter,
-    checkpoint_blocks,
     denoising_loss,
     make_optimizer,
     train,
@@ -65,7 +64,7 @@ def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveByt
 
     add_adapter(den, config)
     if config.gradient_checkpointing:
-        enable_checkpointing(den, checkpoint_blocks(kind), **options["checkpoint_options"])
+        enable_checkpointing(den, model_kind(kind).checkpoint_blocks(), **options["checkpoint_options"])
     den.train()
     params = [p for p in den.parameters() if p.requires_grad]
     adapters = storage_bytes(params)
@@ -230,4 +229,4 @@ def measure_training_step(config) -> dict[str, int]:
 def dataset_len(config, resolution: int | None = None) -> int:
     """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or 16)."""
     size = resolution or config.resolution or 16
-    return len(ImageCaptionDataset(_dataset_dir(config), size, skip_bad=config.skip_bad_images))
+    return len(ImageCaptionDataset(config.dataset_dir(), size, skip_bad=config.skip_bad_images))

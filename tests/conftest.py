@@ -1,4 +1,5 @@
-"""Shared fixtures: a seed for every test, and `run_notebook` to execute a notebook with papermill."""
+"""Shared fixtures: a seed for every test, `digits_folder` (a small training folder of real digits), and
+`run_notebook` to execute a notebook with papermill."""
 
 from __future__ import annotations
 
@@ -15,14 +16,40 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lora_lab.digits import digit_arrays
 from lora_lab.notebook import NOTEBOOKS, isolate_caches
 from lora_lab.notebook import run_notebook as _run
+
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def digits_folder(tmp_path_factory):
+    """digits_folder(count=6, first=0, sizes=None, caption="a digit {name}") -> a new folder of scikit-learn's
+    digits first .. first+count-1, white ink on black, as RGB PNGs 00.png, 01.png ... upscaled (bilinear) to
+    32 x 32 or to each (H, W) of `sizes` (then count = len(sizes)), each with a .txt caption: `caption` with
+    {name} the digit's name ("three"), {digit} its figure ("3")."""
+    from PIL import Image
+
+    images, labels = digit_arrays()  # (N, 8, 8) ink in [0, 1], (N,)
+
+    def make(count: int = 6, first: int = 0, sizes=None, caption: str = "a digit {name}"):
+        sizes = sizes or [(32, 32)] * count
+        folder = tmp_path_factory.mktemp("digits")
+        for i, (h, w) in enumerate(sizes):
+            ink = (images[first + i] * 256).clamp(0, 255).to(torch.uint8).numpy()  # (8, 8)
+            Image.fromarray(ink).resize((w, h), Image.BILINEAR).convert("RGB").save(folder / f"{i:02d}.png")
+            label = int(labels[first + i])
+            (folder / f"{i:02d}.txt").write_text(caption.format(name=DIGIT_NAMES[label], digit=label))
+        return folder
+
+    return make
 
 
 @pytest.fixture

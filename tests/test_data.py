@@ -128,7 +128,7 @@ def test_aspect_buckets_and_batches_share_a_size(tmp_path):
     assert sum(len(b["captions"]) for b in loader) == len(ds)
 
 
-# ----------------------------------------------------------------------------- bad files, image modes (issue 12)
+# ----------------------------------------------------------------------------- bad files, image modes
 
 
 def _png(w: int, h: int, bit_depth: int, color_type: int, rows: bytes) -> bytes:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,21 +20,11 @@ from lora_lab.diffusion.train import TrainConfig, train
 REPO = Path(__file__).resolve().parents[1]
 SEED = 11
 STEPS = 4
-DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    folder = tmp_path_factory.mktemp("digits")
-    d = load_digits()
-    for i in range(5):  # 5 examples, global batch 2: batches cross epoch boundaries
-        img = (d.images[10 + i] * 16).clip(0, 255).astype(np.uint8)
-        Image.fromarray(img).resize((32, 32), Image.BILINEAR).convert("RGB").save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(f"a digit {DIGITS[d.target[10 + i]]}")
-    return folder
+def dataset(digits_folder) -> Path:
+    return digits_folder(5, first=10)  # 5 examples, global batch 2: batches cross epoch boundaries
 
 
 @pytest.mark.parametrize("model", ["sd3"])

@@ -43,7 +43,7 @@ def test_accumulation_equals_one_big_batch(sizes):
     one, acc = TinyAdapted(), TinyAdapted()
     opt1 = torch.optim.SGD([one.down, one.up], lr=0.5)
     opt2 = torch.optim.SGD([acc.down, acc.up], lr=0.5)
-    fp32 = MixedPrecision("fp32")
+    fp32 = MixedPrecision("no")
     r1 = fp32.train_step(opt1, _loss_fn(one), [(x, y)])
     chunks = list(zip(x.split(sizes), y.split(sizes)))
     r2 = fp32.train_step(opt2, _loss_fn(acc), chunks)
@@ -62,7 +62,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_tracks_fp32():
     with bf16.autocast():
         assert m16(x).dtype == torch.bfloat16  # the matmuls ran in bf16
     for _ in range(5):
-        r32 = MixedPrecision("fp32").train_step(o32, _loss_fn(m32), [(x, y)])
+        r32 = MixedPrecision("no").train_step(o32, _loss_fn(m32), [(x, y)])
         r16 = bf16.train_step(o16, _loss_fn(m16), [(x[:16], y[:16]), (x[16:], y[16:])])
     assert m16.down.dtype == torch.float32 and m16.up.dtype == torch.float32
     assert r16.loss == pytest.approx(r32.loss, rel=2e-2)
@@ -93,7 +93,7 @@ def test_fp16_step_matches_fp32_step():
     m32, m16 = TinyAdapted(), TinyAdapted()
     o32 = torch.optim.SGD([m32.down, m32.up], lr=0.1)
     o16 = torch.optim.SGD([m16.down, m16.up], lr=0.1)
-    MixedPrecision("fp32").train_step(o32, _loss_fn(m32), [(x, y)])
+    MixedPrecision("no").train_step(o32, _loss_fn(m32), [(x, y)])
     r = MixedPrecision("fp16").train_step(o16, _loss_fn(m16), [(x, y)])
     assert r.stepped
     torch.testing.assert_close(m16.up, m32.up, rtol=0, atol=2e-3)  # the loss scale was undone
@@ -107,4 +107,4 @@ def test_errors():
     with pytest.raises(PrecisionError, match="tensor 0"):
         MixedPrecision("bf16").train_step(opt, _loss_fn(model), [_data()])
     with pytest.raises(PrecisionError, match="micro-batch"):
-        MixedPrecision("fp32").train_step(opt, _loss_fn(model), [])
+        MixedPrecision("no").train_step(opt, _loss_fn(model), [])

@@ -22,12 +22,12 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
 from lora_lab.cli import main as cli_main
+from lora_lab.diffusion.data import global_batch_indices
 from lora_lab.diffusion.train import (
-    CheckpointError,
     NonFiniteLossError,
+    ResumeError,
     TrainConfig,
     TrainConfigError,
-    global_batch_indices,
     load_checkpoint,
     lr_factor,
     train,
@@ -36,23 +36,13 @@ from lora_lab.diffusion.train import (
 REPO = Path(__file__).resolve().parents[1]
 SEED = 5
 N_IMAGES = 6  # a small dataset: 6 digits, 32 x 32
-DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
+def dataset(digits_folder) -> Path:
     """Six scikit-learn digits, white on black, upscaled to 32 x 32, captioned 'a digit <name>'."""
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    folder = tmp_path_factory.mktemp("digits")
-    d = load_digits()
-    for i in range(N_IMAGES):
-        img = (d.images[i] * 16).clip(0, 255).astype(np.uint8)
-        Image.fromarray(img).resize((32, 32), Image.BILINEAR).convert("RGB").save(folder / f"{i:02d}.png")
-        (folder / f"{i:02d}.txt").write_text(f"a digit {DIGITS[d.target[i]]}")
-    return folder
+    return digits_folder(N_IMAGES)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -322,13 +312,13 @@ def test_load_checkpoint_refuses_a_bad_file_and_runs_no_code(two_checkpoints, tm
     assert load_checkpoint(good)["step"] == 2
     bad, marker = tmp_path / "step_0000003.pt", tmp_path / "code_ran"
     _spoil(bad, kind, good, marker)
-    with pytest.raises(CheckpointError, match=r"step_0000003\.pt: "), _time_limit(10):
+    with pytest.raises(ResumeError, match=r"step_0000003\.pt: "), _time_limit(10):
         load_checkpoint(bad)
     assert not marker.exists(), "unpickling the checkpoint ran code"
 
 
 class _Waited(Exception):
-    """Not an OSError (TimeoutError is one, and load_checkpoint turns OSErrors into CheckpointErrors)."""
+    """Not an OSError (TimeoutError is one, and load_checkpoint turns OSErrors into ResumeErrors)."""
 
 
 @contextlib.contextmanager
@@ -447,7 +437,7 @@ def _mutants(data: bytes, n: int, seed: int):
 
 
 def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_path):
-    """200 seeded mutants of a real checkpoint: each is a good checkpoint or a CheckpointError, within 2 s."""
+    """200 seeded mutants of a real checkpoint: each is a good checkpoint or a ResumeError, within 2 s."""
     path, outcomes = tmp_path / "step_0000002.pt", {"good": 0, "refused": 0}
     for data in _mutants((two_checkpoints / "step_0000002.pt").read_bytes(), 200, SEED):
         path.write_bytes(data)
@@ -455,7 +445,7 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
         try:
             load_checkpoint(path)
             outcomes["good"] += 1
-        except CheckpointError:
+        except ResumeError:
             outcomes["refused"] += 1
         assert time.perf_counter() - t0 < 2.0
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from lora_lab.cli import build_parser
 from lora_lab.diffusion import TrainConfig, train
-from lora_lab.diffusion.train import EncodedExamples, TrainConfigError, bucket_batch_indices
+from lora_lab.diffusion.data import EncodedExamples, bucket_batch_indices
+from lora_lab.diffusion.train import TrainConfigError
 
 # `lora_lab.diffusion.train` the attribute is the function (`from lora_lab.diffusion import train`); the module:
 train_module = sys.modules["lora_lab.diffusion.train"]
@@ -26,25 +27,10 @@ FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": F
 SIZES = [(24, 24), (24, 24), (16, 32), (16, 32), (32, 16), (32, 16), (24, 24)]  # (H, W) of each image
 
 
-def _folder(root: Path, sizes, caption: str) -> Path:
-    """sklearn digits resized to each (H, W), captioned `caption` + the digit's name."""
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    root.mkdir()
-    d = load_digits()
-    for i, (h, w) in enumerate(sizes):
-        img = Image.fromarray((d.images[i] * 16).clip(0, 255).astype(np.uint8)).resize((w, h)).convert("RGB")
-        img.save(root / f"{i:02d}.png")
-        (root / f"{i:02d}.txt").write_text(f"{caption} {d.target[i]}")
-    return root
-
-
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("options")
-    return {"mixed": _folder(root / "mixed", SIZES, "a digit"),
-            "reg": _folder(root / "reg", [(32, 32)] * 4, "a digit")}
+def folders(digits_folder) -> dict[str, Path]:
+    return {"mixed": digits_folder(sizes=SIZES, caption="a digit {digit}"),
+            "reg": digits_folder(sizes=[(32, 32)] * 4, caption="a digit {digit}")}
 
 
 @pytest.mark.parametrize("field, value", [("reg_dataset", "/no/such/folder"), ("prior_loss_weight", -1.0),

@@ -7,7 +7,11 @@ API:
         ds[i] -> {"image": (3, H, W) fp32 in [-1, 1], "caption": str, "path": str}
         ds.paths, ds.captions, ds.sizes (H, W) per item after bucketing
     aspect_buckets(resolution, multiple=8, max_ratio=2.0) -> [(H, W), ...] of about resolution^2 pixels
-    BucketBatchSampler(dataset, batch_size, seed=0, drop_last=False) -> batches of indices of one size
+    bucket_batches(sizes, batch_size, seed, epoch) -> one epoch's batches of indices, each of one size
+    BucketBatchSampler(dataset, batch_size, seed=0, drop_last=False) -> bucket_batches as a DataLoader sampler
+    batch_indices(seed, step, global_batch, sizes) -> (G,) the examples of training step `step`, a function of
+        (seed, step): consecutive slots of per-epoch permutations, or with several sizes one bucket's batch
+    encode_dataset(pipe, folder, resolution, ...) -> EncodedExamples: cached VAE latents, text embeddings
     collate(items) -> {"images": (B, 3, H, W), "captions": [str], "paths": [str]}
     DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
         a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the file
@@ -27,15 +31,19 @@ from __future__ import annotations
 import hashlib
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import LoraLabError
-from .models import RESOLUTION
+from .models import RESOLUTION, encode_images, encode_prompts
 
+# PIL is imported in the functions that read images: Pillow is optional (the diffusion extra), and
+# `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+ENCODE_BATCH = 16  # images per VAE call when caching latents
 
 
 class DatasetError(LoraLabError, ValueError):
@@ -180,8 +188,29 @@ def folder_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()
 
 
+def bucket_batches(sizes: list[tuple[int, int]], batch_size: int, seed: int, epoch: int,
+                   drop_last: bool = False) -> list[list[int]]:
+    """One epoch's batches of indices whose images share one size: each bucket shuffled and cut into batches
+    of `batch_size` (the last one short, or dropped with `drop_last`), then the batches shuffled; a function
+    of (sizes, batch_size, seed, epoch) only."""
+    rng = random.Random(seed * 100003 + epoch)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, size in enumerate(sizes):
+        groups.setdefault(size, []).append(i)
+    batches = []
+    for size in sorted(groups):
+        idx = groups[size]
+        rng.shuffle(idx)
+        for k in range(0, len(idx), batch_size):
+            b = idx[k: k + batch_size]
+            if len(b) == batch_size or not drop_last:
+                batches.append(b)
+    rng.shuffle(batches)
+    return batches
+
+
 class BucketBatchSampler(torch.utils.data.Sampler):
-    """Batches of indices whose images share one size; the order is shuffled per epoch from `seed`.
+    """`bucket_batches` of a dataset as a DataLoader's batch sampler; the order is shuffled per epoch from `seed`.
 
     `set_epoch(e)` picks the epoch (the same epoch gives the same batches: a resumed run sees the data
     an uninterrupted run would have seen).
@@ -194,30 +223,111 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _batches(self) -> list[list[int]]:
-        rng = random.Random(self.seed * 100003 + self.epoch)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, size in enumerate(self.sizes):
-            groups.setdefault(size, []).append(i)
-        batches = []
-        for size in sorted(groups):
-            idx = groups[size]
-            rng.shuffle(idx)
-            for k in range(0, len(idx), self.batch_size):
-                b = idx[k: k + self.batch_size]
-                if len(b) == self.batch_size or not self.drop_last:
-                    batches.append(b)
-        rng.shuffle(batches)
-        return batches
-
     def __iter__(self):
-        return iter(self._batches())
+        return iter(bucket_batches(self.sizes, self.batch_size, self.seed, self.epoch, self.drop_last))
 
     def __len__(self) -> int:
-        return len(self._batches())
+        return len(bucket_batches(self.sizes, self.batch_size, self.seed, self.epoch, self.drop_last))
+
+
+# ----------------------------------------------------------------------------- the examples of a training step
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The data order of epoch `epoch`: a permutation of range(n), a function of (seed, epoch) only."""
+    g = torch.Generator().manual_seed((seed * 7_919 + epoch) % (2**63))
+    return torch.randperm(n, generator=g)
+
+
+def global_batch_indices(seed: int, step: int, global_batch: int, n: int) -> torch.Tensor:
+    """Dataset indices of optimizer step `step`: consecutive slots of the concatenated epoch orders."""
+    slots = torch.arange(step * global_batch, (step + 1) * global_batch)
+    epochs = slots // n
+    out = torch.empty(global_batch, dtype=torch.long)
+    for e in epochs.unique().tolist():
+        mask = epochs == e
+        out[mask] = epoch_order(seed, e, n)[slots[mask] % n]
+    return out
+
+
+def bucket_batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int, int]]) -> torch.Tensor:
+    """Dataset indices of optimizer step `step` when images keep their aspect ratio: all from one bucket.
+
+    One epoch is `bucket_batches` of `global_batch` for (seed, epoch); a bucket's last, short batch is filled
+    up cyclically from the same bucket, so every step has exactly `global_batch` examples.
+    """
+    n_batches = len(bucket_batches(sizes, global_batch, seed, 0))  # the same for every epoch
+    batch = bucket_batches(sizes, global_batch, seed, step // n_batches)[step % n_batches]
+    return torch.tensor([batch[i % len(batch)] for i in range(global_batch)])
+
+
+def batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int, int]]) -> torch.Tensor:
+    """Step `step`'s examples: `global_batch_indices` when every example has one size, else one bucket's."""
+    if len(set(sizes)) == 1:
+        return global_batch_indices(seed, step, global_batch, len(sizes))
+    return bucket_batch_indices(seed, step, global_batch, sizes)
 
 
 def collate(items: list[dict]) -> dict:
     """Stack a batch of same-size items: {"images": (B, 3, H, W), "captions": [...], "paths": [...]}."""
     return {"images": torch.stack([it["image"] for it in items]),
             "captions": [it["caption"] for it in items], "paths": [it["path"] for it in items]}
+
+
+# ----------------------------------------------------------------------------- a dataset encoded once for training
+
+
+@dataclass
+class EncodedExamples:
+    """A dataset as the training loop uses it: one cached latent (C, h, w) per example (shapes differ across
+    aspect-ratio buckets, never within a batch), text embeddings (N, ...), captions, bucket sizes."""
+
+    latents: list[torch.Tensor]
+    embeds: dict[str, torch.Tensor]
+    captions: list[str]
+    sizes: list[tuple[int, int]]
+
+    def latents_of(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.latents[i] for i in idx.tolist()])  # (B, C, h, w)
+
+    def embeds_of(self, idx: torch.Tensor, drop: torch.Tensor | None, empty: dict | None, device) -> dict:
+        """The examples' text embeddings; where `drop` is True, the empty prompt's (caption dropout)."""
+        out = {}
+        for k, v in self.embeds.items():
+            e = v[idx]
+            if drop is not None:
+                e = torch.where(drop.reshape(-1, *[1] * (e.dim() - 1)), empty[k].expand_as(e), e)
+            out[k] = e.to(device)
+        return out
+
+
+def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = False, skip_bad: bool = False,
+                   seed: int = 0) -> EncodedExamples:
+    """Every example of `folder` once through the pipeline's frozen VAE and text encoders.
+
+    The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
+    caches the same latents. Images go through the VAE `ENCODE_BATCH` at a time (of one size: with
+    buckets, consecutive images of the same bucket).
+    """
+    ds = ImageCaptionDataset(folder, resolution, buckets=aspect_buckets(resolution) if buckets else None,
+                             skip_bad=skip_bad)
+    g = torch.Generator(device=pipe.vae.device).manual_seed(seed)
+    latents: list[torch.Tensor] = []
+    start = 0
+    while start < len(ds):
+        stop = start + 1
+        while stop < min(start + ENCODE_BATCH, len(ds)) and ds.sizes[stop] == ds.sizes[start]:
+            stop += 1
+        images = torch.stack([ds[i]["image"] for i in range(start, stop)])
+        latents.extend(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
+        start = stop
+    return EncodedExamples(latents, encode_prompts(pipe, ds.captions), ds.captions, ds.sizes)
+
+
+def unconditional_embeds(pipe) -> dict[str, torch.Tensor]:
+    """The pipeline's own unconditional input (its classifier-free guidance's negative branch), (1, ...):
+    zero embeddings where it forces zeros for an empty prompt (SDXL), else the encoded empty prompt."""
+    embeds = encode_prompts(pipe, [""])
+    if getattr(pipe.config, "force_zeros_for_empty_prompt", False):
+        embeds = {k: torch.zeros_like(v) for k, v in embeds.items()}
+    return embeds

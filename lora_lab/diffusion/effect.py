@@ -24,16 +24,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..digits import digit_arrays
 from .models import RESOLUTION
+
+# scikit-learn is imported where a classifier is fitted: it is optional (the notebooks extra).
 
 
 def digit_images(indices=None, size: int = RESOLUTION, inverted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sklearn's digits as RGB images in [-1, 1] (white ink on black; `inverted`: black on white)."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32) / 16.0  # (N, 8, 8) ink in [0, 1]
-    y = torch.tensor(d.target)
+    x, y = digit_arrays()  # (N, 8, 8) ink in [0, 1], (N,)
     if indices is not None:
         idx = torch.as_tensor(indices)
         x, y = x[idx], y[idx]
