@@ -10,10 +10,16 @@ import sys
 import typing
 from pathlib import Path
 
+from .budget import fit, fit_config, options_table
 from .diffusion.kinds import KINDS
+from .diffusion.real import REAL_MODELS
+from .diffusion.train import TrainConfig, resolve_device, sample_with_without, train
 from .errors import LoraLabError
+from .fakedevice import ATTENTION
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
+from .planner import DTYPES, RESIDENT, PlanError, plan_memory
+from .quant import FORMATS as QUANT_FORMATS
 
 # ----------------------------------------------------------------------------- LoRA files
 
@@ -119,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab train`: one --flag per TrainConfig field (same name, dashes), with its help and default."""
-    from .diffusion.train import TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -150,11 +155,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .diffusion.train import TrainConfig, train
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if args.vram is not None:
-        from .budget import fit_config
 
         config, why = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
@@ -169,10 +172,6 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
-    from .diffusion.real import REAL_MODELS
-    from .fakedevice import ATTENTION
-    from .planner import DTYPES, RESIDENT
-    from .quant import FORMATS as QUANT_FORMATS
 
     p = sub.add_parser(
         "plan",
@@ -199,8 +198,6 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .budget import fit, options_table
-    from .planner import PlanError, plan_memory
 
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
@@ -249,7 +246,6 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-    from .diffusion.train import resolve_device, sample_with_without
 
     for path, _ in args.lora:
         if not path.is_file():

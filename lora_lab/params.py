@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .errors import TensorKindError, WeightFileError
@@ -43,8 +44,6 @@ def load_frozen(
     On the CPU with the stored dtype the tensors are memory-mapped: no copy is made, pages are
     read when touched. A missing, truncated or non-safetensors file raises `WeightFileError`.
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise WeightFileError(f"{path}: no such weights file")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..merge import apply_loras
 from ..modules import swap_module
 from .kinds import kind_of, model_kind, t5_length
 from .models import default_resolution, denoiser, encode_prompts
@@ -32,8 +33,6 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
     if not loras:
         yield None
         return
-    from ..merge import apply_loras
-
     model = denoiser(pipe)
     applied = apply_loras(model, list(loras), mode="runtime")
     try:
