@@ -44,13 +44,17 @@ from .fileio import atomic_write_bytes
 from .notebook_params import NotebookParameterError, check_parameters, literal_value, parameter_cells
 
 __all__ = [  # NotebookParameterError (notebook_params.py) is what Record.start raises
-    "ClaimFailed", "NotebookParameterError", "Record", "ensure_kernel", "isolate_caches", "kernel_environment",
-    "main", "report_dir", "run_notebook", "select_notebooks",
+    "ClaimFailed", "NotebookParameterError", "Record", "batch_run", "ensure_kernel", "isolate_caches",
+    "kernel_environment", "main", "report_dir", "run_notebook", "select_notebooks",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 REPORTS_ENV = "LORA_LAB_REPORTS"
+# Set in the kernels the batch runner starts. Their notebooks show no ipywidgets there: nobody can move a
+# slider in a batch run, and widget comm traffic can leave nbclient waiting for a reply that already came
+# (jupyter/nbclient#312; seen here as notebook 07 hanging at its widget cell with both processes idle).
+BATCH_ENV = "LORA_LAB_BATCH"
 KERNEL_NAME = "lora-lab"
 # The kernels the runner starts draw inline (figures in the executed copies), headless as Agg is.
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
@@ -58,6 +62,12 @@ INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 class ClaimFailed(LoraLabError):
     """A notebook's recorded claim did not hold."""
+
+
+def batch_run() -> bool:
+    """True in a kernel started by the batch runner (`python -m lora_lab.notebook`, `make run`, the tests):
+    notebooks then draw their interactive views once, as a static picture, instead of as widgets."""
+    return os.environ.get(BATCH_ENV) == "1"
 
 
 def report_dir() -> Path:
@@ -217,10 +227,11 @@ def isolate_caches(root: Path | None = None) -> None:
 
 @contextlib.contextmanager
 def kernel_environment(reports: Path):
-    """What a kernel started by the runner inherits: results in `reports`, figures inline (not a forced
+    """What a kernel started by the runner inherits: results in `reports`, `batch_run()` true, figures inline (not a forced
     MPLBACKEND=Agg from the calling shell, which would leave the executed copies without images)."""
-    saved = {k: os.environ.get(k) for k in (REPORTS_ENV, "MPLBACKEND")}
+    saved = {k: os.environ.get(k) for k in (REPORTS_ENV, "MPLBACKEND", BATCH_ENV)}
     os.environ[REPORTS_ENV] = str(reports)
+    os.environ[BATCH_ENV] = "1"
     os.environ["MPLBACKEND"] = INLINE_BACKEND
     try:
         yield

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_lab.notebook import KERNEL_NAME, NOTEBOOKS, REPORTS_ENV, ensure_kernel, report_dir
+from lora_lab.notebook import BATCH_ENV, KERNEL_NAME, NOTEBOOKS, REPORTS_ENV, ensure_kernel, report_dir
 
 CHROMIUM = Path(os.environ.get("LORA_LAB_CHROMIUM", "/usr/bin/chromium"))
 REQUIRED = os.environ.get("LORA_LAB_REQUIRE_BROWSER") == "1"  # set by `make test-lab`: fail, not skip
@@ -83,6 +83,7 @@ class LabServer:
         _write_settings(tmp / "settings")
         env = dict(os.environ)
         env.pop("MPLBACKEND", None)  # what `make lab` gives the kernel: ipykernel's inline backend
+        env.pop(BATCH_ENV, None)  # a person in JupyterLab: the widgets, not the batch run's static views
         env.update({
             REPORTS_ENV: str(self.reports),
             "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
