@@ -205,3 +205,14 @@ def test_runner_selects_notebooks_by_name_file_name_or_path():
     for name in (first.stem, first.name, f"notebooks/{first.name}", str(first)):
         assert select_notebooks([name]) == [first]
     assert select_notebooks([]) == sorted(NOTEBOOKS.glob("*.ipynb")) and select_notebooks(["no_such"]) == []
+
+
+def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, monkeypatch):
+    """Kernels the runner starts see batch_run() true (notebooks then show no widgets); others do not."""
+    from lora_lab.notebook import BATCH_ENV, batch_run, kernel_environment
+
+    monkeypatch.delenv(BATCH_ENV, raising=False)
+    assert not batch_run()
+    with kernel_environment(tmp_path):
+        assert batch_run()
+    assert not batch_run()
