@@ -105,12 +105,12 @@ def _up(x):
 @contextlib.contextmanager
 def fake_device():
     """Tensors made inside have shapes and dtypes and no memory (torch's FakeTensorMode, on the CPU)."""
-    _warm_caches()
+    warm_caches()
     with FakeTensorMode(allow_non_fake_inputs=True):
         yield
 
 
-def _warm_caches() -> None:
+def warm_caches() -> None:
     """Module-level caches that would otherwise first be filled with fake tensors inside a plan."""
     import diffusers  # heavy (seconds), and only planning needs them here
     import transformers
