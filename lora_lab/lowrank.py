@@ -3,7 +3,7 @@
     W -> W + s B A        A = down (r, in[, kh, kw]),  B = up (out, r[, 1, 1]),  s = alpha / r (or per row)
 
 A conv adapter's B A is up.flatten(1) @ down.flatten(1), a k x k kernel reshaped as W is (LoCon, kohya).
-LoRA layers (lora.py), DoRA (dora.py), LoRA files (formats.py) and merging (merge.py) all take it from
+LoRA layers (lora.py), DoRA (dora.py), LoRA files (formats/) and merging (merge.py) all take it from
 here; this module imports nothing of lora_lab.
 """
 
