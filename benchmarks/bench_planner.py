@@ -96,7 +96,7 @@ def validate_quantized() -> None:
     for q in ("int8", "int8-block", "nf4", "fp8"):
         with tempfile.TemporaryDirectory() as d:
             m = measure_training_step(TrainConfig(model="sdxl", output=d, rank=8, base_quantization=q))
-        p = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, base_quantization=q,
+        p = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, base_quantization=q, mixed_precision="no",
                         dataset_size=m["dataset_size"])
         print(f"| sdxl | {q} | {m['peak']:,} | {p.peak:,} | {100 * (p.peak / m['peak'] - 1):+.2f}% |", flush=True)
 
