@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+# diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
+
 # (logger, the message starts with, and contains, why it says nothing to a lora_lab user)
 KNOWN_NOISE: tuple[tuple[str, str, str, str], ...] = (
     ("torchao", "Failed to load ", ".so",

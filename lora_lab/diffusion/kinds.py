@@ -25,6 +25,8 @@ import torch
 from ..errors import LoraLabError
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
+# diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
+
 
 class ModelLoadError(LoraLabError, ValueError):
     """An unknown model kind, or a base model path that cannot be loaded as that kind."""

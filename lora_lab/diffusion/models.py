@@ -37,6 +37,8 @@ import torch
 from ..quiet import quiet_loading
 from .kinds import ModelLoadError, kind_of, model_kind
 
+# diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
+
 TEXT_LEN = 16  # tokens per prompt; the tiny CLIP encoders have this many positions
 RESOLUTION = 16  # pixels of the tiny models' images (sklearn's 8x8 digits, upscaled 2x); latents are 8x8
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from .kinds import ModelLoadError
 
+# diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
+
 # ----------------------------------------------------------------------------- text encoders
 
 # openai/clip-vit-large-patch14 (text_config), as used by stable-diffusion-v1-5/text_encoder,
