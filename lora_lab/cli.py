@@ -18,10 +18,19 @@ from .errors import LoraLabError
 from .fakedevice import ATTENTION
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
-from .planner import DTYPES, RESIDENT, PlanError, plan_memory
+from .planner import DTYPES, RESIDENT, PlanError, parse_bytes, plan_memory
 from .quant import FORMATS as QUANT_FORMATS
 
 # ----------------------------------------------------------------------------- LoRA files
+
+
+def _memory_size(text: str) -> str:
+    """A --vram budget, checked when the flags are read (before any planning): the text itself if it parses."""
+    try:
+        parse_bytes(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _lora_spec(text: str) -> tuple[Path, float]:
@@ -125,7 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab train`: one --flag per TrainConfig field (same name, dashes), with its help and default."""
-
     p = sub.add_parser(
         "train",
         help=f"train a LoRA/DoRA on a diffusion model ({' | '.join(KINDS)})",
@@ -147,7 +155,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
             p.add_argument(flag, type=base, default=f.default, help=helptext)
-    p.add_argument("--vram", default=None, metavar="SIZE",
+    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
                    help="memory budget, e.g. 24GiB: let the memory planner choose checkpointing, optimizer and "
                    "micro-batch (--batch-size is then the effective batch)")
     p.set_defaults(func=_run_train)
@@ -155,7 +163,6 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if args.vram is not None:
 
@@ -172,7 +179,6 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
     """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
-
     p = sub.add_parser(
         "plan",
         help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options that fit",
@@ -192,13 +198,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="auto", choices=list(ATTENTION), help="attention kernel (default: auto)")
     p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
                    help="the denoiser's frozen Linear weights stored quantized (default: none)")
-    p.add_argument("--vram", default=None, metavar="SIZE", help="budget, e.g. 24GiB: mark what fits, choose the fastest")
+    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size, help="budget, e.g. 24GiB: mark what fits, choose the fastest")
     p.set_defaults(func=_run_plan)
     return p
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
               "attention": args.attention, "base_quantization": args.base_quantization}
@@ -246,7 +251,6 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_sample(args: argparse.Namespace) -> int:
-
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")

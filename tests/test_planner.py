@@ -157,6 +157,21 @@ def test_cli_plan_vram_plans_each_option_once(monkeypatch, capsys):
     assert "chose checkpointing, adamw, batch 1" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_cli_vram_that_does_not_parse_is_refused_before_any_planning(command, monkeypatch, capsys):
+    """A bad --vram ends in argparse's one-line error (exit 2) when the flags are read: nothing is planned."""
+    from lora_lab.cli import main
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("planned before the flags were checked")
+
+    monkeypatch.setattr(planner, "planned_step", no_step)
+    with pytest.raises(SystemExit) as e:
+        main([command, "--model", "sdxl", "--vram", "24XB"])
+    assert e.value.code == 2
+    assert "argument --vram: cannot read memory size '24XB'" in capsys.readouterr().err
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("24G") == 24 * 2**30
