@@ -4,12 +4,15 @@ Policies of `enable_checkpointing(model, blocks, policy=...)` (the mechanism: `c
 
     "full"       each block keeps its inputs and is recomputed whole (the default)
     "selective"  each block also keeps the outputs of its matmuls, convolutions and attention that
-                 backward needs (autograd saves them: so never more than the unchecked run keeps); the
-                 recomputation replays those from memory and recomputes only pointwise ops, norms,
-                 activations and the rest (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198).
-                 The first call of a block per input shape records its ops in a Python dispatch mode;
+                 backward needs (autograd saves them: so never more than the unchecked run keeps) and,
+                 where such an output is not saved (a conv whose sum with the time embedding is), the
+                 first saved tensors computed from it; the recomputation runs no matmul, conv or
+                 attention, only pointwise ops, norms, activations and the rest (Korthikanti et al. 2022,
+                 https://arxiv.org/abs/2205.05198). The first call of a block per input shape and module
+                 state records its ops in a Python dispatch mode, and with them a tape (`checkpoint_tape`);
                  later forwards keep the same outputs from the pack hook, with no dispatch mode
-                 (`checkpoint_ops`); the recomputation runs under a replay mode.
+                 (`checkpoint_ops`); the recomputation runs the tape's needed ops directly (or, for a
+                 block that reads a tensor's value into Python, re-runs the block under a replay mode).
     "every_k"    k consecutive block calls form one segment that keeps only its first inputs
                  (k = ceil(sqrt(n blocks)) unless given: Chen et al.'s sqrt(n) segments); backward
                  recomputes a whole segment at once

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from .checkpoint_tape import TapeWriter, _Tape
 from .errors import LoraLabError
 
 aten = torch.ops.aten
@@ -100,6 +101,13 @@ class _Plan:
     kept: dict[int, _Kept]
     dead: dict[int, tuple]  # op index -> (spec, leaves: (shape, stride, dtype, device) for a tensor, else the value)
     funcs: list
+    tape: _Tape | None = None  # when set, the recomputation runs this instead of the block's Python
+
+    def run_tape(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        for k in self.kept.values():
+            if [t._version if isinstance(t, torch.Tensor) else 0 for t in k.leaves] != k.versions:
+                raise CheckpointError(f"a kept output of {k.func} was changed in place after the forward")
+        return self.tape.run(inputs, {i: k.leaves for i, k in self.kept.items()})
 
 
 @dataclass
@@ -114,6 +122,7 @@ class _Layout:
     versions: dict[int, int]  # save position -> the version its tensor had when made (and when saved)
     dead: dict[int, tuple]
     funcs: list
+    tape: _Tape | None = None
 
     def plan(self, saved: dict[int, torch.Tensor]) -> _Plan:
         out = {}
@@ -126,9 +135,9 @@ class _Layout:
                 else:  # the op's output, or one seen through a view of it (its storage, with its own view)
                     t = saved[leaf[0]]
                     ts.append(t if leaf[1] is None else t.as_strided(*leaf[1]))
-                    versions.append(self.versions[leaf[0]])
+                    versions.append(t._version)  # as saved: the replay checks that nothing changed it since
             out[i] = _Kept(func, shapes, spec, ts, versions)
-        return _Plan(out, self.dead, self.funcs)
+        return _Plan(out, self.dead, self.funcs, self.tape)
 
 
 @dataclass
@@ -149,9 +158,9 @@ class _Record(TorchDispatchMode):
     policy never keeps more than the unchecked run would). Every op whose outputs only kept ops read is
     dead: the recomputation does not run it (a kept matmul's input projection, a kept attention's q/k/v)."""
 
-    def __init__(self, keep: Callable[..., bool], only_saved: bool = False):
+    def __init__(self, keep: Callable[..., bool], only_saved: bool = False, tape: TapeWriter | None = None):
         super().__init__()
-        self.keep, self.only_saved, self.n = keep, only_saved, 0
+        self.keep, self.only_saved, self.n, self.tape = keep, only_saved, 0, tape
         self.ops: dict[int, _Kept] = {}  # every counted op's output, held until the call ends
         self.picked: set[int] = set()
         self.steps: list[_Step] = []
@@ -181,11 +190,15 @@ class _Record(TorchDispatchMode):
                 self.picked.add(index)
         root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
         self.steps.append(_Step(index, ins, outs, writes, root))
+        if self.tape is not None:
+            self.tape.op(func, args, kwargs, out)
         return out
 
     def on_save(self, t: torch.Tensor) -> None:
         self.saves.append(t.detach())
         self.stop_step = len(self.steps)
+        if self.tape is not None:
+            self.tape.on_save(t)
 
     def _keepable(self, i: int, saved: set[int], written: set[int]) -> bool:
         """Can be kept and replayed: no RNG, not changed in place later, and (only_saved) every output saved."""
@@ -195,12 +208,29 @@ class _Record(TorchDispatchMode):
             return False
         return bool(tensors) and not written.intersection(tensors) and (not self.only_saved or saved.issuperset(tensors))
 
+    def _frontier(self, steps: list[_Step], kept: set[int], saved: set[int], written: set[int]) -> set[int]:
+        """"selective" recomputes no costly op: where a picked op's output is not saved (a conv whose output
+        autograd never saves, only the sum of it and the time embedding that the next norm saves), keep the
+        first saved tensors computed from it instead, so that nothing recomputed has to run the costly op."""
+        tainted: set[int] = set()  # storages that only a costly op run again could give
+        extra: set[int] = set()
+        for s in steps:
+            if s.index in kept or not (s.index in self.picked or s.ins & tainted):
+                continue
+            if s.index is not None and s.outs & saved and self._keepable(s.index, saved, written):
+                extra.add(s.index)  # kept: what reads it is recomputed from here
+            else:
+                tainted |= s.outs | s.writes
+        return extra
+
     def plan(self) -> _Plan:
         """What the recomputation (which stops at the last save) keeps, replays and skips."""
         steps = self.steps[: self.stop_step]
         saved = {_storage(t) for t in self.saves}
         written = set().union(*(s.writes for s in steps))
         kept = {s.index for s in steps if s.index in self.picked and self._keepable(s.index, saved, written)}
+        if self.only_saved:
+            kept |= self._frontier(steps, kept, saved, written)
         need = saved - {_storage(t) for i in kept for t in self.ops[i].leaves if isinstance(t, torch.Tensor)}
         dead = {}
         for s in reversed(steps):
@@ -213,7 +243,11 @@ class _Record(TorchDispatchMode):
                 dead[s.index] = (k.spec, [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
                                           for t in k.leaves])
         last = max(kept | set(dead), default=-1)
-        return _Plan({i: self.ops[i] for i in kept}, dead, [self.ops[i].func for i in range(last + 1)])
+        tape = None
+        if self.tape is not None:
+            tape = self.tape.tape({s.index: k for k, s in enumerate(self.steps) if s.index in kept}, len(self.saves))
+            self.tape = None
+        return _Plan({i: self.ops[i] for i in kept}, dead, [self.ops[i].func for i in range(last + 1)], tape)
 
     def layout(self, plan: _Plan) -> _Layout | None:
         """The layout of this call, or None when a kept output is not among its saves (then every call records)."""
@@ -238,7 +272,7 @@ class _Record(TorchDispatchMode):
                     return None
             ops[i] = (k.func, k.shapes, k.spec, leaves)
         versions = {p: plan.kept[i].versions[j] for (i, j), (p, _) in where.items()}
-        return _Layout(len(self.saves), ops, versions, plan.dead, plan.funcs)
+        return _Layout(len(self.saves), ops, versions, plan.dead, plan.funcs, plan.tape)
 
 
 class _Replay(TorchDispatchMode):

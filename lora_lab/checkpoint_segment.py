@@ -24,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .checkpoint_ops import CheckpointError, _Layout, _Plan, _Record, _Replay, _same_view
+from .checkpoint_tape import TapeWriter, module_stamp, owned_tensors
 
 _PRIMITIVE = (int, float, bool, str, type(None))
 
@@ -80,11 +82,17 @@ class _Call:
         self.unverified: dict[int, torch.Tensor] = {}  # kept from the pack hook: checked when recomputing
         self.outputs: list[tuple[weakref.ref, int, bool]] = []
 
+    def module(self) -> nn.Module | None:
+        m = getattr(self.fn, "__self__", None)
+        return m if isinstance(m, nn.Module) else None
+
     def key(self, tag) -> tuple:
-        """What decides the ops a call runs: fn, its tensors' shapes and flags, its other arguments, autocast."""
+        """What decides the ops a call runs: fn, its tensors' shapes and flags, its other arguments, autocast,
+        and its module's state (a tape recorded for one key is run for every call with that key)."""
         flat = [a for a, t in zip(self.flat, self.is_tensor) if not t]
         tensors = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
-        return (self.fn, getattr(getattr(self.fn, "__self__", None), "training", None), tag, tuple(self.sources),
+        m = self.module()
+        return (self.fn, module_stamp(m) if m is not None else None, tag, tuple(self.sources),
                 tensors, tuple(self.requires_grad), tuple(self.kw_names), self.n_args,
                 tuple(a if isinstance(a, _PRIMITIVE) else type(a) for a in flat), tuple(self.autocast.items()))
 
@@ -93,10 +101,9 @@ class _Call:
         self.n_saved += 1
         if self.record is not None:
             self.record.on_save(t)
-        elif self.layout is not None:
-            version = self.layout.versions.get(position)
-            if version is not None and t._version == version:
-                self.from_pack[position] = t.detach()
+        elif self.layout is not None and position in self.layout.versions:
+            # (its version may differ from the recording's: outside a dispatch mode, linear adds its bias in place)
+            self.from_pack[position] = t.detach()
         return (self.index, position)
 
     def finish(self, out, layouts: dict | None, key) -> None:
@@ -107,12 +114,14 @@ class _Call:
                 layouts[key] = self.record.layout(self.plan) or False
         elif self.layout is not None:
             if self.n_saved == self.layout.n_saved and len(self.from_pack) == len(self.layout.versions):
-                self.plan, self.unverified = self.layout.plan(self.from_pack), self.from_pack
+                self.plan = self.layout.plan(self.from_pack)
+                # a tape runs no Python to check against; the call's key (module state included) vouches for it
+                self.unverified = {} if self.plan.tape is not None else self.from_pack
             else:  # the call ran other ops than the recorded one: recompute it whole, record the next one
                 layouts.pop(key, None)
         self.record = self.layout = None
         self.from_pack = {}
-        if self.plan is not None and not (self.plan.kept or self.plan.dead):
+        if self.plan is not None and not (self.plan.kept or self.plan.dead or self.plan.tape):
             self.plan = None
         kept = self.plan.kept.values() if self.plan is not None else ()
         kept_out = [t for k in kept for t in k.leaves if isinstance(t, torch.Tensor)]
@@ -144,6 +153,14 @@ class _Call:
         torch.set_rng_state(self.cpu_rng)
         for d, s in zip(self.cuda_devices, self.cuda_rng):
             torch.cuda.set_rng_state(s, d)
+        if stop and self.plan is not None and self.plan.tape is not None:  # the recorded ops, run directly
+            off = {dev: (False, dt) for dev, (on, dt) in self.autocast.items() if on}
+            with torch.no_grad(), _autocast(off):
+                saved = self.plan.run_tape([t.detach() for t in tensors])
+            if len(saved) != self.n_saved:
+                raise CheckpointError(f"recomputing {getattr(self.fn, '__qualname__', self.fn)} from its tape saved "
+                                      f"{len(saved)} tensors, the forward saved {self.n_saved}")
+            return saved, None
         out, changed = None, False
         try:
             with torch.enable_grad(), _autocast(self.autocast), torch.autograd.graph.saved_tensors_hooks(keep, _same):
@@ -210,7 +227,9 @@ class _Segment:
                 call.layout = layout
                 out = fn(*args, **kwargs)
             else:
-                with _Record(keep, only_saved) as call.record:
+                inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                tape = TapeWriter(inputs, owned_tensors(call.module()))
+                with _Record(keep, only_saved, tape) as call.record:
                     out = fn(*args, **kwargs)
         call.finish(out, layouts if key is not None else None, key)
         return out

@@ -1,0 +1,198 @@
+"""A block call's ops as a program (a tape) that the recomputation runs directly: no Python block code, no dispatch mode.
+
+`_Record` (checkpoint_ops) writes the tape while it records a block call: every op with its arguments,
+each tensor argument named by where it comes from (a block input, an earlier op's output, or one of
+the block's own parameters and buffers), and where each tensor autograd saves comes from. Recomputing
+then runs only the ops that the tensors backward needs depend on, kept op outputs standing in for
+the ops that made them, under no_grad and without autocast (the recorded ops are already cast).
+
+A tape is only made when the recorded ops are a pure function of the block's tensor inputs, its
+parameters and buffers, and the values in the tape:
+- no op reads a tensor's value into Python (`.item()`, `bool(t)`: the ops after it could depend on it);
+- every tensor the ops read that no op made is a tensor input or a parameter / buffer of the block;
+- argument nesting is at most a list of tensors (what aten ops take).
+Otherwise the recomputation re-runs the block's Python under `_Replay`. A tape is reused only for calls
+with the same key (`_Call.key`): the inputs' shapes and flags and the block's module state
+(`module_stamp`: every submodule, parameter and buffer by identity, every plain attribute by value).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+class _Ref:
+    """A tensor argument of a taped op: kind "in" (block input i), "op" (output j of step i) or "ext" (a parameter)."""
+
+    __slots__ = ("i", "j", "kind", "t")
+
+    def __init__(self, kind: str, i: int = 0, j: int = 0, t: torch.Tensor | None = None):
+        self.kind, self.i, self.j, self.t = kind, i, j, t
+
+
+@dataclass
+class _Step:
+    func: object
+    args: tuple  # tensors as _Ref; a list/tuple argument holding tensors as a list of _Ref (nested=True)
+    kwargs: dict
+    refs: list[_Ref]  # every _Ref in args and kwargs
+    nested: bool
+    root: bool  # always run again: draws random numbers
+    reads: set[int]  # storages of its tensor arguments
+    writes: set[int]  # storages it changes in place
+
+
+class TapeWriter:
+    """Fed by `_Record` op by op while a block call runs; `tape()` gives the `_Tape`, or None if the call cannot have one."""
+
+    def __init__(self, inputs: list[torch.Tensor], owned: set[int]):
+        self.src: dict[int, _Ref] = {id(t): _Ref("in", i) for i, t in enumerate(inputs)}
+        self.hold: list[torch.Tensor] = list(inputs)  # ids stay valid while the call records
+        self.owned = owned  # ids of the block's parameters and buffers
+        self.steps: list[_Step] = []
+        self.saved: list[_Ref] = []
+        self.saved_storages: set[int] = set()
+        self.ok = True
+
+    def _ref(self, t: torch.Tensor) -> _Ref:
+        r = self.src.get(id(t))
+        if r is None:
+            if id(t) not in self.owned:  # a tensor from elsewhere (a closure, a dict argument): no tape
+                self.ok = False
+            r = _Ref("ext", t=t)
+        return r
+
+    def _arg(self, a, refs: list[_Ref]):
+        if isinstance(a, torch.Tensor):
+            r = self._ref(a)
+            refs.append(r)
+            return r
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            out = []
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    out.append(self._ref(x))
+                    refs.append(out[-1])
+                elif isinstance(x, _PLAIN):
+                    out.append(x)
+                else:
+                    self.ok = False
+                    out.append(x)
+            return out
+        if not isinstance(a, _PLAIN) and not (isinstance(a, (list, tuple)) and all(isinstance(x, _PLAIN) for x in a)):
+            self.ok = False  # something the tape cannot copy safely
+        return a
+
+    def op(self, func, args: tuple, kwargs: dict, out) -> None:
+        if not self.ok:
+            return
+        refs: list[_Ref] = []
+        targs = tuple(self._arg(a, refs) for a in args)
+        tkwargs = {k: self._arg(v, refs) for k, v in kwargs.items()}
+        nested = any(isinstance(a, list) and any(isinstance(x, _Ref) for x in a) for a in (*targs, *tkwargs.values()))
+        leaves = tree_leaves(out)
+        if not any(isinstance(t, torch.Tensor) for t in leaves):  # a value read into Python: the rest may depend on it
+            self.ok = False
+            return
+        reads = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        writes = set()
+        if func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                t = args[i] if i < len(args) else kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
+                    writes.add(_storage(t))
+        k = len(self.steps)
+        self.steps.append(_Step(func, targs, tkwargs, refs, nested, torch.Tag.nondeterministic_seeded in func.tags,
+                                reads, writes))
+        for j, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                self.src[id(t)] = _Ref("op", k, j)
+                self.hold.append(t)
+
+    def on_save(self, t: torch.Tensor) -> None:
+        if self.ok:
+            self.saved.append(self._ref(t))
+            self.saved_storages.add(_storage(t))
+
+    def tape(self, kept_steps: dict[int, int], n_saved: int) -> _Tape | None:
+        """kept_steps: counted op index -> step; the tape runs what the saved tensors need, the kept steps excepted."""
+        self.hold, self.src = [], {}
+        if not self.ok or len(self.saved) != n_saved:
+            return None
+        kept = set(kept_steps.values())
+        need = {r.i for r in self.saved if r.kind == "op"}  # steps whose outputs are needed
+        need_storage = set(self.saved_storages)  # storages read later: an in-place write into one must run too
+        run = []
+        for k in reversed(range(len(self.steps))):
+            s = self.steps[k]
+            if k in kept:
+                continue
+            if s.root or k in need or s.writes & need_storage:
+                run.append(k)
+                need.update(r.i for r in s.refs if r.kind == "op")
+                need_storage |= s.reads
+        return _Tape(self.steps, sorted(run), self.saved, kept_steps)
+
+
+class _Tape:
+    def __init__(self, steps: list[_Step], run: list[int], saved: list[_Ref], kept_steps: dict[int, int]):
+        self.steps = {k: steps[k] for k in run}
+        self.saved = saved
+        self.kept_steps = kept_steps  # counted op index -> step
+
+    def run(self, inputs: list[torch.Tensor], kept: dict) -> list[torch.Tensor]:
+        """The saved tensors of the recorded call, from its inputs and the kept op outputs (index -> leaves)."""
+        env: dict[int, list] = {self.kept_steps[i]: leaves for i, leaves in kept.items()}
+
+        def get(r: _Ref) -> torch.Tensor:
+            if r.kind == "op":
+                return env[r.i][r.j]
+            return inputs[r.i] if r.kind == "in" else r.t
+
+        for k, s in self.steps.items():
+            if s.nested:
+                args = tuple([get(x) if isinstance(x, _Ref) else x for x in a] if isinstance(a, list) else
+                             (get(a) if isinstance(a, _Ref) else a) for a in s.args)
+            else:
+                args = tuple(get(a) if isinstance(a, _Ref) else a for a in s.args)
+            kwargs = {n: get(v) if isinstance(v, _Ref) else v for n, v in s.kwargs.items()} if s.kwargs else {}
+            out = s.func(*args, **kwargs)
+            env[k] = [out] if isinstance(out, torch.Tensor) else tree_leaves(out)
+        return [get(r).detach() for r in self.saved]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def module_stamp(m: nn.Module) -> tuple:
+    """What a block's ops may depend on besides its inputs: every attribute of every submodule, plain values
+    (flags, scales, strengths) by value, anything else (submodules, parameters, buffers, hooks, processors)
+    by identity, one level into dicts. A tape is reused only while this is unchanged. ~70 us for a block of 30
+    modules; what it cannot see: state outside the block's modules (globals, attributes of those other objects)."""
+    out: list = []
+    add = out.append
+    for sub in m.modules():
+        for v in sub.__dict__.values():
+            t = type(v)
+            if t in _PLAIN_TYPES:
+                add(v)
+            elif t is dict or t is OrderedDict:
+                add(tuple(map(id, v.values())) if v else ())
+            else:
+                add(id(v))
+    return tuple(out)
+
+
+def owned_tensors(m: nn.Module | None) -> set[int]:
+    if m is None:
+        return set()
+    return {id(t) for t in m.parameters()} | {id(t) for t in m.buffers()}
