@@ -139,9 +139,7 @@ class _Budget(_Full):
         self.n += 1
         if d is None:
             return fn(*args, **kwargs)
-        if not d:
-            return _Segment().run(fn, args, kwargs)
-        if len(self.layouts) > 4096:
+        if len(self.layouts) > 4096:  # (a block that keeps nothing is recorded too: its tape recomputes it)
             self.layouts.clear()
         return _Segment().run(fn, args, kwargs, keep=lambda func, a, kw, i: i in d, layouts=self.layouts, tag=d)
 

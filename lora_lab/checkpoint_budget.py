@@ -4,6 +4,8 @@ On the first forward of each input shape the model runs once more with nothing s
 op's output bytes and its cost (FLOPs from torch's flop counter, `_FLOPS_PER_BYTE` per byte moved for
 memory-bound ops, plus `_OP_COST` per op run: works on meta tensors); a greedy knapsack then picks, by
 cost saved per byte, which op outputs each block keeps and which blocks run unchecked (`CheckpointPlan`).
+A block's recomputation runs its tape (`checkpoint_tape`): only the ops its saved tensors need, so the
+cost of a choice counts those ops alone (an op whose output only kept ones read costs nothing).
 """
 
 from __future__ import annotations
@@ -22,16 +24,12 @@ aten = torch.ops.aten
 
 # Costs are counted in FLOPs. Measured on one core of the project's CPU (benchmarks/bench_memory.py
 # --profile): matmuls run at ~50 GFLOP/s, and a tiny model's forward spends ~10 us per op outside the
-# costly ones (Python module code, the dispatcher) and another ~10 us per op under a Python dispatch mode.
+# costly ones (Python module code, the dispatcher).
 # an op that does few FLOPs per byte: bytes read and written times this (~5 GB/s against ~50 GFLOP/s;
 # a GPU's ratio is larger, which only favours keeping matmuls more)
 _FLOPS_PER_BYTE = 10.0
 # every op run again costs at least this (~10 us at ~50 GFLOP/s), however small its tensors
 _OP_COST = 5e5
-# every op a recomputation runs under the replay mode costs this more (~10 us): a block that keeps op
-# outputs replays its recomputation op by op, which only pays where the kept ops cost more
-_DISPATCH_COST = 5e5
-
 
 
 @dataclass
@@ -41,6 +39,8 @@ class _Op:
     cost: float
     replayable: bool
     key: int | None  # its number among the block call's counted ops (what _Record and _Replay number)
+    ins: set[int] = field(default_factory=set)  # origins of its tensor arguments
+    root: bool = False  # draws random numbers: always run again
 
 
 @dataclass
@@ -76,6 +76,8 @@ class CheckpointPlan:
 
 def _cost(func, args, kwargs, out) -> float:
     """Counted cost of one op: FLOPs where torch counts them (matmul, conv, attention), else bytes moved."""
+    if any(r.alias_info is not None for r in func._schema.returns):  # a view (or in place): moves nothing new
+        return _OP_COST
     tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
     moved = _OP_COST + _FLOPS_PER_BYTE * sum(t.numel() * t.element_size() for t in tensors)
     packet = func.overloadpacket
@@ -133,7 +135,10 @@ class _Profile(TorchDispatchMode):
             if key is not None:
                 self.counted[self.call] += 1
             ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out),
-                           key is not None and bool(made) and _replayable(func, args, kwargs), key))
+                           key is not None and bool(made) and _replayable(func, args, kwargs), key,
+                           {o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                            for o in [self.origin_of(t)] if o is not None},
+                           torch.Tag.nondeterministic_seeded in func.tags))
         return out
 
     def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
@@ -183,21 +188,33 @@ class _Profile(TorchDispatchMode):
         cap = budget * plain
         base = kept([set() for _ in range(n)])
         full_bytes = size(base)
-        full_cost = sum(op.cost for ops in self.calls for op in ops)
         items = sorted(
             # outputs autograd saves: kept from the pack hook after the first forward, with no dispatch mode
             ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable and self.inside[c].issuperset(op.origins)),
             key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
         )
-        overhead = [_DISPATCH_COST * len(ops) for ops in self.calls]  # replaying op by op
+        def block_cost(c: int, d: set[int]) -> float:
+            """What recomputing block call c costs when it keeps the outputs of ops d: the ops that the saved
+            tensors need, run from its tape (ops that only kept ones read are not run)."""
+            ops = self.calls[c]
+            given = self.inputs[c].union(*(ops[i].origins for i in d))
+            need, cost = self.inside[c] - given, 0.0
+            for i in reversed(range(len(ops))):
+                op = ops[i]
+                # (a view or in-place op makes no storage: it runs when it reads or writes one that is needed)
+                if i not in d and (op.root or need.intersection(op.origins or op.ins)):
+                    cost += op.cost
+                    need |= op.ins - given
+            return cost
 
         def cost_of(decisions) -> float:
-            return sum(op.cost for c, d in enumerate(decisions) if d is not None for i, op in enumerate(self.calls[c]) if i not in d)
+            return sum(block_cost(c, d) for c, d in enumerate(decisions) if d is not None)
 
-        def greedy(blocks_first: bool, no_ops: set[int]) -> list:
+        full_cost = cost_of([set() for _ in range(n)])  # every block recomputed whole (what it needs of it)
+
+        def greedy(blocks_first: bool) -> list:
             """Most cost saved per byte first: op outputs to keep, and whole blocks to leave unchecked
-            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller).
-            no_ops: block calls whose kept outputs would save less than their op-by-op overhead: none there."""
+            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller)."""
             decisions: list = [set() for _ in range(n)]
             have, total = set(base), full_bytes
 
@@ -205,7 +222,7 @@ class _Profile(TorchDispatchMode):
                 nonlocal total
                 for c, i, op in items:
                     more = size(set(op.origins) - have)
-                    if c not in no_ops and decisions[c] is not None and total + more <= cap:
+                    if decisions[c] is not None and total + more <= cap:
                         decisions[c].add(i)
                         have.update(op.origins)
                         total += more
@@ -224,19 +241,9 @@ class _Profile(TorchDispatchMode):
                 step()
             return decisions
 
-        def paying(blocks_first: bool) -> list:
-            """greedy(), then without the blocks whose kept outputs do not pay for the dispatch mode, refilled."""
-            no_ops: set[int] = set()
-            while True:
-                found = greedy(blocks_first, no_ops)
-                poor = {c for c, d in enumerate(found) if d and sum(self.calls[c][i].cost for i in d) < overhead[c]}
-                if not poor:
-                    return found
-                no_ops |= poor
-
         decisions = [set() for _ in range(n)]
         if full_bytes <= cap:
-            decisions = min(paying(True), paying(False), key=cost_of)
+            decisions = min(greedy(True), greedy(False), key=cost_of)
         kept_ops = Counter(self.calls[c][i].name for c, d in enumerate(decisions) if d is not None for i in d)
         cost = cost_of(decisions)
         return CheckpointPlan(

@@ -284,8 +284,7 @@ def test_every_policy_on_the_12_block_stack_with_dropout():
     assert kept["every_k"] == 3 * BATCH * WIDTH * 4
     # selective: each block also keeps fc1's output (fc2 and the residual add follow the last save: never recomputed)
     assert kept["selective"] == kept["full"] + N_BLOCKS * BATCH * HIDDEN * 4
-    for b in (0.3, 0.5):  # the budget is used, not only respected: here its ops are too small to be worth
-        # recording op by op (_DISPATCH_COST), so it fills the budget with whole blocks left unchecked
+    for b in (0.3, 0.5):  # the budget is used, not only respected: within one block's bytes of it
         assert 0 <= b * plain_bytes - kept[f"budget:{b}"] < plain_bytes / N_BLOCKS
 
 
