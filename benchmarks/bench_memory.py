@@ -331,7 +331,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5], help="checkpoint budgets to measure")
-    ap.add_argument("--plot", type=Path, default=Path("docs/checkpoint_pareto.png"), help="Pareto plot path ('' for none)")
+    ap.add_argument("--plot", default="docs/checkpoint_pareto.png", help="Pareto plot path ('' for none)")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
     ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
     ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (dispatch mode, costly ops)")
@@ -347,8 +347,8 @@ def main() -> None:
         rows = checkpointing_rows(args.rounds, args.budgets)
         print()
         print_checkpointing(rows)
-        if args.plot:
-            pareto_plot(rows, args.plot)
+        if args.plot:  # (a str: Path('') would be '.', the current directory)
+            pareto_plot(rows, Path(args.plot))
     if args.no_optimizers:
         return
     print()
