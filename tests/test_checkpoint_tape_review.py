@@ -149,3 +149,39 @@ def test_tape_not_reused_after_requires_grad_of_a_parameter_changed(input_grad):
 
     _same_as_plain(_Three, [lambda m: m(x)] * 8, between=freeze)
 
+
+class _Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.d = nn.Linear(D, 2 * D), nn.Linear(2 * D, D), nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.d(torch.nn.functional.gelu(self.a(x)))
+        h = h + 0.1 * torch.randn_like(h)
+        return x + self.d(self.b(self.d(h) * torch.rand(h.shape[-1])))
+
+
+def test_op_numbers_planned_in_train_never_keep_a_random_op_in_eval():
+    """A budget keeps ops by their number in the profiled forward (planned per input shape only); in eval the
+    dropouts are gone and number 2 is randn_like: keeping it would replay it and shift the later rand."""
+    from lora_lab.checkpoint_segment import _Segment
+
+    torch.manual_seed(0)
+    block = _Noisy()
+    x = torch.randn(4, 5, D, requires_grad=True)
+    keep = frozenset([2, 6, 10, 13, 14])
+    layouts: dict = {}
+    for step, train in enumerate([True, True, False, False]):
+        block.train(train)
+        grads = []
+        for checkpointed in (True, False):
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            torch.manual_seed(5 + step)
+            if checkpointed:
+                out = _Segment().run(block.forward, (x,), {}, keep=lambda f, a, k, i: i in keep, layouts=layouts, tag=keep)
+            else:
+                out = block(x)
+            out.square().mean().backward()
+            grads.append([p.grad.clone() for p in block.parameters()] + [x.grad.clone()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), step
