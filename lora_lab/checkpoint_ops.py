@@ -186,7 +186,9 @@ class _Record(TorchDispatchMode):
             self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
                                     [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
             outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
-            if self.keep(func, args, kwargs, index):
+            # an op that draws random numbers is never kept, whatever the keep rule says (a budget's op numbers,
+            # planned on one forward, can name a randn_like in another: replaying it would shift the RNG stream)
+            if self.keep(func, args, kwargs, index) and _replayable(func, args, kwargs):
                 self.picked.add(index)
         root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
         self.steps.append(_Step(index, ins, outs, writes, root))

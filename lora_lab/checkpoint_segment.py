@@ -31,6 +31,22 @@ from .checkpoint_ops import CheckpointError, _Layout, _Plan, _Record, _Replay, _
 from .checkpoint_tape import TapeWriter, module_stamp, owned_tensors
 
 _PRIMITIVE = (int, float, bool, str, type(None))
+_VALUES = (*_PRIMITIVE, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _freeze(a, opaque: list) -> object:
+    """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by entry,
+    tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no tape)."""
+    if isinstance(a, _VALUES):
+        return (type(a), a)
+    if isinstance(a, torch.Tensor):
+        return (torch.Tensor, tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple(_freeze(x, opaque) for x in a))
+    if isinstance(a, dict):
+        return (type(a), tuple((_freeze(k, opaque), _freeze(v, opaque)) for k, v in a.items()))
+    opaque.append(type(a))
+    return type(a)
 
 
 class _KeepInputs(torch.autograd.Function):
@@ -60,6 +76,10 @@ class _Call:
         self.n_args, self.kw_names = len(args), list(kwargs)
         self.is_tensor = [isinstance(a, torch.Tensor) for a in flat]
         tensors = [a for a, t in zip(flat, self.is_tensor) if t]
+        # the same tensor passed twice: a tape names each input by its position, so the pattern is part of the key
+        self.opaque: list = []  # arguments the key knows only by type: their calls get no tape
+        self.values = tuple(_freeze(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
+        self.alias = tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors)
         self.requires_grad = [t.requires_grad for t in tensors]
         # a tensor input that is an unchanged output of an earlier call of the segment is recomputed, not kept
         self.sources = [segment.source_of(t) for t in tensors]
@@ -89,12 +109,14 @@ class _Call:
     def key(self, tag) -> tuple:
         """What decides the ops a call runs: fn, its tensors' shapes and flags, its other arguments, autocast,
         and its module's state (a tape recorded for one key is run for every call with that key)."""
-        flat = [a for a, t in zip(self.flat, self.is_tensor) if not t]
-        tensors = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
+        # strides too: the recorded ops of reshape / contiguous depend on them (a view or a copy)
+        tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
         m = self.module()
-        return (self.fn, module_stamp(m) if m is not None else None, tag, tuple(self.sources),
-                tensors, tuple(self.requires_grad), tuple(self.kw_names), self.n_args,
-                tuple(a if isinstance(a, _PRIMITIVE) else type(a) for a in flat), tuple(self.autocast.items()))
+        # which parameters require grad decides which tensors autograd saves, and so the saved positions
+        grads = tuple(p.requires_grad for p in m.parameters()) if m is not None else None
+        return (self.fn, module_stamp(m) if m is not None else None, grads, tag, tuple(self.sources), self.alias,
+                tensors, tuple(self.requires_grad), tuple(self.kw_names), self.n_args, self.values,
+                tuple(self.autocast.items()))
 
     def pack(self, t: torch.Tensor) -> tuple[int, int]:
         position = self.n_saved
@@ -228,7 +250,8 @@ class _Segment:
                 out = fn(*args, **kwargs)
             else:
                 inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-                tape = TapeWriter(inputs, owned_tensors(call.module()))
+                # an argument known to the key only by its type may hold what the ops depend on: no tape
+                tape = None if call.opaque else TapeWriter(inputs, owned_tensors(call.module()))
                 with _Record(keep, only_saved, tape) as call.record:
                     out = fn(*args, **kwargs)
         call.finish(out, layouts if key is not None else None, key)

@@ -176,8 +176,8 @@ def _storage(t: torch.Tensor) -> int:
 def module_stamp(m: nn.Module) -> tuple:
     """What a block's ops may depend on besides its inputs: every attribute of every submodule, plain values
     (flags, scales, strengths) by value, anything else (submodules, parameters, buffers, hooks, processors)
-    by identity, one level into dicts. A tape is reused only while this is unchanged. ~70 us for a block of 30
-    modules; what it cannot see: state outside the block's modules (globals, attributes of those other objects)."""
+    by identity, one level into dicts, lists and tuples (their plain entries by value). A tape is reused only
+    while this is unchanged. ~70 us for a block of 30 modules; what it cannot see: state outside the block's modules (globals, attributes of those other objects)."""
     out: list = []
     add = out.append
     for sub in m.modules():
@@ -186,7 +186,9 @@ def module_stamp(m: nn.Module) -> tuple:
             if t in _PLAIN_TYPES:
                 add(v)
             elif t is dict or t is OrderedDict:
-                add(tuple(map(id, v.values())) if v else ())
+                add(tuple(x if type(x) in _PLAIN_TYPES else id(x) for x in v.values()) if v else ())
+            elif t is list or t is tuple:  # a list of scales changed in place keeps its identity: its values count
+                add((t, *(x if type(x) in _PLAIN_TYPES else id(x) for x in v)))
             else:
                 add(id(v))
     return tuple(out)
