@@ -112,9 +112,8 @@ class _Call:
         # strides too: the recorded ops of reshape / contiguous depend on them (a view or a copy)
         tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
         m = self.module()
-        # which parameters require grad decides which tensors autograd saves, and so the saved positions
-        grads = tuple(p.requires_grad for p in m.parameters()) if m is not None else None
-        return (self.fn, module_stamp(m) if m is not None else None, grads, tag, tuple(self.sources), self.alias,
+        # (the stamp holds which parameters require grad: that decides which tensors autograd saves)
+        return (self.fn, module_stamp(m) if m is not None else None, tag, tuple(self.sources), self.alias,
                 tensors, tuple(self.requires_grad), tuple(self.kw_names), self.n_args, self.values,
                 tuple(self.autocast.items()))
 

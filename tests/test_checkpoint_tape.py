@@ -185,3 +185,25 @@ def test_op_numbers_planned_in_train_never_keep_a_random_op_in_eval():
             out.square().mean().backward()
             grads.append([p.grad.clone() for p in block.parameters()] + [x.grad.clone()])
         assert all(torch.equal(a, b) for a, b in zip(*grads)), step
+
+
+def test_module_stamp_sees_a_swapped_submodule_and_does_not_keep_the_block_alive():
+    import gc
+    import weakref
+
+    from lora_lab.checkpoint_tape import module_stamp
+
+    block = nn.Sequential(nn.Linear(D, D), nn.Sequential(nn.GELU(), nn.Linear(D, D)))
+    first = module_stamp(block)
+    assert module_stamp(block) == first
+    block[1][0] = nn.GELU(approximate="tanh")  # a swapped grandchild: its parent's entry changes, then its own
+    second = module_stamp(block)
+    assert second != first and module_stamp(block) == second
+    block[1][0].approximate = "none"  # an attribute of the new grandchild: walked after the swap
+    assert module_stamp(block) != second
+    block[0].weight.requires_grad_(False)
+    assert module_stamp(block) not in (first, second)
+    ref = weakref.ref(block)
+    del block
+    gc.collect()
+    assert ref() is None
