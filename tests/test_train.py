@@ -242,14 +242,15 @@ def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_tra
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **base))
     a = _tensors(plain.outputs["lora_kohya"])
     assert any(k.endswith(".dora_scale") for k in a) and any("in_layers_2" in k for k in a)  # SDXL: LDM name of conv1
-    for policy in (True, "budget:0.3"):  # whole blocks, and a memory budget (which plans on its first forward)
+    for policy in (True, "selective", "budget:0.3"):  # whole blocks, op-level from a tape, and a memory budget
         ckpt = train(TrainConfig(output=str(tmp_path / f"ckpt{policy}"), gradient_checkpointing=policy, **base))
         b = _tensors(ckpt.outputs["lora_kohya"])
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=f"{policy} {k}")
     for dtype in ("bf16", "fp16"):
-        low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=True, **base))
+        policy = True if dtype == "fp16" else "selective"  # (bf16: a tape recorded under autocast)
+        low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=policy, **base))
         assert all(math.isfinite(x) for x in low.losses)
         assert low.losses[0] == pytest.approx(plain.losses[0], rel=0.05)  # the same batch, rounded inputs
 
