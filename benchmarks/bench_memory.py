@@ -22,6 +22,7 @@ import gc
 import io
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -229,6 +230,52 @@ def profile_rows(rounds: int) -> list[dict]:
     return rows
 
 
+def _saved_per_block(model, loss_fn, block_types) -> Counter:
+    """Activation bytes autograd saves inside each kind of block during one forward (parameters left out)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    out: Counter = Counter()
+    undo = []
+    for b in model.modules():
+        if isinstance(b, block_types):
+            def counted(*a, _b=b, _f=b.forward, **k):
+                seen = {}
+
+                def pack(t):
+                    if t.untyped_storage()._cdata not in params:
+                        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = _f(*a, **k)
+                out[type(_b).__name__] += sum(seen.values())
+                return y
+
+            undo.append((b, b.__dict__.get("forward")))
+            b.forward = counted
+    loss_fn(model)
+    for b, f in undo:
+        if f is None:
+            del b.forward
+        else:
+            b.forward = f
+    return out
+
+
+def block_rows() -> list[dict]:
+    """Per kind of block: what "selective" keeps against what the unchecked block saves (exact bytes)."""
+    rows = []
+    for name, model, loss_fn, blocks in _subjects():
+        probe = copy.deepcopy(model)
+        names = enable_checkpointing(probe, blocks(probe))
+        kinds = tuple({type(probe.get_submodule(n)) for n in names})
+        plain = _saved_per_block(model, loss_fn, kinds)
+        selective = copy.deepcopy(model)
+        enable_checkpointing(selective, blocks(selective), "selective")
+        kept = _saved_per_block(selective, loss_fn, kinds)
+        rows += [{"model": name, "block": k, "plain": plain[k], "kept": kept[k]} for k in sorted(plain)]
+    return rows
+
+
 def print_profile(rows: list[dict]) -> None:
     print("| model | ops in a forward | forward ms (no grad) | + pass-through mode, us/op | matmul/conv/attention share of forward |"
           " none fwd / bwd ms | full fwd / bwd ms | selective fwd / bwd ms |")
@@ -342,6 +389,11 @@ def main() -> None:
 
     if args.profile:
         print_profile(profile_rows(args.rounds))
+        print()
+        print("| model | block | bytes the unchecked blocks save | selective keeps | kept / unchecked |")
+        print("|---|---|---:|---:|---:|")
+        for r in block_rows():
+            print(f"| {r['model']} | {r['block']} | {r['plain']:,} | {r['kept']:,} | {r['kept'] / r['plain']:.3f} |")
         print()
     if not args.no_checkpointing:
         rows = checkpointing_rows(args.rounds, args.budgets)
