@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .checkpoint_tape import TapeWriter, _Tape
+from .checkpoint_tape import TapeWriter, _storage, _Tape, reads_and_writes
 from .errors import LoraLabError
 
 aten = torch.ops.aten
@@ -72,10 +72,6 @@ def _shapes(args, kwargs) -> list:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
             and a.shape == b.shape and a.stride() == b.stride())
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 @dataclass
@@ -171,13 +167,7 @@ class _Record(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         out = func(*args, **kwargs)
-        ins = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        writes = set()
-        if func._schema.is_mutable:
-            for j, a in enumerate(func._schema.arguments):
-                t = args[j] if j < len(args) else kwargs.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
-                    writes.add(_storage(t))
+        ins, writes = reads_and_writes(func, args, kwargs)
         index, outs = None, set()
         if _counted(func):
             index, self.n = self.n, self.n + 1
@@ -193,7 +183,7 @@ class _Record(TorchDispatchMode):
         root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
         self.steps.append(_Step(index, ins, outs, writes, root))
         if self.tape is not None:
-            self.tape.op(func, args, kwargs, out)
+            self.tape.op(func, args, kwargs, out, ins, writes)
         return out
 
     def on_save(self, t: torch.Tensor) -> None:

@@ -92,7 +92,8 @@ class TapeWriter:
             self.ok = False  # something the tape cannot copy safely
         return a
 
-    def op(self, func, args: tuple, kwargs: dict, out) -> None:
+    def op(self, func, args: tuple, kwargs: dict, out, reads: set[int], writes: set[int]) -> None:
+        """One op as `_Record` saw it: reads / writes, the storages of its tensor arguments / of those it changes in place."""
         if not self.ok:
             return
         refs: list[_Ref] = []
@@ -103,13 +104,6 @@ class TapeWriter:
         if not any(isinstance(t, torch.Tensor) for t in leaves):  # a value read into Python: the rest may depend on it
             self.ok = False
             return
-        reads = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        writes = set()
-        if func._schema.is_mutable:
-            for i, a in enumerate(func._schema.arguments):
-                t = args[i] if i < len(args) else kwargs.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
-                    writes.add(_storage(t))
         k = len(self.steps)
         self.steps.append(_Step(func, targs, tkwargs, refs, nested, torch.Tag.nondeterministic_seeded in func.tags,
                                 reads, writes))
@@ -172,6 +166,18 @@ class _Tape:
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def reads_and_writes(func, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
+    """The storages of an op's tensor arguments, and of those it changes in place."""
+    reads = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    writes = set()
+    if func._schema.is_mutable:
+        for i, a in enumerate(func._schema.arguments):
+            t = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
+                writes.add(_storage(t))
+    return reads, writes
 
 
 def _entry(x):
