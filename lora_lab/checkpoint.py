@@ -125,6 +125,9 @@ class _Budget(_Full):
                 forward(*args, **kwargs)
         finally:
             self.profile = None
+            # autocast caches its casts of parameters for the rest of its region: without this, the forward that
+            # follows would reuse them, run fewer ops than the profile numbered, and keep other outputs than planned
+            torch.clear_autocast_cache()
             with torch.no_grad():
                 for m, bufs in stats:  # the profiling forward must not move running statistics
                     for b, saved in zip(m.buffers(), bufs):

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .checkpoint_tape import TapeWriter, _storage, _Tape, reads_and_writes
+from .checkpoint_tape import TapeWriter, _storage, _Tape, is_metadata, reads_and_writes
 from .errors import LoraLabError
 
 aten = torch.ops.aten
@@ -55,9 +55,10 @@ def keep_costly(func, args, kwargs, _index) -> bool:
 def _counted(func) -> bool:
     """An op that makes new tensors (no view, no in-place): the ops that policies number, keep and replay.
     Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
-    view_as) during the recomputation cannot shift it."""
+    view_as) during the recomputation cannot shift it; so are metadata questions (prim.device: a fake tensor
+    may be asked its device in one run and not in the other)."""
     s = func._schema
-    return not (s.is_mutable or any(r.alias_info is not None for r in s.returns))
+    return not (s.is_mutable or any(r.alias_info is not None for r in s.returns) or is_metadata(func))
 
 
 def _replayable(func, args, kwargs) -> bool:

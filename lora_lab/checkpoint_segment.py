@@ -102,6 +102,11 @@ class _Call:
         self.unverified: dict[int, torch.Tensor] = {}  # kept from the pack hook: checked when recomputing
         self.outputs: list[tuple[weakref.ref, int, bool]] = []
 
+    def nested(self) -> list[torch.Tensor]:
+        """Tensors inside the call's other arguments (a tuple of rotary embeddings), held by reference: the tape's
+        inputs after the call's tensor arguments."""
+        return [t for a, is_t in zip(self.flat, self.is_tensor) if not is_t for t in tree_leaves(a) if isinstance(t, torch.Tensor)]
+
     def module(self) -> nn.Module | None:
         m = getattr(self.fn, "__self__", None)
         return m if isinstance(m, nn.Module) else None
@@ -176,8 +181,10 @@ class _Call:
             torch.cuda.set_rng_state(s, d)
         if stop and self.plan is not None and self.plan.tape is not None:  # the recorded ops, run directly
             off = {dev: (False, dt) for dev, (on, dt) in self.autocast.items() if on}
-            with torch.no_grad(), _autocast(off):
-                saved = self.plan.run_tape([t.detach() for t in tensors])
+            # (torch function modes and subclasses acted when the forward ran: the tape holds the aten ops they
+            # gave, so they must not act again; dispatch modes, fake tensors' included, still see every op)
+            with torch.no_grad(), _autocast(off), torch._C.DisableTorchFunction():
+                saved = self.plan.run_tape([t.detach() for t in tensors + self.nested()])
             if len(saved) != self.n_saved:
                 raise CheckpointError(f"recomputing {getattr(self.fn, '__qualname__', self.fn)} from its tape saved "
                                       f"{len(saved)} tensors, the forward saved {self.n_saved}")
@@ -250,7 +257,7 @@ class _Segment:
             else:
                 inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                 # an argument known to the key only by its type may hold what the ops depend on: no tape
-                tape = None if call.opaque else TapeWriter(inputs, owned_tensors(call.module()))
+                tape = None if call.opaque else TapeWriter(inputs + call.nested(), owned_tensors(call.module()))
                 with _Record(keep, only_saved, tape) as call.record:
                     out = fn(*args, **kwargs)
         call.finish(out, layouts if key is not None else None, key)

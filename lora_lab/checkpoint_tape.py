@@ -30,8 +30,40 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.me
 _PLAIN_TYPES = frozenset(_PLAIN)
 
 
+def _packets(*names: str) -> frozenset:
+    out = set()
+    for n in names:
+        ns, name = n.split(".")
+        packet = getattr(getattr(torch.ops, ns), name, None)
+        if packet is not None:
+            out.add(packet)
+    return frozenset(out)
+
+
+# questions about a tensor's metadata (its device, sizes, layout): answered by the shapes and flags in the
+# call's key, so they are neither ops of the tape nor reads of a value (fake tensors ask prim.device often)
+_METADATA = _packets("prim.device", "prim.layout", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+                     "aten.sym_storage_offset", "aten.is_contiguous", "aten.is_strides_like_format",
+                     "aten.is_non_overlapping_and_dense")
+
+
+def is_metadata(func) -> bool:
+    return func.overloadpacket in _METADATA
+
+
+def _autocast_source(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter `t` is autocast's cached lower-precision copy of (autocast casts a leaf that requires grad
+    once per autocast region, so a later block reads a copy made before it was called), or None."""
+    fn = t.grad_fn
+    if type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    leaf = getattr(fn.next_functions[0][0], "variable", None)
+    return leaf if isinstance(leaf, torch.Tensor) and leaf.shape == t.shape else None
+
+
 class _Ref:
-    """A tensor argument of a taped op: kind "in" (block input i), "op" (output j of step i) or "ext" (a parameter)."""
+    """A tensor argument of a taped op: kind "in" (block input i), "op" (output j of step i), "ext" (a parameter
+    or buffer) or "cast" (parameter t cast to dtype j: autocast's cached copy)."""
 
     __slots__ = ("i", "j", "kind", "t")
 
@@ -66,8 +98,12 @@ class TapeWriter:
     def _ref(self, t: torch.Tensor) -> _Ref:
         r = self.src.get(id(t))
         if r is None:
-            if id(t) not in self.owned:  # a tensor from elsewhere (a closure, a dict argument): no tape
-                self.ok = False
+            if id(t) in self.owned:
+                return _Ref("ext", t=t)
+            p = _autocast_source(t)
+            if p is not None and id(p) in self.owned:  # autocast's cached copy, made before this call:
+                return _Ref("cast", t=p, j=t.dtype)  # the tape casts the parameter itself
+            self.ok = False  # a tensor from elsewhere (a closure, a dict argument): no tape
             r = _Ref("ext", t=t)
         return r
 
@@ -95,6 +131,9 @@ class TapeWriter:
     def op(self, func, args: tuple, kwargs: dict, out, reads: set[int], writes: set[int]) -> None:
         """One op as `_Record` saw it: reads / writes, the storages of its tensor arguments / of those it changes in place."""
         if not self.ok:
+            return
+        if is_metadata(func):  # a step that never runs (no tensor out), so that steps keep `_Record`'s numbers
+            self.steps.append(_Step(func, (), {}, [], False, False, set(), set()))
             return
         refs: list[_Ref] = []
         targs = tuple(self._arg(a, refs) for a in args)
@@ -147,9 +186,16 @@ class _Tape:
         """The saved tensors of the recorded call, from its inputs and the kept op outputs (index -> leaves)."""
         env: dict[int, list] = {self.kept_steps[i]: leaves for i, leaves in kept.items()}
 
+        casts: dict[int, torch.Tensor] = {}
+
         def get(r: _Ref) -> torch.Tensor:
             if r.kind == "op":
                 return env[r.i][r.j]
+            if r.kind == "cast":
+                c = casts.get(id(r))
+                if c is None:
+                    c = casts[id(r)] = r.t.to(r.j)
+                return c
             return inputs[r.i] if r.kind == "in" else r.t
 
         for k, s in self.steps.items():

@@ -207,3 +207,68 @@ def test_module_stamp_sees_a_swapped_submodule_and_does_not_keep_the_block_alive
     del block
     gc.collect()
     assert ref() is None
+
+
+def test_budget_and_selective_under_bf16_autocast_keep_their_plan_and_the_gradients():
+    """Autocast caches its casts of trainable parameters for the rest of its region: the budget's profiling
+    forward must not leave them for the real forward (which would then run fewer ops than the plan numbered),
+    and a block that reads a cast made before it was called still gets a tape (it casts the parameter itself)."""
+    from lora_lab.checkpoint import checkpoint_plan
+    from lora_lab.memory import BlockStack, saved_activation_bytes
+
+    torch.manual_seed(0)
+    model = BlockStack(6, 32, 128, out=4, dropout=0.0).train()  # trainable weights: autocast caches their casts
+    x = torch.randn(8, 32)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    def saved():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return saved_activation_bytes(lambda: model(x))
+
+    plain, plain_bytes = step(), saved()
+    assert plain
+    for policy in ("selective", "budget:0.3"):
+        enable_checkpointing(model, model.blocks, policy)
+        for _ in range(2):
+            got = step()
+            for n in plain:
+                assert torch.equal(got[n], plain[n]), (policy, n)
+        if policy.startswith("budget"):
+            kept = saved()
+            plan = checkpoint_plan(model)
+            assert kept == plan.kept_bytes + (plain_bytes - plan.plain_bytes) and kept <= 0.3 * plain_bytes + 4096, (kept, plan)
+
+
+def test_a_block_called_twice_under_autocast_reads_the_cached_casts_from_its_tape():
+    """The second call of a block in one autocast region reads autocast's cached bf16 copies of its weights,
+    made by the first call: its tape casts the parameters itself (a replay in Python would cast again and
+    find other ops than the forward ran)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"blocks": nn.ModuleList([nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.GELU(),
+                                                                  nn.Linear(4 * D, D))]),
+                           "head": nn.Linear(D, 1)})
+    block = model["blocks"][0]
+    x = torch.randn(8, D)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = block(x)
+            loss = model["head"](block(h) + h).float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    plain = step()
+    enable_checkpointing(model, model["blocks"], "selective")
+    for _ in range(2):
+        got = step()
+        for n in plain:
+            assert torch.equal(got[n], plain[n]), n

@@ -242,3 +242,16 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
     assert plans["nf4"].parts["frozen weights"] == model_bytes(unet)
     assert plans["nf4"].peak < plans["int8"].peak < plans[None].peak
     assert plans["nf4"].options["base_quantization"] == "nf4"
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "sd3", "flux"])
+def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
+    """The planner's default: CUDA rules, bf16 autocast, fake tensors. Selective and budgets record the blocks'
+    ops there too (prim.device questions, casts cached by autocast, Flux's rotary embeddings in a tuple argument
+    each broke them before), and a budget keeps what it planned."""
+    saved = {}
+    for policy in ("none", "full", "selective", "budget:0.3"):
+        options = {} if policy == "none" else {"gradient_checkpointing": True, "checkpoint_options": {"policy": policy}}
+        saved[policy] = plan_memory(kind, size="tiny", **options).saved_activations
+    assert saved["full"] < saved["budget:0.3"] < saved["selective"] < saved["none"]
+    assert saved["budget:0.3"] <= 0.3 * saved["none"] * 1.02
