@@ -135,6 +135,20 @@ def speed() -> None:
     print(f"max resident memory: {rss:.2f} GiB (target < 2 GiB: {'met' if rss < 2 else 'NOT met'})")
 
 
+def policies_table(models: list[str], rank: int) -> None:
+    """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy."""
+    from lora_lab.planner import plan_memory
+
+    print("| model | checkpointing | saved activations | predicted peak | plan s |")
+    print("|---|---|---:|---:|---:|")
+    for model in models:
+        for policy in (False, "full", "selective", "budget:0.3"):
+            t = time.perf_counter()
+            p = plan_memory(model, resolution=1024, rank=rank, gradient_checkpointing=policy)
+            print(f"| {model} | {policy or 'none'} | {gib(p.saved_activations)} GiB | {gib(p.peak)} GiB | "
+                  f"{time.perf_counter() - t:.0f} |", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validate", action="store_true", help="the tiny-model matrix instead of the real-size table")
@@ -142,6 +156,7 @@ if __name__ == "__main__":
     ap.add_argument("--only", default=None, help="comma-separated models of the real table (default: all)")
     ap.add_argument("--quantized", action="store_true", help="real size with an NF4 / int8 frozen denoiser")
     ap.add_argument("--speed", action="store_true", help="only the planner's own speed and memory")
+    ap.add_argument("--policies", action="store_true", help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy")
     args = ap.parse_args()
     if args.validate and args.quantized:
         validate_quantized()
@@ -149,6 +164,8 @@ if __name__ == "__main__":
         validate()
     elif args.speed:
         speed()
+    elif args.policies:
+        policies_table((args.only or "sdxl,sd35-medium").split(","), args.rank)
     elif args.quantized:
         real_table(QUANTIZED_ROWS, args.rank)
     else:

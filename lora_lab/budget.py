@@ -52,7 +52,8 @@ class FitResult:
 
 
 def _label(options: dict) -> str:
-    ck = "checkpointing" if options["gradient_checkpointing"] else "no checkpointing"
+    ck = options["gradient_checkpointing"]
+    ck = "no checkpointing" if ck in (False, "none") else "checkpointing" if ck in (True, "full") else f"checkpointing {ck}"
     q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
     return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}"
 
@@ -71,7 +72,7 @@ def options_table(plans: list[MemoryPlan], budget: int | str | None = None) -> s
 
 
 def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: list[MemoryPlan] | tuple = (),
-        **plan_options) -> FitResult:
+        checkpointing: bool | str = True, **plan_options) -> FitResult:
     """The fastest training configuration whose predicted peak fits `budget` (e.g. "24GiB").
 
     Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
@@ -80,7 +81,7 @@ def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: l
     gradient accumulation making up the rest. Raises PlanError naming the smallest peak found and its
     largest part when nothing fits. `plan_options` go to `plan_memory`; `plans` are plans already made
     (e.g. the table `lora-lab plan` prints): one whose options are those of an option tried is used as it
-    is, not planned again.
+    is, not planned again. checkpointing: the policy of the options with checkpointing (True = "full").
     """
     budget = parse_bytes(budget)
     if not (isinstance(batch_size, int) and batch_size >= 1):
@@ -93,7 +94,8 @@ def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: l
     for ckpt in CHECKPOINTING_ORDER:
         for opt in OPTIMIZER_ORDER:
             def plan(b, ckpt=ckpt, opt=opt):
-                kw = {"batch_size": b, "grad_accum": batch_size // b, "gradient_checkpointing": ckpt, "optimizer": opt,
+                kw = {"batch_size": b, "grad_accum": batch_size // b, "gradient_checkpointing": ckpt and checkpointing,
+                      "optimizer": opt,
                       **plan_options}
                 options = planner.plan_options(model, **kw) if plans else None
                 p = next((q for q in plans if q.options == options), None) or planner.plan_memory(model, **kw)

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from .budget import fit, fit_config, options_table
+from .checkpoint import CheckpointError, parse_policy
 from .diffusion.kinds import KINDS
 from .diffusion.real import REAL_MODELS
 from .diffusion.train import TrainConfig, resolve_device, sample_with_without, train
@@ -29,6 +30,15 @@ def _memory_size(text: str) -> str:
     try:
         parse_bytes(text)
     except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _checkpoint_policy(text: str) -> str:
+    """A --gradient-checkpointing policy of `lora-lab plan`, checked when the flags are read."""
+    try:
+        parse_policy(text)
+    except CheckpointError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
@@ -198,6 +208,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="auto", choices=list(ATTENTION), help="attention kernel (default: auto)")
     p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
                    help="the denoiser's frozen Linear weights stored quantized (default: none)")
+    p.add_argument("--gradient-checkpointing", default="full", metavar="POLICY", type=_checkpoint_policy,
+                   help="the policy of the options with checkpointing: full | selective | every_k | budget:F (default: full)")
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size, help="budget, e.g. 24GiB: mark what fits, choose the fastest")
     p.set_defaults(func=_run_plan)
     return p
@@ -207,15 +219,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
               "attention": args.attention, "base_quantization": args.base_quantization}
-    plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, gradient_checkpointing=ck,
-                         optimizer=opt, **common)
+    plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size,
+                         gradient_checkpointing=ck and args.gradient_checkpointing, optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
     print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} autocast, "
           f"base {args.base_quantization or args.base_dtype}, attention {plans[0].attention} (predictions, not measurements)")
     print(options_table(plans, args.vram))
     if args.vram is not None:
         try:
-            result = fit(args.vram, args.model, batch_size=args.batch_size, plans=plans, **common)
+            result = fit(args.vram, args.model, batch_size=args.batch_size, plans=plans,
+                         checkpointing=args.gradient_checkpointing, **common)
         except PlanError as e:
             print(f"lora-lab: error: {e}", file=sys.stderr)
             return 1

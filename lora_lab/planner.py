@@ -51,6 +51,10 @@ class PlanError(LoraLabError, ValueError):
     """A plan that cannot be made (an unknown model or option), or a budget that nothing fits."""
 
 
+def _checkpointing_words(value) -> str:
+    return "" if not value else "checkpointing " if value is True else f"checkpointing {value} "
+
+
 def parse_bytes(text: str | int) -> int:
     """"24GiB" | "24G" (GiB) | "24GB" (10^9) | "512MiB" | an int of bytes -> bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -108,7 +112,7 @@ class MemoryPlan:
         rows = [f"{name:<28} {format_bytes(n):>12}" for name, n in self.parts.items()]
         head = (f"{self.model} ({self.size}) {self.options.get('resolution')}px batch {self.options.get('batch_size')} "
                 f"rank {self.options.get('rank')} {self.options.get('optimizer')} "
-                f"{'checkpointing ' if self.options.get('gradient_checkpointing') else ''}"
+                f"{_checkpointing_words(self.options.get('gradient_checkpointing'))}"
                 f"{self.options.get('mixed_precision')} autocast, base {self.options.get('base_dtype')}, "
                 f"attention {self.attention} (prediction)")
         return "\n".join([head, *rows, f"{'peak (' + self.peak_phase + ')':<28} {format_bytes(self.peak):>12}"])
@@ -214,7 +218,7 @@ def plan_options(
     dora: bool = False,
     conv: bool = False,
     optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool | str = False,
     checkpoint_options: dict | None = None,
     mixed_precision: str = "bf16",
     base_dtype: str = "bf16",
@@ -232,7 +236,8 @@ def plan_options(
     shipped in data/base/ where one ships, else the tiny configs of `lora_lab.diffusion.models`), or a
     local diffusers folder as `size`. resolution: image side in pixels (default: 1024, or 512 for sd15;
     tiny: 16). Options as in `TrainConfig` (rank, dora, conv = LoCon, optimizer adamw | adamw8bit |
-    bnb-adamw8bit, gradient checkpointing, mixed_precision no | bf16 | fp16); base_dtype fp32 | bf16 | fp16
+    bnb-adamw8bit, gradient_checkpointing False | True | a policy (full | selective | every_k | budget:F),
+    mixed_precision no | bf16 | fp16); base_dtype fp32 | bf16 | fp16
     (the frozen weights; lora_lab's trainer keeps what the base was loaded in); resident "all" | "denoiser";
     attention auto | flash | efficient | math | native (see `lora_lab.fakedevice`); device "cuda" | "cpu"
     (the device whose rules the plan follows; nothing runs on it). checkpoint_options go to
@@ -257,6 +262,9 @@ def plan_options(
         if size not in ("real", "tiny"):
             raise PlanError("plan_memory: give the resolution when planning for a local folder")
         resolution = RESOLUTION if size == "tiny" else (512 if kind == "sd15" else 1024)
+    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's reuse)
+    gradient_checkpointing = {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing) \
+        if isinstance(gradient_checkpointing, str) else gradient_checkpointing
     options = {"model": model, "size": size, "kind": kind, "resolution": resolution, "batch_size": batch_size,
                "grad_accum": grad_accum, "rank": rank, "dora": dora, "conv": conv, "optimizer": optimizer,
                "gradient_checkpointing": gradient_checkpointing, "checkpoint_options": dict(checkpoint_options or {}),

@@ -63,8 +63,9 @@ def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveByt
     frozen = storage_bytes(t for t in (*den.parameters(), *den.buffers()))
 
     add_adapter(den, config)
-    if config.gradient_checkpointing:
-        enable_checkpointing(den, model_kind(kind).checkpoint_blocks(), **options["checkpoint_options"])
+    if config.checkpoint_policy():  # (as the trainer does; checkpoint_options may name the policy too)
+        enable_checkpointing(den, model_kind(kind).checkpoint_blocks(),
+                             **{"policy": config.checkpoint_policy(), **options["checkpoint_options"]})
     den.train()
     params = [p for p in den.parameters() if p.requires_grad]
     adapters = storage_bytes(params)

@@ -255,3 +255,28 @@ def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
         saved[policy] = plan_memory(kind, size="tiny", **options).saved_activations
     assert saved["full"] < saved["budget:0.3"] < saved["selective"] < saved["none"]
     assert saved["budget:0.3"] <= 0.3 * saved["none"] * 1.02
+
+
+def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(monkeypatch, capsys):
+    """plan_memory(gradient_checkpointing="selective") plans selective (the trainer's spelling), not whole blocks;
+    `lora-lab plan --gradient-checkpointing POLICY` plans its checkpointed options with that policy."""
+    from lora_lab.cli import main
+
+    full = plan_memory("sd3", size="tiny", gradient_checkpointing=True)
+    selective = plan_memory("sd3", size="tiny", gradient_checkpointing="selective")
+    same = plan_memory("sd3", size="tiny", gradient_checkpointing=True, checkpoint_options={"policy": "selective"})
+    assert selective.saved_activations == same.saved_activations > full.saved_activations
+    assert "checkpointing selective" in selective.table()
+    assert plan_memory("sd3", size="tiny", gradient_checkpointing="full").options == full.options
+
+    calls = []
+
+    def fake_step(comps, kind, config, options, tracker, vae_scale, text_shapes):
+        calls.append(options["gradient_checkpointing"])
+        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30
+        return {"activations": tracker.peak}, "backward", 0, 0
+
+    monkeypatch.setattr(planner, "planned_step", fake_step)
+    assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "budget:0.3", "--vram", "24GiB"]) == 0
+    assert calls == [False, False, "budget:0.3", "budget:0.3"]  # fit reused the table's plans
+    assert "chose checkpointing budget:0.3, adamw, batch 1" in capsys.readouterr().out
