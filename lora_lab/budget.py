@@ -114,7 +114,9 @@ def fit(budget: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: l
     raise PlanError(
         f"nothing fits {format_bytes(budget)}: the smallest predicted peak is {format_bytes(best.peak)} "
         f"({_label(best.options)}), of which {best.dominant()} is {format_bytes(best.parts[best.dominant()])}; "
-        "lower the resolution or the rank, or use a larger GPU")
+        "lower the resolution or the rank, or use a larger GPU"
+        + ("" if checkpointing in (True, "full") else f", or a checkpointing policy that keeps less than {checkpointing} "
+           "(full, every_k, budget:F)"))
 
 
 def fit_config(config, budget: int | str):

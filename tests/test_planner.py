@@ -280,3 +280,6 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
     assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "budget:0.3", "--vram", "24GiB"]) == 0
     assert calls == [False, False, "budget:0.3", "budget:0.3"]  # fit reused the table's plans
     assert "chose checkpointing budget:0.3, adamw, batch 1" in capsys.readouterr().out
+    # nothing fits: the error also points at a policy that keeps less
+    assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "selective", "--vram", "4GiB"]) == 1
+    assert "or a checkpointing policy that keeps less than selective" in capsys.readouterr().err
