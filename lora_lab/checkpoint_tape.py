@@ -74,10 +74,9 @@ class _Ref:
 @dataclass
 class _Step:
     func: object
-    args: tuple  # tensors as _Ref; a list/tuple argument holding tensors as a list of _Ref (nested=True)
+    args: tuple  # tensors as _Ref; a list/tuple argument holding tensors as a list of _Ref
     kwargs: dict
     refs: list[_Ref]  # every _Ref in args and kwargs
-    nested: bool
     root: bool  # always run again: draws random numbers
     reads: set[int]  # storages of its tensor arguments
     writes: set[int]  # storages it changes in place
@@ -133,18 +132,17 @@ class TapeWriter:
         if not self.ok:
             return
         if is_metadata(func):  # a step that never runs (no tensor out), so that steps keep `_Record`'s numbers
-            self.steps.append(_Step(func, (), {}, [], False, False, set(), set()))
+            self.steps.append(_Step(func, (), {}, [], False, set(), set()))
             return
         refs: list[_Ref] = []
         targs = tuple(self._arg(a, refs) for a in args)
         tkwargs = {k: self._arg(v, refs) for k, v in kwargs.items()}
-        nested = any(isinstance(a, list) and any(isinstance(x, _Ref) for x in a) for a in (*targs, *tkwargs.values()))
         leaves = tree_leaves(out)
         if not any(isinstance(t, torch.Tensor) for t in leaves):  # a value read into Python: the rest may depend on it
             self.ok = False
             return
         k = len(self.steps)
-        self.steps.append(_Step(func, targs, tkwargs, refs, nested, torch.Tag.nondeterministic_seeded in func.tags,
+        self.steps.append(_Step(func, targs, tkwargs, refs, torch.Tag.nondeterministic_seeded in func.tags,
                                 reads, writes))
         for j, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
@@ -177,37 +175,82 @@ class TapeWriter:
 
 
 class _Tape:
+    """The ops to run (step number -> step), compiled for speed: a step's arguments as a list with the places of
+    its tensors, each a (kind, i, j, t) tuple; kinds: _OP output j of step i, _IN block input i, _EXT parameter t,
+    _CAST parameter t cast to dtype j."""
+
     def __init__(self, steps: list[_Step], run: list[int], saved: list[_Ref], kept_steps: dict[int, int]):
-        self.steps = {k: steps[k] for k in run}
-        self.saved = saved
         self.kept_steps = kept_steps  # counted op index -> step
+        self.program = [(k, *_compile(steps[k])) for k in run]
+        self.saved = [_code(r) for r in saved]
 
     def run(self, inputs: list[torch.Tensor], kept: dict) -> list[torch.Tensor]:
         """The saved tensors of the recorded call, from its inputs and the kept op outputs (index -> leaves)."""
         env: dict[int, list] = {self.kept_steps[i]: leaves for i, leaves in kept.items()}
-
         casts: dict[int, torch.Tensor] = {}
 
-        def get(r: _Ref) -> torch.Tensor:
-            if r.kind == "op":
-                return env[r.i][r.j]
-            if r.kind == "cast":
-                c = casts.get(id(r))
-                if c is None:
-                    c = casts[id(r)] = r.t.to(r.j)
-                return c
-            return inputs[r.i] if r.kind == "in" else r.t
+        def get(c: tuple) -> torch.Tensor:
+            kind, i, j, t = c
+            if kind == _OP:
+                return env[i][j]
+            if kind == _IN:
+                return inputs[i]
+            if kind == _EXT:
+                return t
+            cast = casts.get(id(c))
+            if cast is None:
+                cast = casts[id(c)] = t.to(j)
+            return cast
 
-        for k, s in self.steps.items():
-            if s.nested:
-                args = tuple([get(x) if isinstance(x, _Ref) else x for x in a] if isinstance(a, list) else
-                             (get(a) if isinstance(a, _Ref) else a) for a in s.args)
+        for k, func, args, slots, nested, kwargs, kwslots in self.program:
+            args = list(args)
+            for i, c in slots:
+                args[i] = env[c[1]][c[2]] if c[0] == _OP else get(c)
+            for i, inner in nested:
+                args[i] = [get(x) if type(x) is tuple else x for x in inner]
+            if kwslots:
+                kwargs = dict(kwargs)
+                for n, c in kwslots:
+                    kwargs[n] = [get(x) if type(x) is tuple else x for x in c] if type(c) is list else get(c)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                env[k] = (out,)
+            elif isinstance(out, (tuple, list)) and not any(isinstance(x, (tuple, list)) for x in out):
+                env[k] = out  # (what tree_leaves gives, faster)
             else:
-                args = tuple(get(a) if isinstance(a, _Ref) else a for a in s.args)
-            kwargs = {n: get(v) if isinstance(v, _Ref) else v for n, v in s.kwargs.items()} if s.kwargs else {}
-            out = s.func(*args, **kwargs)
-            env[k] = [out] if isinstance(out, torch.Tensor) else tree_leaves(out)
-        return [get(r).detach() for r in self.saved]
+                env[k] = tree_leaves(out)
+        return [get(c).detach() if c[0] == _EXT else get(c) for c in self.saved]
+
+
+_OP, _IN, _EXT, _CAST = range(4)
+
+
+def _code(r: _Ref) -> tuple:
+    return ({"op": _OP, "in": _IN, "ext": _EXT, "cast": _CAST}[r.kind], r.i, r.j, r.t)
+
+
+def _compile(s: _Step) -> tuple:
+    """(func, args with None where tensors go, [(place, code)], [(place, [code or value])], kwargs without tensors,
+    [(name, code or [code or value])])."""
+    args, slots, nested = [], [], []
+    for i, a in enumerate(s.args):
+        if isinstance(a, _Ref):
+            slots.append((i, _code(a)))
+            args.append(None)
+        elif isinstance(a, list) and any(isinstance(x, _Ref) for x in a):
+            nested.append((i, [_code(x) if isinstance(x, _Ref) else x for x in a]))
+            args.append(None)
+        else:
+            args.append(a)
+    kwargs, kwslots = {}, []
+    for n, v in s.kwargs.items():
+        if isinstance(v, _Ref):
+            kwslots.append((n, _code(v)))
+        elif isinstance(v, list) and any(isinstance(x, _Ref) for x in v):
+            kwslots.append((n, [_code(x) if isinstance(x, _Ref) else x for x in v]))
+        else:
+            kwargs[n] = v
+    return s.func, tuple(args), slots, nested, kwargs, kwslots
 
 
 def _storage(t: torch.Tensor) -> int:
