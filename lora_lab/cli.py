@@ -25,22 +25,21 @@ from .quant import FORMATS as QUANT_FORMATS
 # ----------------------------------------------------------------------------- LoRA files
 
 
-def _memory_size(text: str) -> str:
-    """A --vram budget, checked when the flags are read (before any planning): the text itself if it parses."""
-    try:
-        parse_bytes(text)
-    except PlanError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+def _checked_by(parse, error: type[Exception]):
+    """An argparse type that checks a flag when the flags are read (before any work): the text itself if
+    parse(text) raises no `error`, else argparse's one-line error with its message."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except error as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return check
 
 
-def _checkpoint_policy(text: str) -> str:
-    """A --gradient-checkpointing policy of `lora-lab plan`, checked when the flags are read."""
-    try:
-        parse_policy(text)
-    except CheckpointError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+_memory_size = _checked_by(parse_bytes, PlanError)  # --vram
+_checkpoint_policy = _checked_by(parse_policy, CheckpointError)  # lora-lab plan --gradient-checkpointing
 
 
 def _lora_spec(text: str) -> tuple[Path, float]:
