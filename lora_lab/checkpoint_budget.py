@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from .checkpoint_ops import CheckpointError, _counted, _replayable
+from .checkpoint_tape import reads_and_writes
 
 aten = torch.ops.aten
 
@@ -110,15 +111,12 @@ class _Profile(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        ins = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        if func._schema.is_mutable:  # an op output changed in place later: replaying it would be wrong
-            for i, a in enumerate(func._schema.arguments):
-                t = args[i] if i < len(args) else kwargs.get(a.name)
-                written = a.alias_info is not None and a.alias_info.is_write
-                o = self.origin_of(t) if written and isinstance(t, torch.Tensor) else None
-                if o is not None and o in self.owner:
-                    c, i = self.owner[o]
-                    self.calls[c][i].replayable = False
+        ins, writes = reads_and_writes(func, args, kwargs)
+        for s in writes:  # an op output changed in place later: replaying it would be wrong
+            o = self.origin.get(s)
+            if o is not None and o in self.owner:
+                c, i = self.owner[o]
+                self.calls[c][i].replayable = False
         made = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -136,8 +134,7 @@ class _Profile(TorchDispatchMode):
                 self.counted[self.call] += 1
             ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out),
                            key is not None and bool(made) and _replayable(func, args, kwargs), key,
-                           {o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                            for o in [self.origin_of(t)] if o is not None},
+                           {self.origin[s] for s in ins if s in self.origin},
                            torch.Tag.nondeterministic_seeded in func.tags))
         return out
 

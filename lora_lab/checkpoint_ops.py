@@ -85,6 +85,10 @@ class _Kept:
     leaves: list
     versions: list[int]
 
+    def check_unchanged(self) -> None:
+        if [t._version if isinstance(t, torch.Tensor) else 0 for t in self.leaves] != self.versions:
+            raise CheckpointError(f"a kept output of {self.func} was changed in place after the forward")
+
     def output(self):
         return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves], self.spec)
 
@@ -102,8 +106,7 @@ class _Plan:
 
     def run_tape(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         for k in self.kept.values():
-            if [t._version if isinstance(t, torch.Tensor) else 0 for t in k.leaves] != k.versions:
-                raise CheckpointError(f"a kept output of {k.func} was changed in place after the forward")
+            k.check_unchanged()
         return self.tape.run(inputs, {i: k.leaves for i, k in self.kept.items()})
 
 
@@ -301,6 +304,5 @@ class _Replay(TorchDispatchMode):
                 f"recomputation ran {func} on {_shapes(args, kwargs)} where the forward ran it on {entry.shapes}: "
                 "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
-        if [t._version if isinstance(t, torch.Tensor) else 0 for t in entry.leaves] != entry.versions:
-            raise CheckpointError(f"a kept output of {func} was changed in place after the forward")
+        entry.check_unchanged()
         return entry.output()

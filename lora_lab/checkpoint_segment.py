@@ -28,16 +28,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .checkpoint_ops import CheckpointError, _Layout, _Plan, _Record, _Replay, _same_view
-from .checkpoint_tape import TapeWriter, module_stamp, owned_tensors
-
-_PRIMITIVE = (int, float, bool, str, type(None))
-_VALUES = (*_PRIMITIVE, torch.dtype, torch.device, torch.memory_format, torch.layout)
+from .checkpoint_tape import _PLAIN, TapeWriter, module_stamp, owned_tensors
 
 
 def _freeze(a, opaque: list) -> object:
     """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by entry,
     tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no tape)."""
-    if isinstance(a, _VALUES):
+    if isinstance(a, _PLAIN):
         return (type(a), a)
     if isinstance(a, torch.Tensor):
         return (torch.Tensor, tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)

@@ -269,12 +269,11 @@ def reads_and_writes(func, args: tuple, kwargs: dict) -> tuple[set[int], set[int
     return reads, writes
 
 
-def _entry(x):
-    if type(x) in _PLAIN_TYPES:
-        return x
-    if isinstance(x, torch.Tensor):  # a parameter or buffer: which one, and whether it requires grad (which
-        return (id(x), x.requires_grad)  # decides what autograd saves)
-    return id(x)
+def _entries(values) -> tuple:
+    """A container's entries in a stamp: plain values by value, tensors (parameters, buffers) by identity and
+    requires_grad (which decides what autograd saves), anything else by identity."""
+    return tuple([x if type(x) in _PLAIN_TYPES else (id(x), x.requires_grad) if isinstance(x, torch.Tensor) else id(x)
+                  for x in values])
 
 
 def _stamp(modules: list[nn.Module]) -> tuple:
@@ -286,10 +285,9 @@ def _stamp(modules: list[nn.Module]) -> tuple:
             if t in _PLAIN_TYPES:
                 add(v)
             elif t is dict or t is OrderedDict:
-                add(tuple([x if type(x) in _PLAIN_TYPES else (id(x), x.requires_grad) if isinstance(x, torch.Tensor)
-                           else id(x) for x in v.values()]) if v else ())  # (an empty one too: entries keep their places)
+                add(_entries(v.values()) if v else ())  # (an empty one too: entries keep their places)
             elif t is list or t is tuple:  # a list of scales changed in place keeps its identity: its values count
-                add((t, *map(_entry, v)))
+                add((t, *_entries(v)))
             else:
                 add(id(v))
     return tuple(out)
