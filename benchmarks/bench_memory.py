@@ -2,7 +2,8 @@
 
     python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png] [--profile]
 
-Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer, each with no checkpointing,
+Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer (these two also with their
+attention unfused: SDPA's math backend), each with no checkpointing,
 lora_lab's policies (full, selective, every_k, budgets) and torch.utils.checkpoint with and without its
 selective policy API on the same blocks, all timed in the same interleaved rounds; a table, the targets,
 and a Pareto plot of bytes kept against step time.
@@ -23,11 +24,13 @@ import io
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -104,8 +107,12 @@ def _torch_checkpoint(blocks, selective: bool) -> None:
         b.forward = functools.partial(torch.utils.checkpoint.checkpoint, b.forward, use_reentrant=False, **extra)
 
 
-def _subjects() -> list[tuple]:
-    """(name, model, loss(model), blocks(model)) for the stack, the tiny UNet and the tiny SD3 transformer."""
+def _subjects() -> Iterator[tuple]:
+    """Yields (name, model, loss(model), blocks(model)) for the stack, the tiny UNet and the tiny SD3 transformer,
+    then the UNet and the transformer again with their attention unfused: those two are yielded inside
+    `sdpa_kernel(MATH)`, so everything the caller runs with them (forward and backward, every variant, torch's
+    checkpoint too) runs SDPA's math backend, which makes and saves the seq x seq scores and probabilities
+    (Korthikanti et al.'s setting, and attention that no fused kernel takes)."""
     torch.manual_seed(0)
     stack = BlockStack(**STACK).train()
     x = torch.randn(STACK_BATCH, STACK["width"])
@@ -117,7 +124,8 @@ def _subjects() -> list[tuple]:
         from diffusers.models.transformers.transformer_2d import Transformer2DModel
     except ImportError:
         print("diffusers not installed: UNet and transformer rows skipped")
-        return out
+        yield from out
+        return
     unet = diffusers.UNet2DConditionModel(**TINY_UNET).train()
     sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
     out.append(("tiny diffusers UNet2DConditionModel", unet,
@@ -129,7 +137,10 @@ def _subjects() -> list[tuple]:
     out.append(("tiny diffusers SD3Transformer2DModel", sd3,
                 lambda m: m(latents, prompt, pooled, steps).sample.square().mean(),
                 lambda m: JointTransformerBlock))
-    return out
+    yield from out
+    for name, model, loss, blocks in out[1:]:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield f"{name}, unfused attention", model, loss, blocks
 
 
 def checkpointing_rows(rounds: int, budgets: list[float]) -> list[dict]:
@@ -292,8 +303,12 @@ def pareto_plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    cols = min(3, len(models))
+    n_rows = -(-len(models) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(5.2 * cols, 4.2 * n_rows), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.axis("off")
+    for ax, model in zip(axes.flat, models):
         mine = [r for r in rows if r["model"] == model]
         for r in mine:
             ref = r["variant"].startswith("torch")

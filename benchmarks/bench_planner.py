@@ -136,17 +136,21 @@ def speed() -> None:
 
 
 def policies_table(models: list[str], rank: int) -> None:
-    """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy."""
+    """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy, with
+    the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores materialised)."""
     from lora_lab.planner import plan_memory
 
-    print("| model | checkpointing | saved activations | predicted peak | plan s |")
-    print("|---|---|---:|---:|---:|")
+    print("| model | attention | checkpointing | saved activations | kept / none | predicted peak | plan s |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for model in models:
-        for policy in (False, "full", "selective", "budget:0.3"):
-            t = time.perf_counter()
-            p = plan_memory(model, resolution=1024, rank=rank, gradient_checkpointing=policy)
-            print(f"| {model} | {policy or 'none'} | {gib(p.saved_activations)} GiB | {gib(p.peak)} GiB | "
-                  f"{time.perf_counter() - t:.0f} |", flush=True)
+        for attention in ("auto", "math"):
+            none = None
+            for policy in (False, "full", "selective", "budget:0.3"):
+                t = time.perf_counter()
+                p = plan_memory(model, resolution=1024, rank=rank, gradient_checkpointing=policy, attention=attention)
+                none = none or p.saved_activations
+                print(f"| {model} | {p.attention} | {policy or 'none'} | {gib(p.saved_activations)} GiB | "
+                      f"{p.saved_activations / none:.3f} | {gib(p.peak)} GiB | {time.perf_counter() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
@@ -156,7 +160,7 @@ if __name__ == "__main__":
     ap.add_argument("--only", default=None, help="comma-separated models of the real table (default: all)")
     ap.add_argument("--quantized", action="store_true", help="real size with an NF4 / int8 frozen denoiser")
     ap.add_argument("--speed", action="store_true", help="only the planner's own speed and memory")
-    ap.add_argument("--policies", action="store_true", help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy")
+    ap.add_argument("--policies", action="store_true", help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy, fused and unfused attention")
     args = ap.parse_args()
     if args.validate and args.quantized:
         validate_quantized()

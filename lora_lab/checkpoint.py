@@ -8,7 +8,9 @@ Policies of `enable_checkpointing(model, blocks, policy=...)` (the mechanism: `c
                  where such an output is not saved (a conv whose sum with the time embedding is), the
                  first saved tensors computed from it; the recomputation runs no matmul, conv or
                  attention, only pointwise ops, norms, activations and the rest (Korthikanti et al. 2022,
-                 https://arxiv.org/abs/2205.05198). The first call of a block per input shape and module
+                 https://arxiv.org/abs/2205.05198). Unfused attention's core is the exception, as in that
+                 paper: the scores matmul (whose output reaches a softmax) runs again with the softmax, so
+                 no seq x seq tensor is kept. The first call of a block per input shape and module
                  state records its ops in a Python dispatch mode, and with them a tape (`checkpoint_tape`);
                  later forwards keep the same outputs from the pack hook, with no dispatch mode
                  (`checkpoint_ops`); the recomputation runs the tape's needed ops directly (or, for a

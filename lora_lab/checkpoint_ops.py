@@ -29,6 +29,8 @@ _COSTLY = {
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
     aten._flash_attention_forward, aten._efficient_attention_forward,
 }
+# what an attention core computes its probabilities with, from the scores matmul (unfused attention)
+_SOFTMAX = {aten._softmax, aten._safe_softmax, aten.softmax}
 
 
 class CheckpointError(LoraLabError, RuntimeError):
@@ -219,11 +221,28 @@ class _Record(TorchDispatchMode):
                 tainted |= s.outs | s.writes
         return extra
 
+    def _scores(self, steps: list[_Step]) -> set[int]:
+        """The picked matmuls that make attention scores: their outputs reach a softmax through uncostly ops (a
+        scale, a mask). "selective" recomputes them with the softmax, as Korthikanti et al. recompute the
+        attention core: kept, or kept as the softmax's saved output, the seq x seq probabilities would be
+        most of what a block of unfused attention saves. (Fused attention never makes them.)"""
+        made_from: dict[int, set[int]] = {}  # storage -> the picked ops it is made from through uncostly ops
+        scores: set[int] = set()
+        for s in steps:
+            came = {s.index} if s.index in self.picked else set().union(*(made_from.get(i, ()) for i in s.ins))
+            if came and s.index is not None and self.ops[s.index].func.overloadpacket in _SOFTMAX:
+                scores |= came
+            for o in s.outs | s.writes:
+                made_from[o] = made_from.get(o, set()) | came
+        return scores
+
     def plan(self) -> _Plan:
         """What the recomputation (which stops at the last save) keeps, replays and skips."""
         steps = self.steps[: self.stop_step]
         saved = {_storage(t) for t in self.saves}
         written = set().union(*(s.writes for s in steps))
+        if self.only_saved:
+            self.picked -= self._scores(steps)
         kept = {s.index for s in steps if s.index in self.picked and self._keepable(s.index, saved, written)}
         if self.only_saved:
             kept |= self._frontier(steps, kept, saved, written)

@@ -5,8 +5,9 @@
 
 Built on autograd's saved-tensor hooks (non-reentrant, like `torch.utils.checkpoint(...,
 use_reentrant=False)`): while `f` runs, every tensor autograd would save is replaced by its index;
-when backward first asks for one, `f` is run again (same RNG state, same autocast state) and the
-tensors it saves, in the same order, answer the requests. The recomputation stops as soon as it has
+when backward first asks for one, `f` is run again (same RNG state, same autocast state, same attention
+backends) and the tensors it saves, in the same order, answer the requests (each checked against the
+shape and dtype the forward saved). The recomputation stops as soon as it has
 saved the last tensor backward can ask for (the ops after it are not run again). Nothing about
 gradients flowing through the inputs is needed, so a frozen block whose inputs do not require grad
 but which holds trainable adapters inside works. Paper: Chen et al. 2016, https://arxiv.org/abs/1604.06174
@@ -19,12 +20,14 @@ exactly what every policy keeps, on any device including meta.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_leaves
 
 from .checkpoint_ops import CheckpointError, _Layout, _Plan, _Record, _Replay, _same_view
@@ -64,8 +67,27 @@ class _StopRecompute(Exception):
     """Raised from the recomputation's pack hook once the last tensor backward needs is saved."""
 
 
+# the scaled_dot_product_attention backends a forward may have enabled (torch.nn.attention.sdpa_kernel): they
+# decide which ops attention runs, so the recomputation re-enables the same ones
+_SDPA = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+         SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+         SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
+         SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+         SDPBackend.OVERRIDEABLE: torch._C._get_overrideable_sdp_enabled}
+
+
+def _sdpa_backends() -> tuple[SDPBackend, ...]:
+    return tuple(b for b, enabled in _SDPA.items() if enabled())
+
+
+def _sdpa_as(backends: tuple[SDPBackend, ...]):
+    """Re-enable the attention backends a forward ran with (nothing to do when they are the current ones)."""
+    return contextlib.nullcontext() if not backends or backends == _sdpa_backends() else sdpa_kernel(list(backends))
+
+
 class _Call:
-    """What one checkpointed call keeps: fn, its arguments (tensors by where they come from), RNG and autocast."""
+    """What one checkpointed call keeps: fn, its arguments (tensors by where they come from), RNG, autocast and
+    attention backends."""
 
     def __init__(self, segment: _Segment, index: int, fn, args, kwargs):
         self.fn, self.index = fn, index
@@ -91,7 +113,9 @@ class _Call:
             for dev in ("cpu", "cuda")
             if dev == "cpu" or torch.cuda.is_available()
         }
+        self.sdpa = _sdpa_backends()
         self.n_saved = 0
+        self.saved_as: list[tuple] = []  # (shape, dtype) of each saved tensor: the recomputation must match it
         self.record: _Record | None = None  # set while the forward records op outputs
         self.layout: _Layout | None = None  # set while the forward keeps them from the pack hook instead
         self.from_pack: dict[int, torch.Tensor] = {}
@@ -110,18 +134,19 @@ class _Call:
 
     def key(self, tag) -> tuple:
         """What decides the ops a call runs: fn, its tensors' shapes and flags, its other arguments, autocast,
-        and its module's state (a tape recorded for one key is run for every call with that key)."""
+        the attention backends, and its module's state (a tape recorded for one key is run for every call with that key)."""
         # strides too: the recorded ops of reshape / contiguous depend on them (a view or a copy)
         tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
         m = self.module()
         # (the stamp holds which parameters require grad: that decides which tensors autograd saves)
         return (self.fn, module_stamp(m) if m is not None else None, tag, tuple(self.sources), self.alias,
                 tensors, tuple(self.requires_grad), tuple(self.kw_names), self.n_args, self.values,
-                tuple(self.autocast.items()))
+                tuple(self.autocast.items()), self.sdpa)
 
     def pack(self, t: torch.Tensor) -> tuple[int, int]:
         position = self.n_saved
         self.n_saved += 1
+        self.saved_as.append((t.shape, t.dtype))
         if self.record is not None:
             self.record.on_save(t)
         elif self.layout is not None and position in self.layout.versions:
@@ -185,10 +210,12 @@ class _Call:
             if len(saved) != self.n_saved:
                 raise CheckpointError(f"recomputing {getattr(self.fn, '__qualname__', self.fn)} from its tape saved "
                                       f"{len(saved)} tensors, the forward saved {self.n_saved}")
+            self.check_saved(saved)
             return saved, None
         out, changed = None, False
         try:
-            with torch.enable_grad(), _autocast(self.autocast), torch.autograd.graph.saved_tensors_hooks(keep, _same):
+            with (torch.enable_grad(), _autocast(self.autocast), _sdpa_as(self.sdpa),
+                  torch.autograd.graph.saved_tensors_hooks(keep, _same)):
                 if self.plan is not None:
                     with _Replay(self.plan):
                         out = self.fn(*args, **kwargs)
@@ -211,7 +238,19 @@ class _Call:
                 f"backward, the forward saved {self.n_saved}: the function must run the same ops both "
                 "times (no data-dependent branches on random values, no state changed between runs)"
             )
+        self.check_saved(saved)
         return saved, None if out is None else [t.detach() for t in _out_tensors(out)]
+
+    def check_saved(self, saved: list[torch.Tensor]) -> None:
+        """The recomputation saved what the forward saved, tensor by tensor (else backward would read wrong ones)."""
+        for p, (t, (shape, dtype)) in enumerate(zip(saved, self.saved_as)):
+            if t.shape != shape or t.dtype != dtype:
+                raise CheckpointError(
+                    f"recomputing {getattr(self.fn, '__qualname__', self.fn)} saved a {tuple(t.shape)} {t.dtype} tensor "
+                    f"as its tensor {p} for backward where the forward saved a {tuple(shape)} {dtype} one: the function "
+                    "must run the same ops both times (no data-dependent branches, no state it reads changed between "
+                    "forward and backward)"
+                )
 
 
 def _same(t):

@@ -217,6 +217,14 @@ def test_errors():
     with pytest.raises(CheckpointError, match="saved"):
         checkpoint(changes, x).sum().backward()
 
+    def reshaped(x):  # as many saved tensors on both runs, of another shape on the second: sin's backward would
+        runs.append(1)  # broadcast a (1,) tensor into a wrong (3,) gradient without the check
+        return (x if len(runs) % 2 else x.sum(0, keepdim=True)).sin()
+
+    runs.clear()
+    with pytest.raises(CheckpointError, match=r"saved a \(1,\) torch.float32 tensor as its tensor 0 .* a \(3,\) "):
+        checkpoint(reshaped, x).sum().backward()
+
 
 # ---- policies ------------------------------------------------------------------------------------
 
@@ -493,6 +501,65 @@ def test_selective_in_a_unet_with_lora_recomputes_no_matmul_conv_or_attention():
     attention = "_scaled_dot_product_flash_attention_for_cpu"
     assert sel == none  # nothing costly run again
     assert full[attention] > none[attention] and full["convolution"] - none["convolution"] >= 2 * n_resnets
+
+
+def test_every_policy_tiny_sd3_with_unfused_attention_recomputes_under_the_forwards_backends():
+    """The forward runs SDPA's math backend, backward runs outside that context: the recomputation re-enables
+    the forward's backends (else it would run the fused kernel and save other tensors than the forward)."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.attention import JointTransformerBlock
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
+    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
+
+    def forward():
+        with sdpa_kernel(SDPBackend.MATH):
+            return sd3(latents, prompt, pooled, steps).sample
+
+    _check_policies(sd3, JointTransformerBlock, forward, exact=False, policies=FEW)
+
+
+def test_selective_recomputes_the_attention_core_of_unfused_attention():
+    """Unfused attention (SDPA's math backend: q k^T, softmax and @ v as separate ops) saves the seq x seq
+    probabilities. Selective keeps none of them (Korthikanti et al.'s attention core): backward runs the scores
+    matmul and the softmax again, once per attention, and no other matmul."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.attention import JointTransformerBlock
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
+    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
+    tokens = (8 // 2) ** 2 + 6  # image patches + prompt tokens, attended jointly
+
+    def loss_fn():
+        with sdpa_kernel(SDPBackend.MATH):
+            return sd3(latents, prompt, pooled, steps).sample.square().mean()
+
+    _, plain = _grads(sd3, loss_fn)
+    counts, square = {}, {}
+    for policy in ("none", "selective"):
+        if policy == "selective":
+            enable_checkpointing(sd3, JointTransformerBlock, "selective")
+        for step in range(2):  # selective: the first step records, the second keeps from the pack hook
+            shapes = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t, s=shapes: s.append(tuple(t.shape)) or t, lambda t: t):
+                loss = loss_fn()
+            with _CountOps() as count:
+                loss.backward()
+            for n, p in sd3.named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-6, msg=f"{policy} {step} {n}")
+            sd3.zero_grad(set_to_none=True)
+            counts[policy, step] = {op: count.ops[op] for op in COSTLY_OPS}
+            square[policy, step] = [s for s in shapes if s[-2:] == (tokens, tokens)]
+    assert square["none", 1] and not square["selective", 0] and not square["selective", 1]
+    none, sel = counts["none", 1], counts["selective", 1]
+    assert counts["selective", 0] == sel
+    assert sel["bmm"] == none["bmm"] + TINY_SD3["num_layers"]  # the scores, once per attention
+    assert {k: v for k, v in sel.items() if k != "bmm"} == {k: v for k, v in none.items() if k != "bmm"}
 
 
 def test_recomputation_under_a_module_tracker_that_adds_views():
