@@ -67,8 +67,9 @@ class _StopRecompute(Exception):
     """Raised from the recomputation's pack hook once the last tensor backward needs is saved."""
 
 
-# the scaled_dot_product_attention backends a forward may have enabled (torch.nn.attention.sdpa_kernel): they
-# decide which ops attention runs, so the recomputation re-enables the same ones
+# the scaled_dot_product_attention backends a forward may have enabled (torch.nn.attention.sdpa_kernel), their
+# priority order (CUDA runs the first that fits) and whether the math backend may reduce in fp16/bf16 (else it
+# upcasts, and saves fp32 tensors): they decide which ops attention runs, so the recomputation re-enables the same
 _SDPA = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
          SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
          SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
@@ -76,13 +77,27 @@ _SDPA = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
          SDPBackend.OVERRIDEABLE: torch._C._get_overrideable_sdp_enabled}
 
 
-def _sdpa_backends() -> tuple[SDPBackend, ...]:
-    return tuple(b for b, enabled in _SDPA.items() if enabled())
+def _sdpa_backends() -> tuple[tuple[SDPBackend, ...], tuple[int, ...], bool]:
+    return (tuple(b for b, enabled in _SDPA.items() if enabled()), tuple(torch._C._get_sdp_priority_order()),
+            torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed())
 
 
-def _sdpa_as(backends: tuple[SDPBackend, ...]):
-    """Re-enable the attention backends a forward ran with (nothing to do when they are the current ones)."""
-    return contextlib.nullcontext() if not backends or backends == _sdpa_backends() else sdpa_kernel(list(backends))
+@contextlib.contextmanager
+def _sdpa_as(state: tuple[tuple[SDPBackend, ...], tuple[int, ...], bool]):
+    """Re-enter the attention settings a forward ran with (nothing to do when they are the current ones)."""
+    now = _sdpa_backends()
+    if state == now:
+        yield
+        return
+    (backends, priority, reduced), (_, now_priority, now_reduced) = state, now
+    with contextlib.nullcontext() if not backends or backends == now[0] else sdpa_kernel(list(backends)):
+        torch._C._set_sdp_priority_order(list(priority))
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
+        try:
+            yield
+        finally:
+            torch._C._set_sdp_priority_order(list(now_priority))
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(now_reduced)
 
 
 class _Call:

@@ -9,8 +9,10 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -501,6 +503,68 @@ def test_selective_in_a_unet_with_lora_recomputes_no_matmul_conv_or_attention():
     attention = "_scaled_dot_product_flash_attention_for_cpu"
     assert sel == none  # nothing costly run again
     assert full[attention] > none[attention] and full["convolution"] - none["convolution"] >= 2 * n_resnets
+
+
+_PRIORITIES = []  # the SDPA backend priority order each run of a _MathAttention saw
+
+
+class _MathAttention(nn.Module):
+    """Attention through SDPA's math backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.q, self.k, self.v, self.out = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        _PRIORITIES.append(torch._C._get_sdp_priority_order())
+        h = self.norm(x)
+        q, k, v = (m(h).view(2, 16, 4, 8).transpose(1, 2) for m in (self.q, self.k, self.v))
+        with sdpa_kernel(SDPBackend.MATH):
+            a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.out(a.transpose(1, 2).reshape(2, 16, 32))
+
+
+def test_recomputation_under_the_forwards_attention_settings_beyond_the_backends():
+    """What else decides the ops SDPA runs: the backends' priority order (CUDA picks the first that fits) and
+    whether the math backend may reduce in bf16/fp16 (else it upcasts, saving fp32 tensors). The recomputation
+    runs under the forward's, and a tape recorded under one is not run for a forward under the other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_MathAttention() for _ in range(3)])
+    add_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "out"]))
+    x = torch.randn(2, 16, 32)
+
+    def loss_fn():
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(x).float().square().mean()
+
+    reduced = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    try:
+        plain = {}
+        for allow in (False, True):
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allow)
+            plain[allow] = _grads(model, loss_fn)[1]
+        for policy in FEW:
+            enable_checkpointing(model, _MathAttention, policy)
+            for allow in (False, True, False):  # changed between steps, the same in each step's forward and backward
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allow)
+                _, grads = _grads(model, loss_fn)
+                for n, g in grads.items():
+                    torch.testing.assert_close(g, plain[allow][n], rtol=1e-5, atol=1e-6, msg=f"{policy} {allow} {n}")
+            disable_checkpointing(model)
+        # the forward under its own priority order (all backends enabled, as outside), backward outside it
+        enable_checkpointing(model, _MathAttention, "full")
+        order = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                 SDPBackend.OVERRIDEABLE]
+        _PRIORITIES.clear()
+        with sdpa_kernel(order, set_priority=True):
+            loss = loss_fn()
+        outside = torch._C._get_sdp_priority_order()
+        loss.backward()
+        assert outside != _PRIORITIES[0] and _PRIORITIES == [_PRIORITIES[0]] * 6  # three forwards, three recomputations
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
+        disable_checkpointing(model)
 
 
 def test_every_policy_tiny_sd3_with_unfused_attention_recomputes_under_the_forwards_backends():
