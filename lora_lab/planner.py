@@ -109,13 +109,15 @@ class MemoryPlan:
         return max(self.parts, key=self.parts.get)
 
     def table(self) -> str:
-        rows = [f"{name:<28} {format_bytes(n):>12}" for name, n in self.parts.items()]
+        peak = f"peak ({self.peak_phase})"
+        width = max(map(len, [*self.parts, peak]))
+        rows = [f"{name:<{width}} {format_bytes(n):>12}" for name, n in self.parts.items()]
         head = (f"{self.model} ({self.size}) {self.options.get('resolution')}px batch {self.options.get('batch_size')} "
                 f"rank {self.options.get('rank')} {self.options.get('optimizer')} "
                 f"{_checkpointing_words(self.options.get('gradient_checkpointing'))}"
                 f"{self.options.get('mixed_precision')} autocast, base {self.options.get('base_dtype')}, "
                 f"attention {self.attention} (prediction)")
-        return "\n".join([head, *rows, f"{'peak (' + self.peak_phase + ')':<28} {format_bytes(self.peak):>12}"])
+        return "\n".join([head, *rows, f"{peak:<{width}} {format_bytes(self.peak):>12}"])
 
     def to_dict(self) -> dict:
         return asdict(self)
