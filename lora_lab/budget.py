@@ -52,8 +52,7 @@ class FitResult:
 
 
 def _label(options: dict) -> str:
-    ck = options["gradient_checkpointing"]
-    ck = "no checkpointing" if ck in (False, "none") else "checkpointing" if ck in (True, "full") else f"checkpointing {ck}"
+    ck = planner.checkpointing_words(options["gradient_checkpointing"]) or "no checkpointing"
     q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
     return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}"
 

@@ -222,10 +222,7 @@ class _Call:
             # gave, so they must not act again; dispatch modes, fake tensors' included, still see every op)
             with torch.no_grad(), _autocast(off), torch._C.DisableTorchFunction():
                 saved = self.plan.run_tape([t.detach() for t in tensors + self.nested()])
-            if len(saved) != self.n_saved:
-                raise CheckpointError(f"recomputing {getattr(self.fn, '__qualname__', self.fn)} from its tape saved "
-                                      f"{len(saved)} tensors, the forward saved {self.n_saved}")
-            self.check_saved(saved)
+            self.check_saved(saved, " from its tape")
             return saved, None
         out, changed = None, False
         try:
@@ -247,25 +244,21 @@ class _Call:
             # kept from the pack hook may not be the outputs of the ops they replace: recompute it whole
             self.plan, self.unverified = None, {}
             return self.rerun(produced, stop)
-        if len(saved) != self.n_saved:
-            raise CheckpointError(
-                f"recomputing {getattr(self.fn, '__qualname__', self.fn)} saved {len(saved)} tensors for "
-                f"backward, the forward saved {self.n_saved}: the function must run the same ops both "
-                "times (no data-dependent branches on random values, no state changed between runs)"
-            )
         self.check_saved(saved)
         return saved, None if out is None else [t.detach() for t in _out_tensors(out)]
 
-    def check_saved(self, saved: list[torch.Tensor]) -> None:
-        """The recomputation saved what the forward saved, tensor by tensor (else backward would read wrong ones)."""
+    def check_saved(self, saved: list[torch.Tensor], how: str = "") -> None:
+        """The recomputation saved what the forward saved: as many tensors, each of the same shape and dtype (else
+        backward would read wrong ones)."""
+        name = f"recomputing {getattr(self.fn, '__qualname__', self.fn)}{how}"
+        rule = ("the function must run the same ops both times (no data-dependent branches, no state it reads "
+                "changed between forward and backward)")
+        if len(saved) != self.n_saved:
+            raise CheckpointError(f"{name} saved {len(saved)} tensors for backward, the forward saved {self.n_saved}: {rule}")
         for p, (t, (shape, dtype)) in enumerate(zip(saved, self.saved_as)):
             if t.shape != shape or t.dtype != dtype:
-                raise CheckpointError(
-                    f"recomputing {getattr(self.fn, '__qualname__', self.fn)} saved a {tuple(t.shape)} {t.dtype} tensor "
-                    f"as its tensor {p} for backward where the forward saved a {tuple(shape)} {dtype} one: the function "
-                    "must run the same ops both times (no data-dependent branches, no state it reads changed between "
-                    "forward and backward)"
-                )
+                raise CheckpointError(f"{name} saved a {tuple(t.shape)} {t.dtype} tensor as its tensor {p} for backward "
+                                      f"where the forward saved a {tuple(shape)} {dtype} one: {rule}")
 
 
 def _same(t):

@@ -51,8 +51,9 @@ class PlanError(LoraLabError, ValueError):
     """A plan that cannot be made (an unknown model or option), or a budget that nothing fits."""
 
 
-def _checkpointing_words(value) -> str:
-    return "" if not value else "checkpointing " if value is True else f"checkpointing {value} "
+def checkpointing_words(value) -> str:
+    """A plan's gradient_checkpointing option in words: "" (none), "checkpointing" (full), "checkpointing POLICY"."""
+    return "" if not value else "checkpointing" if value is True else f"checkpointing {value}"
 
 
 def parse_bytes(text: str | int) -> int:
@@ -112,9 +113,10 @@ class MemoryPlan:
         peak = f"peak ({self.peak_phase})"
         width = max(map(len, [*self.parts, peak]))
         rows = [f"{name:<{width}} {format_bytes(n):>12}" for name, n in self.parts.items()]
+        ck = checkpointing_words(self.options.get("gradient_checkpointing"))
         head = (f"{self.model} ({self.size}) {self.options.get('resolution')}px batch {self.options.get('batch_size')} "
                 f"rank {self.options.get('rank')} {self.options.get('optimizer')} "
-                f"{_checkpointing_words(self.options.get('gradient_checkpointing'))}"
+                f"{ck + ' ' if ck else ''}"
                 f"{self.options.get('mixed_precision')} autocast, base {self.options.get('base_dtype')}, "
                 f"attention {self.attention} (prediction)")
         return "\n".join([head, *rows, f"{peak:<{width}} {format_bytes(self.peak):>12}"])
