@@ -172,9 +172,18 @@ def parse_policy(policy: str, budget: float | None = None, k: int | None = None)
     return policy, None
 
 
-def _block_forward(forward, policy):
+def _builds_graph(module: nn.Module, args, kwargs) -> bool:
+    """Whether a block call builds an autograd graph: an input or a parameter of the block requires grad. One
+    that does not (frozen, on frozen inputs: the first blocks of a model with adapters only in its attention)
+    saves nothing unchecked, so it runs plainly: a checkpoint would keep its inputs for a backward that never
+    reaches it."""
+    return (any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+            or any(p.requires_grad for p in module.parameters()))
+
+
+def _block_forward(forward, policy, module):
     def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _builds_graph(module, args, kwargs):
             return forward(*args, **kwargs)
         return policy.call(forward, args, kwargs)
 
@@ -258,7 +267,7 @@ def enable_checkpointing(
     _unwrap(model)
     for m in chosen:
         _unwrap(m)
-        m.forward = _block_forward(m.forward, strategy)
+        m.forward = _block_forward(m.forward, strategy, m)
     if kind in ("every_k", "budget"):  # every forward of the model starts the policy afresh
         model.forward = _root_forward(model.forward, strategy, model)
     return [names[id(m)] for m in chosen]

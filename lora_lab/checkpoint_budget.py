@@ -3,7 +3,9 @@
 On the first forward of each input shape the model runs once more with nothing saved, counting every
 op's output bytes and its cost (FLOPs from torch's flop counter, `_FLOPS_PER_BYTE` per byte moved for
 memory-bound ops, plus `_OP_COST` per op run: works on meta tensors); a greedy knapsack then picks, by
-cost saved per byte, which op outputs each block keeps and which blocks run unchecked (`CheckpointPlan`).
+cost saved per byte, which op outputs each block keeps and which blocks run unchecked (`CheckpointPlan`),
+starting from nothing kept and from "selective"'s choice (cut to the budget, the outputs that are cheapest
+to recompute per byte first), and takes the plan of least counted cost.
 A block's recomputation runs its tape (`checkpoint_tape`): only the ops its saved tensors need, so the
 cost of a choice counts those ops alone (an op whose output only kept ones read costs nothing).
 """
@@ -18,7 +20,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .checkpoint_ops import CheckpointError, _counted, _replayable
+from .checkpoint_ops import (
+    _SOFTMAX,
+    CheckpointError,
+    _counted,
+    _is_costly,
+    _replayable,
+    attention_scores,
+    selective_frontier,
+)
 from .checkpoint_tape import reads_and_writes
 
 aten = torch.ops.aten
@@ -42,6 +52,8 @@ class _Op:
     key: int | None  # its number among the block call's counted ops (what _Record and _Replay number)
     ins: set[int] = field(default_factory=set)  # origins of its tensor arguments
     root: bool = False  # draws random numbers: always run again
+    costly: bool = False  # an op whose output "selective" keeps (a matmul, convolution or attention)
+    softmax: bool = False
 
 
 @dataclass
@@ -51,7 +63,9 @@ class CheckpointPlan:
     plain_bytes: bytes the unchecked forward saves; kept_bytes: what the plan keeps (<= budget * plain_bytes
     unless even whole-block checkpointing keeps more: then every block is checkpointed whole);
     recompute_cost / full_recompute_cost: counted cost recomputed in backward, against whole-block
-    checkpointing's; kept_ops: how many outputs of each op the blocks keep; unchecked: block calls run plainly.
+    checkpointing's; kept_ops: how many outputs of each op the blocks keep; unchecked: block calls run plainly;
+    selective_bytes / selective_cost: what "selective"'s choice would keep and recompute, counted the same way
+    (the plan's cost is at most selective's whenever selective's bytes fit the budget).
     """
 
     budget: float
@@ -63,6 +77,8 @@ class CheckpointPlan:
     kept_ops: dict[str, int]
     unchecked: int
     n_calls: int
+    selective_bytes: int = 0
+    selective_cost: float = 0.0
     decisions: list = field(default_factory=list, repr=False)  # per block call: None (unchecked) or op indices
 
     def __str__(self) -> str:
@@ -71,7 +87,9 @@ class CheckpointPlan:
             f"budget {self.budget:g}: keeps {self.kept_bytes:,} of {self.plain_bytes:,} bytes "
             f"({self.kept_bytes / max(self.plain_bytes, 1):.3f}; whole-block keeps {self.full_bytes / max(self.plain_bytes, 1):.3f}); "
             f"recomputes {self.recompute_cost / max(self.full_recompute_cost, 1):.0%} of whole-block's counted cost; "
-            f"{self.unchecked} of {self.n_calls} block calls unchecked; keeps outputs of {ops}"
+            f"{self.unchecked} of {self.n_calls} block calls unchecked; keeps outputs of {ops} "
+            f"(selective would keep {self.selective_bytes / max(self.plain_bytes, 1):.3f} and recompute "
+            f"{self.selective_cost / max(self.full_recompute_cost, 1):.0%})"
         )
 
 
@@ -135,7 +153,8 @@ class _Profile(TorchDispatchMode):
             ops.append(_Op(func.overloadpacket.__name__, made, _cost(func, args, kwargs, out),
                            key is not None and bool(made) and _replayable(func, args, kwargs), key,
                            {self.origin[s] for s in ins if s in self.origin},
-                           torch.Tag.nondeterministic_seeded in func.tags))
+                           torch.Tag.nondeterministic_seeded in func.tags, _is_costly(func, args, kwargs),
+                           func.overloadpacket in _SOFTMAX))
         return out
 
     def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
@@ -164,6 +183,19 @@ class _Profile(TorchDispatchMode):
             self.call = outer
             for op in ops[stop[0] :]:  # the recomputation stops at the last save: these never run again
                 op.cost, op.replayable = 0.0, False
+
+    def selective(self) -> list[set[int]]:
+        """What "selective" keeps in each block call (`_Record.plan` with only_saved): the saved outputs of the
+        costly ops, the scores matmuls of unfused attention left out, and the frontier of the unsaved ones."""
+        out = []
+        for c, ops in enumerate(self.calls):
+            scores = attention_scores((i, op.costly, op.softmax, op.ins, op.origins) for i, op in enumerate(ops))
+            keepable = [op.replayable and bool(op.origins) and self.inside[c].issuperset(op.origins) for op in ops]
+            picked = {i for i, op in enumerate(ops) if op.costly and op.replayable and i not in scores}
+            d = {i for i in picked if keepable[i]}
+            out.append(d | selective_frontier((i, i in picked, op.ins, set(op.origins), keepable[i])
+                                              for i, op in enumerate(ops) if i not in d))
+        return out
 
     def plan(self, budget: float) -> CheckpointPlan:
         n = len(self.calls)
@@ -209,11 +241,13 @@ class _Profile(TorchDispatchMode):
 
         full_cost = cost_of([set() for _ in range(n)])  # every block recomputed whole (what it needs of it)
 
-        def greedy(blocks_first: bool) -> list:
+        def greedy(blocks_first: bool, start: list | None = None) -> list:
             """Most cost saved per byte first: op outputs to keep, and whole blocks to leave unchecked
-            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller)."""
-            decisions: list = [set() for _ in range(n)]
-            have, total = set(base), full_bytes
+            (an unchecked block's kept outputs are counted as still kept, so the exact total can only be smaller),
+            from nothing kept or from `start`."""
+            decisions: list = [set(d) for d in start] if start else [set() for _ in range(n)]
+            have = kept(decisions)
+            total = size(have)
 
             def ops():
                 nonlocal total
@@ -238,15 +272,46 @@ class _Profile(TorchDispatchMode):
                 step()
             return decisions
 
+        def trimmed(start: list) -> list:
+            """`start` with kept outputs dropped, the least added cost per byte freed first (the cost counted
+            whole, with what the others keep), until it fits the budget."""
+            decisions = [set(d) for d in start]
+            total = size(kept(decisions))
+            costs = [block_cost(c, d) for c, d in enumerate(decisions)]
+
+            def cheapest(c: int) -> tuple[float, int]:
+                """The kept output of call c that is cheapest to drop: (added cost per byte, op)."""
+                drops = [((block_cost(c, decisions[c] - {i}) - costs[c]) / freed, i) for i in decisions[c]
+                         for freed in [size(set(self.calls[c][i].origins) - base)] if freed]
+                return min(drops, default=(float("inf"), -1))
+
+            best = [cheapest(c) for c in range(n)]
+            while total > cap:
+                c = min(range(n), key=lambda c: best[c][0])
+                i = best[c][1]
+                if i < 0:  # nothing left to drop (whole-block checkpointing fits, so this is not reached)
+                    break
+                decisions[c].discard(i)
+                total -= size(set(self.calls[c][i].origins) - base)
+                costs[c] = block_cost(c, decisions[c])
+                best[c] = cheapest(c)
+            return decisions
+
+        # from "selective"'s choice too, trimmed to the budget: a greedy by each op's own cost per byte does not see
+        # that recomputing attention probabilities runs only a softmax and one matmul, or that keeping one matmul's
+        # output spares the ops that lead to it
+        selective = self.selective()
         decisions = [set() for _ in range(n)]
         if full_bytes <= cap:
-            decisions = min(greedy(True), greedy(False), key=cost_of)
+            start = trimmed(selective)
+            decisions = min((greedy(True), greedy(False), greedy(True, start), greedy(False, start)), key=cost_of)
         kept_ops = Counter(self.calls[c][i].name for c, d in enumerate(decisions) if d is not None for i in d)
         cost = cost_of(decisions)
         return CheckpointPlan(
             budget=budget, plain_bytes=plain, kept_bytes=size(kept(decisions)), full_bytes=full_bytes,
             recompute_cost=cost, full_recompute_cost=full_cost, kept_ops=dict(kept_ops),
             unchecked=sum(d is None for d in decisions), n_calls=n,
+            selective_bytes=size(kept(selective)), selective_cost=cost_of(selective),
             decisions=[None if d is None else frozenset(self.calls[c][i].key for i in d) for c, d in enumerate(decisions)],
         )
 

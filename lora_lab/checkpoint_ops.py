@@ -53,6 +53,40 @@ def keep_costly(func, args, kwargs, _index) -> bool:
     return _is_costly(func, args, kwargs)
 
 
+def attention_scores(ops) -> set:
+    """The costly ops whose outputs reach a softmax through uncostly ops (a scale, a mask): the scores matmuls of
+    unfused attention. "selective" recomputes them with the softmax, as Korthikanti et al. recompute the
+    attention core: kept, or kept as the softmax's saved output, the seq x seq probabilities would be most of
+    what a block of unfused attention saves (fused attention never makes them). ops: (id, costly, is a softmax,
+    storages read, storages made or written), in the order they ran."""
+    made_from: dict = {}  # storage -> the costly ops it is made from through uncostly ops
+    scores: set = set()
+    for op, costly, softmax, ins, outs in ops:
+        came = {op} if costly else set().union(*(made_from.get(i, ()) for i in ins))
+        if came and softmax:
+            scores |= came
+        for o in outs:
+            made_from[o] = made_from.get(o, set()) | came
+    return scores
+
+
+def selective_frontier(ops) -> set:
+    """"selective" recomputes no costly op: where a picked op's output is not saved (a conv whose output autograd
+    never saves, only the sum of it and the time embedding that the next norm saves), it keeps the first saved
+    tensors computed from it instead, so that nothing recomputed has to run the costly op. ops: (id, picked,
+    storages read, storages made or written, can be kept), in the order they ran, the kept ones left out."""
+    tainted: set = set()  # storages that only a costly op run again could give
+    extra: set = set()
+    for op, picked, ins, outs, keepable in ops:
+        if not (picked or ins & tainted):
+            continue
+        if keepable:
+            extra.add(op)  # kept: what reads it is recomputed from here
+        else:
+            tainted |= outs
+    return extra
+
+
 @functools.cache
 def _counted(func) -> bool:
     """An op that makes new tensors (no view, no in-place): the ops that policies number, keep and replay.
@@ -207,34 +241,16 @@ class _Record(TorchDispatchMode):
         return bool(tensors) and not written.intersection(tensors) and (not self.only_saved or saved.issuperset(tensors))
 
     def _frontier(self, steps: list[_Step], kept: set[int], saved: set[int], written: set[int]) -> set[int]:
-        """"selective" recomputes no costly op: where a picked op's output is not saved (a conv whose output
-        autograd never saves, only the sum of it and the time embedding that the next norm saves), keep the
-        first saved tensors computed from it instead, so that nothing recomputed has to run the costly op."""
-        tainted: set[int] = set()  # storages that only a costly op run again could give
-        extra: set[int] = set()
-        for s in steps:
-            if s.index in kept or not (s.index in self.picked or s.ins & tainted):
-                continue
-            if s.index is not None and s.outs & saved and self._keepable(s.index, saved, written):
-                extra.add(s.index)  # kept: what reads it is recomputed from here
-            else:
-                tainted |= s.outs | s.writes
-        return extra
+        """The saved tensors that "selective" keeps in place of a picked op's unsaved output (`selective_frontier`)."""
+        return selective_frontier((s.index, s.index in self.picked, s.ins, s.outs | s.writes,
+                                   s.index is not None and bool(s.outs & saved) and self._keepable(s.index, saved, written))
+                                  for s in steps if s.index not in kept)
 
     def _scores(self, steps: list[_Step]) -> set[int]:
-        """The picked matmuls that make attention scores: their outputs reach a softmax through uncostly ops (a
-        scale, a mask). "selective" recomputes them with the softmax, as Korthikanti et al. recompute the
-        attention core: kept, or kept as the softmax's saved output, the seq x seq probabilities would be
-        most of what a block of unfused attention saves. (Fused attention never makes them.)"""
-        made_from: dict[int, set[int]] = {}  # storage -> the picked ops it is made from through uncostly ops
-        scores: set[int] = set()
-        for s in steps:
-            came = {s.index} if s.index in self.picked else set().union(*(made_from.get(i, ()) for i in s.ins))
-            if came and s.index is not None and self.ops[s.index].func.overloadpacket in _SOFTMAX:
-                scores |= came
-            for o in s.outs | s.writes:
-                made_from[o] = made_from.get(o, set()) | came
-        return scores
+        """The picked matmuls that make attention scores (`attention_scores`)."""
+        return attention_scores((s.index, s.index in self.picked,
+                                 s.index is not None and self.ops[s.index].func.overloadpacket in _SOFTMAX,
+                                 s.ins, s.outs | s.writes) for s in steps)
 
     def plan(self) -> _Plan:
         """What the recomputation (which stops at the last save) keeps, replays and skips."""

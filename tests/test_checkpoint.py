@@ -276,6 +276,10 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
             assert plan.plain_bytes == plain_bytes and plan.kept_bytes == kept[policy], (plan, kept[policy])
             assert kept[policy] <= max(budget * plain_bytes, plan.full_bytes), (policy, kept[policy], plain_bytes)
             assert plan.recompute_cost <= plan.full_recompute_cost
+            # the plan counts selective's choice as selective keeps it, and never costs more where it fits
+            assert plan.selective_bytes == kept["selective"], (policy, plan.selective_bytes, kept["selective"])
+            if plan.selective_bytes <= budget * plain_bytes:
+                assert plan.recompute_cost <= plan.selective_cost, (policy, plan)
         else:
             assert plan is None
     disable_checkpointing(model)
@@ -302,6 +306,21 @@ def test_every_policy_frozen_stack_with_lora_inside():
     model = _with_lora(_stack(), r"blocks\.\d+\.fc[12]")
     x = torch.randn(BATCH, WIDTH)  # nothing the blocks receive requires grad
     _check_policies(model, model.blocks, lambda: model(x))
+
+
+def test_frozen_blocks_on_frozen_inputs_run_plainly_under_every_policy(monkeypatch):
+    """Adapters only in the last 6 blocks, an input that does not require grad: the first 6 blocks build no graph
+    unchecked, so no policy keeps their inputs (for a backward that never reaches them) or records them."""
+    model = _with_lora(_stack(), r"blocks\.([6-9]|1[01])\.fc[12]")
+    x = torch.randn(BATCH, WIDTH)
+    _, kept = _check_policies(model, model.blocks, lambda: model(x))
+    assert kept["full"] == 6 * BATCH * WIDTH * 4  # the inputs of blocks 6..11, and no more
+    records = []
+    init = _Record.__init__
+    monkeypatch.setattr(_Record, "__init__", lambda self, *a, **k: records.append(1) or init(self, *a, **k))
+    enable_checkpointing(model, model.blocks, "selective")
+    model(x).sum().backward()
+    assert len(records) == 6  # the first call of each trainable block records its ops; the frozen ones run plainly
 
 
 def test_every_policy_tiny_unet_with_lora_inside():
@@ -382,12 +401,13 @@ def test_selective_records_once_then_keeps_from_the_pack_hook_and_rerecords_a_ch
     plain = {scaled: run(scaled) for scaled in (False, True)}
     enable_checkpointing(model, _Flagged, "selective")
     got = [run(False), run(False)]
-    assert len(records) == 2  # the first forward records each block; the second keeps fc's output from the pack hook
+    n = 1 if frozen else 2  # (frozen: the first block builds no graph, so it runs plainly)
+    assert len(records) == n  # the first forward records each block; the second keeps fc's output from the pack hook
     # the flag is module state: part of the call's key (`module_stamp`), so the changed blocks record again
     got.append(run(True))
-    assert len(records) == 4
+    assert len(records) == 2 * n
     got.append(run(False))  # and the first recording is still there
-    assert len(records) == 4
+    assert len(records) == 2 * n
     for g, scaled in zip(got, (False, False, True, False)):
         assert g.keys() == plain[scaled].keys()
         for n in g:
