@@ -1,12 +1,15 @@
 """Memory benchmark: gradient checkpointing policies (activation bytes, step time) and 8-bit Adam (state bytes, step time).
 
     python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png] [--profile]
+    python benchmarks/bench_memory.py --wide --rounds 7 --budgets 0.2 0.3 0.35 0.5
 
 Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer (these two also with their
 attention unfused: SDPA's math backend), each with no checkpointing,
 lora_lab's policies (full, selective, every_k, budgets) and torch.utils.checkpoint with and without its
 selective policy API on the same blocks, all timed in the same interleaved rounds; a table, the targets,
-and a Pareto plot of bytes kept against step time.
+and a Pareto plot of bytes kept against step time. --wide: the same for a UNet and an SD3 transformer with
+real heads (64 channels) and LoRA on a frozen base, where a tiny model's per-op overhead no longer hides the
+trade (a few seconds a step).
 
 Activation and state bytes are exact counts (lora_lab.memory), not allocator readings. Times are
 medians of interleaved runs (each round runs every variant once), so a load change on the machine
@@ -35,9 +38,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lora_lab import Adam8bit, AdamW8bit, BlockStack, enable_checkpointing, optimizer_state_bytes
+from lora_lab import (
+    Adam8bit,
+    AdamW8bit,
+    BlockStack,
+    LoRAConfig,
+    add_lora,
+    enable_checkpointing,
+    optimizer_state_bytes,
+)
 from lora_lab.checkpoint import checkpoint_plan
 from lora_lab.checkpoint_ops import _is_costly
+from lora_lab.diffusion.train_config import ATTENTION_TARGETS
 from lora_lab.fileio import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
 from lora_lab.notebook import isolate_caches
@@ -57,6 +69,20 @@ TINY_SD3 = {
     "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64, "out_channels": 4,
 }
 SD3_BATCH = 4
+# --wide: the UNet and the SD3 transformer with heads of 64 channels (as SDXL's and SD3.5's), batch 1, LoRA rank 16 on
+# the trainer's attention targets with the base frozen (what lora_lab trains). UNet: 320 / 640 channels, attention
+# on the 32x32 level (1,024 tokens, 5 heads; UNet2DConditionModel's "attention_head_dim" is its head count)
+WIDE_UNET = {
+    "sample_size": 32, "in_channels": 4, "out_channels": 4, "layers_per_block": 1, "block_out_channels": [320, 640],
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 768, "attention_head_dim": [5, 10],
+}
+# SD3: 2 joint blocks 512 wide (8 heads), 64x64 latents (1,024 image tokens) and 77 text tokens
+WIDE_SD3 = {
+    "sample_size": 64, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 8,
+    "caption_projection_dim": 512, "joint_attention_dim": 768, "pooled_projection_dim": 256, "out_channels": 16,
+}
+WIDE_LORA_RANK = 16
 WEIGHT = (4096, 4096)  # 16.7M parameters
 
 
@@ -123,16 +149,19 @@ def _torch_checkpoint(blocks, selective: bool) -> None:
         b.forward = functools.partial(torch.utils.checkpoint.checkpoint, b.forward, use_reentrant=False, **extra)
 
 
-def _subjects() -> Iterator[tuple]:
+def _subjects(wide: bool = False) -> Iterator[tuple]:
     """Yields (name, model, loss(model), blocks(model)) for the stack, the tiny UNet and the tiny SD3 transformer,
     then the UNet and the transformer again with their attention unfused: those two are yielded inside
     `sdpa_kernel(MATH)`, so everything the caller runs with them (forward and backward, every variant, torch's
     checkpoint too) runs SDPA's math backend, which makes and saves the seq x seq scores and probabilities
-    (Korthikanti et al.'s setting, and attention that no fused kernel takes)."""
+    (Korthikanti et al.'s setting, and attention that no fused kernel takes). wide: the UNet and the transformer
+    with heads of 64 and LoRA on a frozen base (WIDE_UNET, WIDE_SD3) instead, and no stack."""
     torch.manual_seed(0)
-    stack = BlockStack(**STACK).train()
-    x = torch.randn(STACK_BATCH, STACK["width"])
-    out = [("12-block residual MLP stack", stack, lambda m: m(x).square().mean(), lambda m: m.blocks)]
+    out = []
+    if not wide:
+        stack = BlockStack(**STACK).train()
+        x = torch.randn(STACK_BATCH, STACK["width"])
+        out.append(("12-block residual MLP stack", stack, lambda m: m(x).square().mean(), lambda m: m.blocks))
     try:
         import diffusers
         from diffusers.models.attention import JointTransformerBlock
@@ -142,27 +171,33 @@ def _subjects() -> Iterator[tuple]:
         print("diffusers not installed: UNet and transformer rows skipped")
         yield from out
         return
-    unet = diffusers.UNet2DConditionModel(**TINY_UNET).train()
-    sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
-    out.append(("tiny diffusers UNet2DConditionModel", unet,
-                lambda m: m(sample, t, encoder_hidden_states=text).sample.square().mean(),
+    unet = diffusers.UNet2DConditionModel(**(WIDE_UNET if wide else TINY_UNET)).train()
+    sd3 = diffusers.SD3Transformer2DModel(**(WIDE_SD3 if wide else TINY_SD3)).train()
+    if wide:
+        for m in (unet, sd3):
+            add_lora(m, LoRAConfig(rank=WIDE_LORA_RANK, alpha=WIDE_LORA_RANK, targets=list(ATTENTION_TARGETS)))
+        sample, t, text = torch.randn(1, 4, 32, 32), torch.tensor([500]), torch.randn(1, 77, 768)
+        latents, prompt, pooled, steps = torch.randn(1, 16, 64, 64), torch.randn(1, 77, 768), torch.randn(1, 256), torch.tensor([500.0])
+        names = ("UNet 320/640 wide, heads of 64, LoRA", "SD3 transformer 512 wide, heads of 64, LoRA")
+    else:
+        sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
+        latents, prompt, pooled = torch.randn(SD3_BATCH, 4, 32, 32), torch.randn(SD3_BATCH, 16, 32), torch.randn(SD3_BATCH, 64)
+        steps = torch.tensor([100.0, 400.0, 700.0, 900.0])
+        names = ("tiny diffusers UNet2DConditionModel", "tiny diffusers SD3Transformer2DModel")
+    out.append((names[0], unet, lambda m: m(sample, t, encoder_hidden_states=text).sample.square().mean(),
                 lambda m: (ResnetBlock2D, Transformer2DModel)))
-    sd3 = diffusers.SD3Transformer2DModel(**TINY_SD3).train()
-    latents, prompt, pooled = torch.randn(SD3_BATCH, 4, 32, 32), torch.randn(SD3_BATCH, 16, 32), torch.randn(SD3_BATCH, 64)
-    steps = torch.tensor([100.0, 400.0, 700.0, 900.0])
-    out.append(("tiny diffusers SD3Transformer2DModel", sd3,
-                lambda m: m(latents, prompt, pooled, steps).sample.square().mean(),
+    out.append((names[1], sd3, lambda m: m(latents, prompt, pooled, steps).sample.square().mean(),
                 lambda m: JointTransformerBlock))
     yield from out
-    for name, model, loss, blocks in out[1:]:
+    for name, model, loss, blocks in out[-2:]:
         with sdpa_kernel(SDPBackend.MATH):
             yield f"{name}, unfused attention", model, loss, blocks
 
 
-def checkpointing_rows(rounds: int, budgets: list[float]) -> list[dict]:
+def checkpointing_rows(rounds: int, budgets: list[float], wide: bool) -> list[dict]:
     """One row per (model, variant); every variant of a model is timed in the same interleaved rounds."""
     rows = []
-    for name, model, loss_fn, blocks in _subjects():
+    for name, model, loss_fn, blocks in _subjects(wide):
         variants = {"none": model}
         for policy in ["full", "selective", "every_k"] + [f"budget:{b:g}" for b in budgets]:
             m = copy.deepcopy(model)  # the same weights
@@ -207,13 +242,13 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile_rows(rounds: int) -> list[dict]:
+def profile_rows(rounds: int, wide: bool) -> list[dict]:
     """Where a step's time goes, per model: the forward (no grad) plain and under a pass-through dispatch mode,
     the self time of the costly ops (torch profiler), and forward / backward of none, full and selective."""
     from torch.profiler import profile
 
     rows = []
-    for name, model, loss_fn, blocks in _subjects():
+    for name, model, loss_fn, blocks in _subjects(wide):
         variants = {"none": model}
         for policy in ("full", "selective"):
             variants[policy] = copy.deepcopy(model)
@@ -288,10 +323,10 @@ def _saved_per_block(model, loss_fn, block_types) -> Counter:
     return out
 
 
-def block_rows() -> list[dict]:
+def block_rows(wide: bool) -> list[dict]:
     """Per kind of block: what "selective" keeps against what the unchecked block saves (exact bytes)."""
     rows = []
-    for name, model, loss_fn, blocks in _subjects():
+    for name, model, loss_fn, blocks in _subjects(wide):
         probe = copy.deepcopy(model)
         names = enable_checkpointing(probe, blocks(probe))
         kinds = tuple({type(probe.get_submodule(n)) for n in names})
@@ -409,7 +444,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5], help="checkpoint budgets to measure")
-    ap.add_argument("--plot", default="docs/checkpoint_pareto.png", help="Pareto plot path ('' for none)")
+    ap.add_argument("--plot", help="Pareto plot path ('' for none; default docs/checkpoint_pareto.png, with --wide"
+                    " docs/checkpoint_pareto_wide.png)")
+    ap.add_argument("--wide", action="store_true", help="checkpointing of the UNet and the SD3 transformer with heads of 64"
+                    " and LoRA on a frozen base (WIDE_UNET, WIDE_SD3) instead of the tiny models; no optimizers")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
     ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
     ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (dispatch mode, costly ops)")
@@ -421,20 +459,21 @@ def main() -> None:
           f"{'kept in the process (mallopt)' if steady else 'handled by the allocator as it is'}\n", flush=True)
 
     if args.profile:
-        print_profile(profile_rows(args.rounds))
+        print_profile(profile_rows(args.rounds, args.wide))
         print()
         print("| model | block | bytes the unchecked blocks save | selective keeps | kept / unchecked |")
         print("|---|---|---:|---:|---:|")
-        for r in block_rows():
+        for r in block_rows(args.wide):
             print(f"| {r['model']} | {r['block']} | {r['plain']:,} | {r['kept']:,} | {r['kept'] / r['plain']:.3f} |")
         print()
     if not args.no_checkpointing:
-        rows = checkpointing_rows(args.rounds, args.budgets)
+        rows = checkpointing_rows(args.rounds, args.budgets, args.wide)
         print()
         print_checkpointing(rows)
-        if args.plot:  # (a str: Path('') would be '.', the current directory)
-            pareto_plot(rows, Path(args.plot))
-    if args.no_optimizers:
+        plot = args.plot if args.plot is not None else f"docs/checkpoint_pareto{'_wide' if args.wide else ''}.png"
+        if plot:  # (a str: Path('') would be '.', the current directory)
+            pareto_plot(rows, Path(plot))
+    if args.no_optimizers or args.wide:
         return
     print()
     rows = optimizer_rows(args.rounds, not args.no_torchao)
