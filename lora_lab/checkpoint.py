@@ -89,8 +89,11 @@ class _EveryK(_Full):
         return self.segment.run(fn, args, kwargs)
 
 
-def _signature(args, kwargs) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+def _signature(root: nn.Module, args, kwargs) -> tuple:
+    """What a budget's plan depends on: the inputs' shapes, dtypes, devices and requires_grad, and which parameters
+    require grad (a frozen block on frozen inputs runs plainly, and what the blocks save changes with them)."""
+    return (tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+            tuple(p.requires_grad for p in root.parameters()))
 
 
 class _Budget(_Full):
@@ -106,7 +109,7 @@ class _Budget(_Full):
 
     def start(self, root, forward, args, kwargs) -> None:
         self.n = 0
-        key = _signature(args, kwargs)
+        key = _signature(root, args, kwargs)
         if key not in self.plans:
             if len(self.plans) >= 8:
                 self.plans.clear()
@@ -176,7 +179,9 @@ def _builds_graph(module: nn.Module, args, kwargs) -> bool:
     """Whether a block call builds an autograd graph: an input or a parameter of the block requires grad. One
     that does not (frozen, on frozen inputs: the first blocks of a model with adapters only in its attention)
     saves nothing unchecked, so it runs plainly: a checkpoint would keep its inputs for a backward that never
-    reaches it."""
+    reaches it. Trainable tensors the block reaches otherwise (an adapter held outside it that patches a layer's
+    forward, kohya-style) are not seen: such a block, frozen on frozen inputs, runs plainly too (its gradients
+    are right; it saves what it saves unchecked). lora_lab's and PEFT's adapters are submodules."""
     return (any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
             or any(p.requires_grad for p in module.parameters()))
 

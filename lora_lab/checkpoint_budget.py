@@ -54,6 +54,8 @@ class _Op:
     root: bool = False  # draws random numbers: always run again
     costly: bool = False  # an op whose output "selective" keeps (a matmul, convolution or attention)
     softmax: bool = False
+    writes: set[int] = field(default_factory=set)  # origins it changed in place
+    written_at: int | None = None  # where in its call an op first changed its output in place (-1: in another call)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class _Profile(TorchDispatchMode):
         self.counted: list[int] = []  # per block call, how many counted ops it has run so far
         self.inputs: list[set[int]] = []  # per block call, origins of its tensor inputs
         self.inside: list[set[int]] = []  # per block call, origins autograd saves inside it
+        self.stops: list[int] = []  # per block call, how many ops it ran before its last save
         self.outside: set[int] = set()  # origins autograd saves outside the blocks
         self.call: int | None = None
 
@@ -134,7 +137,9 @@ class _Profile(TorchDispatchMode):
             o = self.origin.get(s)
             if o is not None and o in self.owner:
                 c, i = self.owner[o]
-                self.calls[c][i].replayable = False
+                op = self.calls[c][i]
+                if op.written_at is None:
+                    op.written_at = len(self.calls[c]) if c == self.call else -1
         made = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -154,7 +159,7 @@ class _Profile(TorchDispatchMode):
                            key is not None and bool(made) and _replayable(func, args, kwargs), key,
                            {self.origin[s] for s in ins if s in self.origin},
                            torch.Tag.nondeterministic_seeded in func.tags, _is_costly(func, args, kwargs),
-                           func.overloadpacket in _SOFTMAX))
+                           func.overloadpacket in _SOFTMAX, {self.origin[s] for s in writes if s in self.origin}))
         return out
 
     def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
@@ -181,6 +186,7 @@ class _Profile(TorchDispatchMode):
                 return fn(*args, **kwargs)
         finally:
             self.call = outer
+            self.stops.append(stop[0])
             for op in ops[stop[0] :]:  # the recomputation stops at the last save: these never run again
                 op.cost, op.replayable = 0.0, False
 
@@ -189,11 +195,14 @@ class _Profile(TorchDispatchMode):
         costly ops, the scores matmuls of unfused attention left out, and the frontier of the unsaved ones."""
         out = []
         for c, ops in enumerate(self.calls):
-            scores = attention_scores((i, op.costly, op.softmax, op.ins, op.origins) for i, op in enumerate(ops))
-            keepable = [op.replayable and bool(op.origins) and self.inside[c].issuperset(op.origins) for op in ops]
+            scores = attention_scores((i, op.costly, op.softmax, op.ins, set(op.origins) | op.writes)
+                                      for i, op in enumerate(ops))
+            # (as _Record: an output changed in place before the last save is not kept, one changed after it is)
+            keepable = [op.replayable and bool(op.origins) and self.inside[c].issuperset(op.origins)
+                        and (op.written_at is None or op.written_at >= self.stops[c]) for op in ops]
             picked = {i for i, op in enumerate(ops) if op.costly and op.replayable and i not in scores}
             d = {i for i in picked if keepable[i]}
-            out.append(d | selective_frontier((i, i in picked, op.ins, set(op.origins), keepable[i])
+            out.append(d | selective_frontier((i, i in picked, op.ins, set(op.origins) | op.writes, keepable[i])
                                               for i, op in enumerate(ops) if i not in d))
         return out
 
@@ -219,7 +228,8 @@ class _Profile(TorchDispatchMode):
         full_bytes = size(base)
         items = sorted(
             # outputs autograd saves: kept from the pack hook after the first forward, with no dispatch mode
-            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c]) if op.replayable and self.inside[c].issuperset(op.origins)),
+            ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c])
+             if op.replayable and op.written_at is None and self.inside[c].issuperset(op.origins)),
             key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
         )
         def block_cost(c: int, d: set[int]) -> float:

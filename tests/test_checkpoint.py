@@ -323,6 +323,44 @@ def test_frozen_blocks_on_frozen_inputs_run_plainly_under_every_policy(monkeypat
     assert len(records) == 6  # the first call of each trainable block records its ops; the frozen ones run plainly
 
 
+class _InplaceAct(nn.Module):
+    """fc1's output changed in place (ReLU(inplace=True)) before anything saves it."""
+
+    def __init__(self, hidden=HIDDEN):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(WIDTH, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, WIDTH)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        return x + self.fc2(torch.sigmoid(h) * h)
+
+
+def test_every_policy_blocks_with_an_in_place_activation():
+    """selective cannot keep fc1's output (ReLU changes it in place): it keeps what is first saved after it. A
+    budget counts selective's choice the same way (`_check_policies`: plan.selective_bytes == what selective keeps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_InplaceAct() for _ in range(4)])
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    _check_policies(model, _InplaceAct, lambda: model(x), policies=["full", "selective", "every_k", "budget:0.9"])
+
+
+def test_budget_replans_when_what_requires_grad_changes():
+    """Frozen blocks on frozen inputs run plainly, so which block calls a plan numbers depends on requires_grad: a
+    plan made with blocks 0-3 frozen must not be reused once they are trainable (same input shapes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_InplaceAct(512 if i < 4 else 128) for i in range(8)])
+    for b in model[:4]:
+        b.requires_grad_(False)
+    x = torch.randn(BATCH, WIDTH)
+    enable_checkpointing(model, _InplaceAct, "budget:0.5")
+    for _ in range(2):
+        model(x).sum().backward()
+        plan = checkpoint_plan(model)
+        assert plan.kept_bytes == saved_activation_bytes(lambda: model(x)), plan
+        model.requires_grad_(True)
+    assert plan.n_calls == 8
+
+
 def test_every_policy_tiny_unet_with_lora_inside():
     diffusers = pytest.importorskip("diffusers")
     from diffusers.models.resnet import ResnetBlock2D
