@@ -226,12 +226,18 @@ class _Profile(TorchDispatchMode):
         cap = budget * plain
         base = kept([set() for _ in range(n)])
         full_bytes = size(base)
+
+        def own(op: _Op) -> int:
+            """The bytes keeping op's outputs adds (an output kept anyway, a block's input, adds nothing)."""
+            return size(set(op.origins) - base)
+
         items = sorted(
             # outputs autograd saves: kept from the pack hook after the first forward, with no dispatch mode
             ((c, i, op) for c in range(n) for i, op in enumerate(self.calls[c])
              if op.replayable and op.written_at is None and self.inside[c].issuperset(op.origins)),
-            key=lambda it: -it[2].cost / (size(set(it[2].origins) - base) + 1),  # an output kept anyway costs nothing
+            key=lambda it: -it[2].cost / (own(it[2]) + 1),
         )
+
         def block_cost(c: int, d: set[int]) -> float:
             """What recomputing block call c costs when it keeps the outputs of ops d: the ops that the saved
             tensors need, run from its tape (ops that only kept ones read are not run)."""
@@ -292,7 +298,7 @@ class _Profile(TorchDispatchMode):
             def cheapest(c: int) -> tuple[float, int]:
                 """The kept output of call c that is cheapest to drop: (added cost per byte, op)."""
                 drops = [((block_cost(c, decisions[c] - {i}) - costs[c]) / freed, i) for i in decisions[c]
-                         for freed in [size(set(self.calls[c][i].origins) - base)] if freed]
+                         for freed in [own(self.calls[c][i])] if freed]
                 return min(drops, default=(float("inf"), -1))
 
             best = [cheapest(c) for c in range(n)]
@@ -302,7 +308,7 @@ class _Profile(TorchDispatchMode):
                 if i < 0:  # nothing left to drop (whole-block checkpointing fits, so this is not reached)
                     break
                 decisions[c].discard(i)
-                total -= size(set(self.calls[c][i].origins) - base)
+                total -= own(self.calls[c][i])
                 costs[c] = block_cost(c, decisions[c])
                 best[c] = cheapest(c)
             return decisions
