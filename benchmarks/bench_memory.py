@@ -2,6 +2,8 @@
 
     python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png] [--profile]
     python benchmarks/bench_memory.py --wide --rounds 7 --budgets 0.2 0.3 0.35 0.5
+    python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention fused
+    python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention unfused --model SD3
 
 Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer (these two also with their
 attention unfused: SDPA's math backend), each with no checkpointing,
@@ -9,7 +11,9 @@ lora_lab's policies (full, selective, every_k, budgets) and torch.utils.checkpoi
 selective policy API on the same blocks, all timed in the same interleaved rounds; a table, the targets,
 and a Pareto plot of bytes kept against step time. --wide: the same for a UNet and an SD3 transformer with
 real heads (64 channels) and LoRA on a frozen base, where a tiny model's per-op overhead no longer hides the
-trade (a few seconds a step).
+trade (a few seconds a step). --real: SDXL's and SD3.5 Medium's own widths and token counts, fewer layers (tens
+of seconds a step; the fused run takes 17 minutes; no plot). The SDXL-wide UNet with unfused attention runs out
+of 24 GiB (its unchecked step alone saves 4.6 GB), hence --model SD3 there.
 
 Activation and state bytes are exact counts (lora_lab.memory), not allocator readings. Times are
 medians of interleaved runs (each round runs every variant once), so a load change on the machine
@@ -49,6 +53,7 @@ from lora_lab import (
 )
 from lora_lab.checkpoint import checkpoint_plan
 from lora_lab.checkpoint_ops import _is_costly
+from lora_lab.diffusion.real import SD35_MEDIUM, TEXT_TOKENS, UNET_SDXL
 from lora_lab.diffusion.train_config import ATTENTION_TARGETS
 from lora_lab.fileio import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
@@ -83,6 +88,15 @@ WIDE_SD3 = {
     "caption_projection_dim": 512, "joint_attention_dim": 768, "pooled_projection_dim": 256, "out_channels": 16,
 }
 WIDE_LORA_RANK = 16
+# --real: the widths, heads and token counts of SDXL at 1024 px and SD3.5 Medium at 768 px (the LoRA as in --wide),
+# with fewer layers so that a step takes seconds on this CPU: SDXL's three levels with one ResNet and one transformer
+# layer each where SDXL has two and [1, 2, 10]; two of SD3.5 Medium's 24 joint blocks, the first with its dual
+# attention (as its blocks 0-12 have). Attention sees 4,096 and 1,024 tokens (SDXL's 64x64 and 32x32 levels) and
+# 2,304 image + 333 text tokens (SD3). SD3 at 1024 px with unfused attention (24 heads x 4,429^2 probabilities,
+# 1.9 GB an attention) ran out of this machine's 24 GiB in its first unchecked step; so did the UNet's unfused run.
+REAL_UNET = {**UNET_SDXL, "layers_per_block": 1, "transformer_layers_per_block": [1, 1, 1]}
+REAL_SD3 = {**SD35_MEDIUM, "num_layers": 2, "dual_attention_layers": [0], "sample_size": 96}
+REAL_VARIANTS = ("full", "selective", "budget:0.3")
 WEIGHT = (4096, 4096)  # 16.7M parameters
 
 
@@ -98,7 +112,15 @@ def steady_allocator() -> bool:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # (an int over 32 bits would be cut, not refused)
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    return bool(libc.mallopt(m_mmap_threshold, 2**31 - 1)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def release_freed() -> None:
+    """Give the memory freed so far back to the OS (glibc's malloc_trim), between models: steady_allocator keeps it
+    otherwise: 21 GB of this machine's 24 GiB were still held after the two real-size fused models (16 GB with this)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _median_times(fns: dict, rounds: int) -> dict[str, float]:
@@ -149,16 +171,16 @@ def _torch_checkpoint(blocks, selective: bool) -> None:
         b.forward = functools.partial(torch.utils.checkpoint.checkpoint, b.forward, use_reentrant=False, **extra)
 
 
-def _subjects(wide: bool = False) -> Iterator[tuple]:
+def _subjects(scale: str = "tiny") -> Iterator[tuple]:
     """Yields (name, model, loss(model), blocks(model)) for the stack, the tiny UNet and the tiny SD3 transformer,
     then the UNet and the transformer again with their attention unfused: those two are yielded inside
     `sdpa_kernel(MATH)`, so everything the caller runs with them (forward and backward, every variant, torch's
     checkpoint too) runs SDPA's math backend, which makes and saves the seq x seq scores and probabilities
-    (Korthikanti et al.'s setting, and attention that no fused kernel takes). wide: the UNet and the transformer
-    with heads of 64 and LoRA on a frozen base (WIDE_UNET, WIDE_SD3) instead, and no stack."""
+    (Korthikanti et al.'s setting, and attention that no fused kernel takes). scale "wide" / "real": the UNet and
+    the transformer of WIDE_* / REAL_* with LoRA on a frozen base instead, and no stack."""
     torch.manual_seed(0)
     out = []
-    if not wide:
+    if scale == "tiny":
         stack = BlockStack(**STACK).train()
         x = torch.randn(STACK_BATCH, STACK["width"])
         out.append(("12-block residual MLP stack", stack, lambda m: m(x).square().mean(), lambda m: m.blocks))
@@ -171,20 +193,30 @@ def _subjects(wide: bool = False) -> Iterator[tuple]:
         print("diffusers not installed: UNet and transformer rows skipped")
         yield from out
         return
-    unet = diffusers.UNet2DConditionModel(**(WIDE_UNET if wide else TINY_UNET)).train()
-    sd3 = diffusers.SD3Transformer2DModel(**(WIDE_SD3 if wide else TINY_SD3)).train()
-    if wide:
-        for m in (unet, sd3):
-            add_lora(m, LoRAConfig(rank=WIDE_LORA_RANK, alpha=WIDE_LORA_RANK, targets=list(ATTENTION_TARGETS)))
-        sample, t, text = torch.randn(1, 4, 32, 32), torch.tensor([500]), torch.randn(1, 77, 768)
-        latents, prompt, pooled, steps = torch.randn(1, 16, 64, 64), torch.randn(1, 77, 768), torch.randn(1, 256), torch.tensor([500.0])
-        names = ("UNet 320/640 wide, heads of 64, LoRA", "SD3 transformer 512 wide, heads of 64, LoRA")
-    else:
+    unet_cfg, sd3_cfg = {"tiny": (TINY_UNET, TINY_SD3), "wide": (WIDE_UNET, WIDE_SD3), "real": (REAL_UNET, REAL_SD3)}[scale]
+    unet = diffusers.UNet2DConditionModel(**unet_cfg).train()
+    sd3 = diffusers.SD3Transformer2DModel(**sd3_cfg).train()
+    unet_kw: dict = {}
+    if scale == "tiny":
         sample, t, text = torch.randn(UNET_BATCH, 4, 16, 16), torch.tensor([10, 300, 600, 900]), torch.randn(UNET_BATCH, 8, 32)
         latents, prompt, pooled = torch.randn(SD3_BATCH, 4, 32, 32), torch.randn(SD3_BATCH, 16, 32), torch.randn(SD3_BATCH, 64)
         steps = torch.tensor([100.0, 400.0, 700.0, 900.0])
         names = ("tiny diffusers UNet2DConditionModel", "tiny diffusers SD3Transformer2DModel")
-    out.append((names[0], unet, lambda m: m(sample, t, encoder_hidden_states=text).sample.square().mean(),
+    else:
+        for m in (unet, sd3):
+            add_lora(m, LoRAConfig(rank=WIDE_LORA_RANK, alpha=WIDE_LORA_RANK, targets=list(ATTENTION_TARGETS)))
+        t, steps = torch.tensor([500]), torch.tensor([500.0])
+        n_unet, n_sd3 = unet_cfg["sample_size"], sd3_cfg["sample_size"]  # latent sides
+        sample, text = torch.randn(1, 4, n_unet, n_unet), torch.randn(1, 77, unet_cfg["cross_attention_dim"])
+        text_tokens = 77 if scale == "wide" else TEXT_TOKENS["sd35-medium"]
+        latents, prompt = torch.randn(1, 16, n_sd3, n_sd3), torch.randn(1, text_tokens, sd3_cfg["joint_attention_dim"])
+        pooled = torch.randn(1, sd3_cfg["pooled_projection_dim"])
+        if scale == "wide":
+            names = ("UNet 320/640 wide, heads of 64, LoRA", "SD3 transformer 512 wide, heads of 64, LoRA")
+        else:  # SDXL's added conditions: pooled text (1,280) and 6 size/crop ids
+            unet_kw = {"added_cond_kwargs": {"text_embeds": torch.randn(1, 1280), "time_ids": torch.tensor([[1024.0, 1024, 0, 0, 1024, 1024]])}}
+            names = ("SDXL-wide UNet, 1024 px, LoRA", "SD3.5 Medium, 2 joint blocks, 768 px, LoRA")
+    out.append((names[0], unet, lambda m: m(sample, t, encoder_hidden_states=text, **unet_kw).sample.square().mean(),
                 lambda m: (ResnetBlock2D, Transformer2DModel)))
     out.append((names[1], sd3, lambda m: m(latents, prompt, pooled, steps).sample.square().mean(),
                 lambda m: JointTransformerBlock))
@@ -194,19 +226,34 @@ def _subjects(wide: bool = False) -> Iterator[tuple]:
             yield f"{name}, unfused attention", model, loss, blocks
 
 
-def checkpointing_rows(rounds: int, budgets: list[float], wide: bool) -> list[dict]:
-    """One row per (model, variant); every variant of a model is timed in the same interleaved rounds."""
+def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the modules that shares the parameters and buffers: each variant of a real-size model runs the
+    same weights, held once (full copies would not fit in memory). Each step sets the gradients to None after its
+    backward, so the variants do not see each other's. The tiny and wide models keep a full copy per variant, as
+    their tables were measured."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def checkpointing_rows(rounds: int, budgets: list[float], scale: str, attention: str = "both", which: str = "all") -> list[dict]:
+    """One row per (model, variant); every variant of a model is timed in the same interleaved rounds. At the
+    real scale only the policies of REAL_VARIANTS and torch's whole-block checkpoint run (a step takes seconds)."""
     rows = []
-    for name, model, loss_fn, blocks in _subjects(wide):
+    policies = list(REAL_VARIANTS) if scale == "real" else ["full", "selective", "every_k"] + [f"budget:{b:g}" for b in budgets]
+    refs = (("torch.utils.checkpoint", False),) if scale == "real" else (("torch.utils.checkpoint", False), ("torch selective (SAC)", True))
+    copy_of = _sharing_copy if scale == "real" else copy.deepcopy
+    for name, model, loss_fn, blocks in _subjects(scale):
+        if attention != "both" and ("unfused" in name) != (attention == "unfused") or which != "all" and which not in name:
+            continue
         variants = {"none": model}
-        for policy in ["full", "selective", "every_k"] + [f"budget:{b:g}" for b in budgets]:
-            m = copy.deepcopy(model)  # the same weights
+        for policy in policies:
+            m = copy_of(model)
             enable_checkpointing(m, blocks(m), policy)
             variants[policy] = m
-        probe = copy.deepcopy(model)
+        probe = copy_of(model)
         names = enable_checkpointing(probe, blocks(probe))  # the names of the blocks, for torch's checkpoint
-        for ref, selective in (("torch.utils.checkpoint", False), ("torch selective (SAC)", True)):
-            m = copy.deepcopy(model)
+        for ref, selective in refs:
+            m = copy_of(model)
             _torch_checkpoint([m.get_submodule(n) for n in names], selective)
             variants[ref] = m
 
@@ -228,7 +275,10 @@ def checkpointing_rows(rounds: int, budgets: list[float], wide: bool) -> list[di
             plan = checkpoint_plan(m)
             rows.append({"model": name, "variant": k, "bytes": kept[k], "ratio": kept[k] / plain, "s": times[k],
                          "overhead": times[k] / times["none"] - 1, "plan": str(plan) if plan else ""})
-        print(f"  {name}: done", flush=True)
+        for r in rows[-len(variants):]:  # as each model ends: a run cut short keeps what it measured
+            print(f"  {name}: {r['variant']}: {r['bytes']:,} bytes ({r['ratio']:.3f}), {r['s']:.3f} s ({r['overhead']:+.0%})", flush=True)
+        del variants, m, probe
+        release_freed()
     return rows
 
 
@@ -242,13 +292,13 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile_rows(rounds: int, wide: bool) -> list[dict]:
+def profile_rows(rounds: int, scale: str) -> list[dict]:
     """Where a step's time goes, per model: the forward (no grad) plain and under a pass-through dispatch mode,
     the self time of the costly ops (torch profiler), and forward / backward of none, full and selective."""
     from torch.profiler import profile
 
     rows = []
-    for name, model, loss_fn, blocks in _subjects(wide):
+    for name, model, loss_fn, blocks in _subjects(scale):
         variants = {"none": model}
         for policy in ("full", "selective"):
             variants[policy] = copy.deepcopy(model)
@@ -323,10 +373,10 @@ def _saved_per_block(model, loss_fn, block_types) -> Counter:
     return out
 
 
-def block_rows(wide: bool) -> list[dict]:
+def block_rows(scale: str) -> list[dict]:
     """Per kind of block: what "selective" keeps against what the unchecked block saves (exact bytes)."""
     rows = []
-    for name, model, loss_fn, blocks in _subjects(wide):
+    for name, model, loss_fn, blocks in _subjects(scale):
         probe = copy.deepcopy(model)
         names = enable_checkpointing(probe, blocks(probe))
         kinds = tuple({type(probe.get_submodule(n)) for n in names})
@@ -445,9 +495,18 @@ def main() -> None:
     ap.add_argument("--no-torchao", action="store_true", help="skip torchao (its first step compiles for ~1 min)")
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5], help="checkpoint budgets to measure")
     ap.add_argument("--plot", help="Pareto plot path ('' for none; default docs/checkpoint_pareto.png, with --wide"
-                    " docs/checkpoint_pareto_wide.png)")
-    ap.add_argument("--wide", action="store_true", help="checkpointing of the UNet and the SD3 transformer with heads of 64"
-                    " and LoRA on a frozen base (WIDE_UNET, WIDE_SD3) instead of the tiny models; no optimizers")
+                    " docs/checkpoint_pareto_wide.png, with --real none)")
+    scale = ap.add_mutually_exclusive_group()
+    scale.add_argument("--wide", action="store_const", dest="scale", const="wide", default="tiny",
+                       help="checkpointing of the UNet and the SD3 transformer with heads of 64 and LoRA on a frozen base"
+                       " (WIDE_UNET, WIDE_SD3) instead of the tiny models; no optimizers")
+    scale.add_argument("--real", action="store_const", dest="scale", const="real",
+                       help="the same with the widths and token counts of SDXL at 1024 px and SD3.5 Medium at 768 px,"
+                       " fewer layers (REAL_UNET, REAL_SD3), policies REAL_VARIANTS (--budgets ignored); ~16 GB of memory")
+    ap.add_argument("--attention", choices=("fused", "unfused", "both"), default="both", help="checkpointing: only the"
+                    " models with fused (SDPA's choice) or unfused attention; in 24 GiB, --real needs one process for"
+                    " each, and --model SD3 when unfused")
+    ap.add_argument("--model", choices=("all", "UNet", "SD3"), default="all", help="checkpointing: only this model")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
     ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
     ap.add_argument("--profile", action="store_true", help="also print where a step's time goes (dispatch mode, costly ops)")
@@ -459,21 +518,21 @@ def main() -> None:
           f"{'kept in the process (mallopt)' if steady else 'handled by the allocator as it is'}\n", flush=True)
 
     if args.profile:
-        print_profile(profile_rows(args.rounds, args.wide))
+        print_profile(profile_rows(args.rounds, args.scale))
         print()
         print("| model | block | bytes the unchecked blocks save | selective keeps | kept / unchecked |")
         print("|---|---|---:|---:|---:|")
-        for r in block_rows(args.wide):
+        for r in block_rows(args.scale):
             print(f"| {r['model']} | {r['block']} | {r['plain']:,} | {r['kept']:,} | {r['kept'] / r['plain']:.3f} |")
         print()
     if not args.no_checkpointing:
-        rows = checkpointing_rows(args.rounds, args.budgets, args.wide)
+        rows = checkpointing_rows(args.rounds, args.budgets, args.scale, args.attention, args.model)
         print()
         print_checkpointing(rows)
-        plot = args.plot if args.plot is not None else f"docs/checkpoint_pareto{'_wide' if args.wide else ''}.png"
+        plot = args.plot if args.plot is not None else {"tiny": "docs/checkpoint_pareto.png", "wide": "docs/checkpoint_pareto_wide.png", "real": ""}[args.scale]
         if plot:  # (a str: Path('') would be '.', the current directory)
             pareto_plot(rows, Path(plot))
-    if args.no_optimizers or args.wide:
+    if args.no_optimizers or args.scale != "tiny":
         return
     print()
     rows = optimizer_rows(args.rounds, not args.no_torchao)
