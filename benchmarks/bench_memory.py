@@ -100,15 +100,23 @@ REAL_VARIANTS = ("full", "selective", "budget:0.3")
 WEIGHT = (4096, 4096)  # 16.7M parameters
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library's allocator controls (mallopt, malloc_trim), or None where the C library is not glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def steady_allocator() -> bool:
     """Keep freed memory in the process, as PyTorch's CUDA caching allocator does. glibc's malloc gives a freed
     block above its mmap threshold back to the OS, so each step page-faults its largest tensors afresh (the
     unfused attention's probabilities: 4.7 MB a block), and the threshold moves with the run's history: the same
     command measured the unfused SD3 transformer's "full" at +24% in one run and +55% in the next. With large
     blocks taken from the heap and the heap never trimmed, every variant runs on reused pages."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator's own policy stands
+    libc = _glibc()
+    if libc is None:  # not glibc: its allocator's own policy stands
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # (an int over 32 bits would be cut, not refused)
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
@@ -119,8 +127,8 @@ def release_freed() -> None:
     """Give the memory freed so far back to the OS (glibc's malloc_trim), between models: steady_allocator keeps it
     otherwise: 21 GB of this machine's 24 GiB were still held after the two real-size fused models (16 GB with this)."""
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if _glibc() is not None:
+        _glibc().malloc_trim(0)
 
 
 def _median_times(fns: dict, rounds: int) -> dict[str, float]:
@@ -243,7 +251,8 @@ def checkpointing_rows(rounds: int, budgets: list[float], scale: str, attention:
     refs = (("torch.utils.checkpoint", False),) if scale == "real" else (("torch.utils.checkpoint", False), ("torch selective (SAC)", True))
     copy_of = _sharing_copy if scale == "real" else copy.deepcopy
     for name, model, loss_fn, blocks in _subjects(scale):
-        if attention != "both" and ("unfused" in name) != (attention == "unfused") or which != "all" and which not in name:
+        wrong_attention = attention != "both" and ("unfused" in name) != (attention == "unfused")
+        if wrong_attention or (which != "all" and which not in name):
             continue
         variants = {"none": model}
         for policy in policies:
