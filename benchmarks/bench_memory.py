@@ -3,7 +3,8 @@
     python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao] [--plot docs/checkpoint_pareto.png] [--profile]
     python benchmarks/bench_memory.py --wide --rounds 7 --budgets 0.2 0.3 0.35 0.5
     python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention fused
-    python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention unfused --model SD3
+    python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention unfused --model UNet
+    python benchmarks/bench_memory.py --real --threads 2 --rounds 7 --attention unfused --model SD3
 
 Checkpointing: the 12-block stack, the tiny UNet and a tiny SD3 transformer (these two also with their
 attention unfused: SDPA's math backend), each with no checkpointing,
@@ -12,8 +13,8 @@ selective policy API on the same blocks, all timed in the same interleaved round
 and a Pareto plot of bytes kept against step time. --wide: the same for a UNet and an SD3 transformer with
 real heads (64 channels) and LoRA on a frozen base, where a tiny model's per-op overhead no longer hides the
 trade (a few seconds a step). --real: SDXL's and SD3.5 Medium's own widths and token counts, fewer layers (tens
-of seconds a step; the fused run takes 17 minutes; no plot). The SDXL-wide UNet with unfused attention runs out
-of 24 GiB (its unchecked step alone saves 4.6 GB), hence --model SD3 there.
+of seconds a step; the fused run takes 13 minutes; no plot). With unfused attention, one model a process: the
+SDXL-wide UNet's unchecked step alone saves 4.6 GB (the run peaks at 17 GB; 10 minutes).
 
 Activation and state bytes are exact counts (lora_lab.memory), not allocator readings. Times are
 medians of interleaved runs (each round runs every variant once), so a load change on the machine
@@ -93,7 +94,7 @@ WIDE_LORA_RANK = 16
 # layer each where SDXL has two and [1, 2, 10]; two of SD3.5 Medium's 24 joint blocks, the first with its dual
 # attention (as its blocks 0-12 have). Attention sees 4,096 and 1,024 tokens (SDXL's 64x64 and 32x32 levels) and
 # 2,304 image + 333 text tokens (SD3). SD3 at 1024 px with unfused attention (24 heads x 4,429^2 probabilities,
-# 1.9 GB an attention) ran out of this machine's 24 GiB in its first unchecked step; so did the UNet's unfused run.
+# 1.9 GB an attention) ran out of this machine's 24 GiB in its first unchecked step.
 REAL_UNET = {**UNET_SDXL, "layers_per_block": 1, "transformer_layers_per_block": [1, 1, 1]}
 REAL_SD3 = {**SD35_MEDIUM, "num_layers": 2, "dual_attention_layers": [0], "sample_size": 96}
 REAL_VARIANTS = ("full", "selective", "budget:0.3")
@@ -125,7 +126,7 @@ def steady_allocator() -> bool:
 
 def release_freed() -> None:
     """Give the memory freed so far back to the OS (glibc's malloc_trim), between models: steady_allocator keeps it
-    otherwise: 21 GB of this machine's 24 GiB were still held after the two real-size fused models (16 GB with this)."""
+    otherwise."""
     gc.collect()
     if _glibc() is not None:
         _glibc().malloc_trim(0)
@@ -364,7 +365,7 @@ def _saved_per_block(model, loss_fn, block_types) -> Counter:
                 def pack(t):
                     if t.untyped_storage()._cdata not in params:
                         seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-                    return t
+                    return t.detach()  # (not t: see lora_lab.memory.saved_activation_bytes)
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = _f(*a, **k)
@@ -514,7 +515,7 @@ def main() -> None:
                        " fewer layers (REAL_UNET, REAL_SD3), policies REAL_VARIANTS (--budgets ignored); ~16 GB of memory")
     ap.add_argument("--attention", choices=("fused", "unfused", "both"), default="both", help="checkpointing: only the"
                     " models with fused (SDPA's choice) or unfused attention; in 24 GiB, --real needs one process for"
-                    " each, and --model SD3 when unfused")
+                    " each, and one for each --model when unfused")
     ap.add_argument("--model", choices=("all", "UNet", "SD3"), default="all", help="checkpointing: only this model")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
     ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")

@@ -69,7 +69,9 @@ def saved_activation_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
         key = _storage_key(t)
         if key is not None:
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
-        return t
+        # detached: an op's saved output packed with its own grad_fn is a cycle through C++ that no gc.collect()
+        # frees when backward never runs (pytorch#115255), and every call leaked the graph's saved bytes
+        return t.detach()
 
     with _NewStorages() as new, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
