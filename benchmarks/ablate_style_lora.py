@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from lora_lab.diffusion import TrainConfig, denoiser, train
-from lora_lab.diffusion.effect import fit_classifiers
-from lora_lab.diffusion.models import DATA_DIR, DIGIT_NAMES
-from lora_lab.diffusion.sampling import sample
-from lora_lab.notebook import _literal_assignments
+from lora_lab.diffusion import TrainConfig, sample, train
+from lora_lab.models import DATA_DIR, DIGIT_NAMES, denoiser
+from lora_lab.notebook.effect import fit_classifiers
+from lora_lab.notebook.record import _literal_assignments
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_diffusion_lora.ipynb"
 UNETS = ("sdxl", "sd15")  # trained for UNET_STEPS, with LoCon when CONV (as notebook 07 does)

@@ -10,7 +10,7 @@ Rows, all bf16 activations and base weights, fp32 adapter weights (as lora_lab t
       torch       lora_lab LoRALinear(backend="torch"): the unfused PyTorch formulation it replaces
       torch-bf16  the leanest unfused PyTorch: addmm for the base, the adapter in bf16, addmm_ for the add
       peft        PEFT's LoRA Linear
-  DoRA layer forward+backward, same shapes: triton, torch (lora_lab dora.py) and PEFT's DoRA.
+  DoRA layer forward+backward, same shapes: triton, torch (lora_lab.functional.dora) and PEFT's DoRA.
   8-bit Adam step on a 4096 x 4096 fp32 tensor: the Triton kernel, lora_lab's PyTorch path, bitsandbytes.
 
 Each time is the median over interleaved rounds (every variant once per round, so clock or
@@ -68,8 +68,7 @@ elif not torch.cuda.is_available():
 
 from torch import nn
 
-from lora_lab.adam import AdamHyper, adam_step_
-from lora_lab.blockwise import quantize_blockwise
+from lora_lab.functional import AdamHyper, adam_step_, quantize_blockwise
 from lora_lab.kernels.adam8bit import adam8bit_step
 from lora_lab.lora import LoRAConfig, LoRALinear
 

@@ -56,13 +56,13 @@ def main() -> None:
 
     import torch
 
-    from lora_lab.formats import LoraFile, LoraModule, save_lora
+    from lora_lab.formats import LoraFile, LoraWeights, save_lora
 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "big.safetensors", Path(tmp) / "out.safetensors"
         n = args.mib * 2**20 // (8 * 2 * 64 * 4)
         mods = {f"unet.down_blocks.0.attentions.0.transformer_blocks.{i}.attn1.to_q":
-                LoraModule(torch.full((64, n), 0.01), torch.full((n, 64), 0.01), 8.0) for i in range(8)}
+                LoraWeights(torch.full((64, n), 0.01), torch.full((n, 64), 0.01), 8.0) for i in range(8)}
         save_lora(src, LoraFile(mods), base="sd15")
         del mods
         size = src.stat().st_size / 2**20

@@ -52,13 +52,13 @@ from lora_lab import (
     enable_checkpointing,
     optimizer_state_bytes,
 )
-from lora_lab.checkpoint import checkpoint_plan
-from lora_lab.checkpoint_ops import _is_costly
-from lora_lab.diffusion.real import SD35_MEDIUM, TEXT_TOKENS, UNET_SDXL
-from lora_lab.diffusion.train_config import ATTENTION_TARGETS
+from lora_lab.checkpointing import checkpointing_plan
+from lora_lab.checkpointing.ops import _is_costly
+from lora_lab.diffusion.config import ATTENTION_TARGETS
 from lora_lab.fileio import atomic_write_bytes
 from lora_lab.memory import saved_activation_bytes
-from lora_lab.notebook import isolate_caches
+from lora_lab.models.real import SD35_MEDIUM, TEXT_TOKENS, UNET_SDXL
+from lora_lab.notebook.runner import isolate_caches
 
 STACK = {"n_blocks": 12, "width": 256, "hidden": 1024, "out": 10, "dropout": 0.1}
 STACK_BATCH = 128
@@ -282,7 +282,7 @@ def checkpointing_rows(rounds: int, budgets: list[float], scale: str, attention:
                 kept[k] = exact
         times = _median_times({k: functools.partial(step, m) for k, m in variants.items()}, rounds)
         for k, m in variants.items():
-            plan = checkpoint_plan(m)
+            plan = checkpointing_plan(m)
             rows.append({"model": name, "variant": k, "bytes": kept[k], "ratio": kept[k] / plain, "s": times[k],
                          "overhead": times[k] / times["none"] - 1, "plan": str(plan) if plan else ""})
         for r in rows[-len(variants):]:  # as each model ends: a run cut short keeps what it measured

@@ -42,7 +42,7 @@ QUANTIZED_ROWS = [  # (model, resolution, checkpointing, optimizer, base quantiz
 
 
 def real_table(rows, rank: int) -> None:
-    from lora_lab.planner import plan_memory
+    from lora_lab.planning import plan_memory
 
     quantized = len(rows[0]) == 5
     print(f"| model | resolution | {'base | ' if quantized else ''}checkpointing | optimizer | attention | "
@@ -60,9 +60,8 @@ def real_table(rows, rank: int) -> None:
 
 
 def validate() -> None:
-    from lora_lab.diffusion.train import TrainConfig
-    from lora_lab.planner import plan_memory
-    from lora_lab.step_memory import measure_training_step
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.planning import measure_training_step, plan_memory
 
     print("| kind | checkpointing | optimizer | autocast | measured peak B | predicted peak B | error | state B (both) |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
@@ -87,9 +86,8 @@ def validate() -> None:
 
 def validate_quantized() -> None:
     """The same check with the frozen denoiser stored quantized (tiny sdxl, no checkpointing, adamw, fp32)."""
-    from lora_lab.diffusion.train import TrainConfig
-    from lora_lab.planner import plan_memory
-    from lora_lab.step_memory import measure_training_step
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.planning import measure_training_step, plan_memory
 
     print("| kind | base | measured peak B | predicted peak B | error |")
     print("| --- | --- | ---: | ---: | ---: |")
@@ -102,9 +100,8 @@ def validate_quantized() -> None:
 
 
 def speed() -> None:
-    from lora_lab.budget import fit
-    from lora_lab.fakedevice import warm_caches
-    from lora_lab.planner import PlanError, plan_memory
+    from lora_lab.planning import PlanError, fit_vram, plan_memory
+    from lora_lab.planning.fakedevice import warm_caches
 
     t = time.perf_counter()
     warm_caches()  # what the first plan in a process would do first: import diffusers' and transformers' classes
@@ -116,11 +113,11 @@ def speed() -> None:
         seconds.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     t = time.perf_counter()
-    r = fit("24GiB", "sdxl", resolution=1024, rank=16)
+    r = fit_vram("24GiB", "sdxl", resolution=1024, rank=16)
     t_fit = time.perf_counter() - t
     t = time.perf_counter()
     try:  # nothing fits 4 GiB: fit plans all four options before it says so
-        fit("4GiB", "sdxl", resolution=1024, rank=16)
+        fit_vram("4GiB", "sdxl", resolution=1024, rank=16)
     except PlanError:
         pass
     t_all = time.perf_counter() - t
@@ -138,7 +135,7 @@ def speed() -> None:
 def policies_table(models: list[str], rank: int) -> None:
     """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy, with
     the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores materialised)."""
-    from lora_lab.planner import plan_memory
+    from lora_lab.planning import plan_memory
 
     print("| model | attention | checkpointing | saved activations | kept / none | predicted peak | plan s |")
     print("|---|---|---|---:|---:|---:|---:|")

@@ -126,7 +126,7 @@ def bytes_and_error(features: int, seed: int = 0) -> list[tuple[str, float, floa
 
 def sdxl_errors(seed: int = 0) -> list[tuple[str, float]]:
     """Relative error summed over every Linear of the shipped tiny SDXL UNet (x ~ N(0, 1), 64 tokens)."""
-    from lora_lab.diffusion.models import build_pipeline, shipped_base
+    from lora_lab.models import build_pipeline, shipped_base
 
     unet = build_pipeline("sdxl", shipped_base("sdxl")).unet
     weights = [m.weight.detach().float() for m in unet.modules() if isinstance(m, nn.Linear)]
@@ -212,10 +212,9 @@ def train_rates(steps: int, eval_seeds: int) -> list[tuple[str, float, float, fl
     import tempfile
 
     from lora_lab import lora_disabled
-    from lora_lab.diffusion.effect import fit_classifiers
-    from lora_lab.diffusion.models import DIGIT_NAMES, denoiser
-    from lora_lab.diffusion.sampling import sample
-    from lora_lab.diffusion.train import TrainConfig, train
+    from lora_lab.diffusion import TrainConfig, sample, train
+    from lora_lab.models import DIGIT_NAMES, denoiser
+    from lora_lab.notebook.effect import fit_classifiers
 
     _, inverted = fit_classifiers()
     prompts = [f"a digit {DIGIT_NAMES[d]}, inverted" for d in range(10)]

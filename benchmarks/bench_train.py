@@ -28,26 +28,13 @@ from pathlib import Path
 
 import torch
 
+from lora_lab.diffusion import diffusion_loss, objective_for
+from lora_lab.diffusion.config import ATTENTION_TARGETS
 from lora_lab.diffusion.data import encode_dataset, global_batch_indices
-from lora_lab.diffusion.kinds import model_kind
-from lora_lab.diffusion.models import (
-    RESOLUTION,
-    build_pipeline,
-    denoiser,
-    predict,
-    shipped_base,
-)
-from lora_lab.diffusion.objectives import diffusion_loss, objective_for
-from lora_lab.diffusion.train import (
-    TrainConfig,
-    add_adapter,
-    denoising_loss,
-    make_optimizer,
-    step_generator,
-    train,
-)
-from lora_lab.diffusion.train_config import ATTENTION_TARGETS
+from lora_lab.diffusion.step import denoising_loss, step_generator
+from lora_lab.diffusion.trainer import TrainConfig, add_adapter, make_optimizer, train
 from lora_lab.memory import optimizer_state_bytes, saved_activation_bytes
+from lora_lab.models import RESOLUTION, build_pipeline, denoiser, model_kind, predict, shipped_base
 
 WARMUP = 2  # steps dropped from each run's median
 VARIANTS = {  # row name -> TrainConfig changes (None: the reference loop)
@@ -147,12 +134,12 @@ def memory_of(config: TrainConfig | None, base: TrainConfig) -> tuple[int, int, 
             pred = predict(base.model, model, objective.noisy(x0, noise, t), t, cond, vae_scale_factor=pipe.vae_scale_factor)
             return diffusion_loss(pred, objective.target(x0, noise, t))
     else:
-        from lora_lab.checkpoint import enable_checkpointing
+        from lora_lab.checkpointing import enable_checkpointing
 
         pipe = build_pipeline(cfg.model, shipped_base(cfg.model))
         latents, embeds, _captions = encoded(cfg, pipe)
         model = denoiser(pipe)
-        add_adapter(model, cfg)
+        add_adapter(model, cfg, model_kind(cfg.model))
         if cfg.gradient_checkpointing:
             enable_checkpointing(model, model_kind(cfg.model).checkpoint_blocks())
         model.train()
@@ -161,7 +148,7 @@ def memory_of(config: TrainConfig | None, base: TrainConfig) -> tuple[int, int, 
         objective = objective_for(pipe)
 
         def forward(x0, noise, t, cond):
-            return denoising_loss(cfg, pipe, objective, x0, noise, t, cond)
+            return denoising_loss(cfg, model_kind(cfg.model), pipe, objective, x0, noise, t, cond)
 
     idx = torch.arange(cfg.batch_size) % latents.shape[0]
     noise = torch.randn((cfg.batch_size, *latents.shape[1:]), generator=g)

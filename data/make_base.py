@@ -40,11 +40,10 @@ from pathlib import Path
 
 import torch
 
-from lora_lab.diffusion import models as M
-from lora_lab.diffusion.effect import DigitClassifier, InvertedClassifier, digit_images
-from lora_lab.diffusion.kinds import t5_length
-from lora_lab.diffusion.objectives import diffusion_loss, objective_for
-from lora_lab.diffusion.sampling import image_grid, sample
+from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
+from lora_lab.models import builders as M
+from lora_lab.models.kinds import t5_length
+from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, digit_images
 
 SEED = 0
 N_TRAIN = 1600        # digits 0..1599 train the base; 1600..1796 are held out

@@ -15,9 +15,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from lora_lab.diffusion.effect import digit_images
-from lora_lab.diffusion.models import DIGIT_NAMES
 from lora_lab.diffusion.sampling import to_pil
+from lora_lab.models import DIGIT_NAMES
+from lora_lab.notebook.effect import digit_images
 
 FIRST = 1600     # the first digit the base models did not see
 LAST = 1797      # sklearn has 1797 digits

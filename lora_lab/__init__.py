@@ -1,50 +1,25 @@
-"""lora_lab: adapter training on frozen models in PyTorch, verified."""
+"""lora_lab: adapter training on frozen models in PyTorch, verified.
 
+The names a notebook or a user types; everything else is in its subpackage (docs/architecture.md has the map):
+
+    functional/  tensor maths          lora/      adapters             checkpointing/  recomputation
+    quant/       quantized base        models/    model kinds          formats/        LoRA files
+    diffusion/   the trainer           planning/  memory plans         notebook/       the workbook's helpers
+    kernels/     Triton kernels
+"""
+
+from . import _moved
 from ._version import __version__ as __version__
-from .blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
-from .budget import FitResult, fit
-from .checkpoint import (
-    CheckpointError,
-    CheckpointPlan,
-    checkpoint,
-    checkpoint_plan,
-    disable_checkpointing,
-    enable_checkpointing,
-)
-from .diffusion import (
-    DatasetError,
-    ImageCaptionDataset,
-    ModelLoadError,
-    ObjectiveError,
-    build_pipeline,
-    encode_prompts,
-    objective_for,
-    sample,
-)
-from .diffusion.train import NonFiniteLossError, TrainConfig, TrainConfigError, train
-from .errors import LoraFormatError, LoraLabError, TensorKindError, WeightFileError
-from .formats import (
-    LoraFile,
-    LoraModule,
-    LoraWeights,
-    UnetLayout,
-    convert_lora,
-    diffusers_name,
-    kohya_name,
-    load_lora,
-    save_lora,
-    unet_layout,
-)
-from .kernels import KernelBackendError, KernelInputError, resolve_backend
+from .checkpointing import checkpointed, checkpointing_plan, disable_checkpointing, enable_checkpointing
+from .diffusion import TrainConfig, sample, train
+from .errors import LoraLabError
+from .formats import LoraFile, LoraWeights, convert_lora, load_lora, save_lora
 from .layers import Frozen, Linear, Trainable, count_parameters
 from .lora import (
     LoRAConfig,
-    LoRAConfigError,
     LoRAConv2d,
     LoRALinear,
     LoRAModule,
-    LoRAStateError,
-    LoRATargetError,
     add_lora,
     lora_disabled,
     lora_modules,
@@ -54,121 +29,54 @@ from .lora import (
     set_lora_strength,
     unmerge_lora,
 )
-from .memory import (
-    BlockStack,
-    LiveBytes,
-    MemoryMeasurementUnavailable,
-    optimizer_state_bytes,
-    peak_memory,
-    saved_activation_bytes,
-)
-from .merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras, save_merged
-from .optim import Adam8bit, AdamW8bit, OptimizerError
-from .params import (
-    load_frozen,
-    var_from_tensor,
-)
-from .planner import MemoryPlan, PlanError, parse_bytes, plan_memory
-from .precision import MixedPrecision, PrecisionError
-from .quant import (
-    QuantizationError,
-    QuantLinear,
-    QuantReport,
-    dequantize_weight,
-    quantize_base,
-    quantize_weight,
-)
+from .memory import BlockStack, LiveBytes, optimizer_state_bytes, peak_memory, saved_activation_bytes
+from .merge import apply_loras, load_merged, merge_loras, save_merged
+from .models import build_pipeline
+from .optim import Adam8bit, AdamW8bit
+from .params import load_frozen, var_from_tensor
+from .planning import MemoryPlan, fit_vram, plan_memory
+from .precision import MixedPrecision
+from .quant import QuantLinear, quantize_base
 from .quiet import install_log_filters as _install_log_filters
 
 __all__ = [
-    "Adam8bit",
-    "AdamW8bit",
-    "AppliedLoras",
-    "BlockStack",
-    "CheckpointError",
-    "CheckpointPlan",
-    "DatasetError",
-    "FitResult",
-    "Frozen",
-    "ImageCaptionDataset",
-    "KernelBackendError",
-    "KernelInputError",
-    "Linear",
-    "LiveBytes",
-    "LoRAConfig",
-    "LoRAConfigError",
-    "LoRAConv2d",
-    "LoRALinear",
-    "LoRAModule",
-    "LoRAStack",
-    "LoRAStateError",
-    "LoRATargetError",
-    "LoraFile",
-    "LoraFormatError",
-    "LoraLabError",
-    "LoraModule",
-    "LoraWeights",
-    "MemoryMeasurementUnavailable",
-    "MemoryPlan",
-    "MixedPrecision",
-    "ModelLoadError",
-    "NonFiniteLossError",
-    "ObjectiveError",
-    "OptimizerError",
-    "PlanError",
-    "PrecisionError",
-    "QuantLinear",
-    "QuantReport",
-    "QuantizationError",
-    "TensorKindError",
-    "TrainConfig",
-    "TrainConfigError",
-    "Trainable",
-    "UnetLayout",
-    "WeightFileError",
-    "add_lora",
-    "apply_loras",
-    "build_pipeline",
-    "checkpoint",
-    "checkpoint_plan",
-    "convert_lora",
-    "count_parameters",
-    "dequantize_blockwise",
-    "dequantize_weight",
-    "diffusers_name",
-    "disable_checkpointing",
-    "dynamic_map",
-    "enable_checkpointing",
-    "encode_prompts",
-    "fit",
-    "kohya_name",
-    "load_frozen",
-    "load_lora",
-    "load_merged",
-    "lora_disabled",
-    "lora_modules",
-    "lora_state_dict",
-    "merge_lora",
-    "merge_loras",
-    "objective_for",
-    "optimizer_state_bytes",
-    "parse_bytes",
-    "peak_memory",
-    "plan_memory",
-    "quantize_base",
-    "quantize_blockwise",
-    "quantize_weight",
-    "remove_lora",
-    "resolve_backend",
-    "sample",
-    "save_lora",
-    "save_merged",
-    "saved_activation_bytes",
-    "set_lora_strength",
-    "train",
-    "unet_layout",
-    "unmerge_lora",
-    "var_from_tensor",
+    "Adam8bit", "AdamW8bit", "BlockStack", "Frozen", "Linear", "LiveBytes", "LoRAConfig", "LoRAConv2d", "LoRALinear",
+    "LoRAModule", "LoraFile", "LoraLabError", "LoraWeights", "MemoryPlan", "MixedPrecision", "QuantLinear",
+    "TrainConfig", "Trainable", "add_lora", "apply_loras", "build_pipeline", "checkpointed", "checkpointing_plan",
+    "convert_lora", "count_parameters", "disable_checkpointing", "enable_checkpointing", "fit_vram", "load_frozen",
+    "load_lora", "load_merged", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora", "merge_loras",
+    "optimizer_state_bytes", "peak_memory", "plan_memory", "quantize_base", "remove_lora", "sample", "save_lora",
+    "save_merged", "saved_activation_bytes", "set_lora_strength", "train", "unmerge_lora", "var_from_tensor",
 ]
 
+# lora_lab 0.1's top-level names that were renamed or now live only in their subpackage: still importable from
+# here for this release, with a DeprecationWarning naming the new spelling.
+_OLD_NAMES = {
+    "LoraModule": "lora_lab.formats:LoraWeights",
+    "fit": "lora_lab.planning:fit_vram",
+    "FitResult": "lora_lab.planning:FitResult",
+    "checkpoint": "lora_lab.checkpointing:checkpointed",
+    "checkpoint_plan": "lora_lab.checkpointing:checkpointing_plan",
+    "CheckpointError": "lora_lab.checkpointing:CheckpointingError",
+    "CheckpointPlan": "lora_lab.checkpointing:CheckpointingPlan",
+    "TensorKindError": "lora_lab.errors:TensorTypeError",
+    **{name: f"lora_lab.{where}:{name}" for where, names in {
+        "errors": ("LoraFormatError", "WeightFileError", "OptimizerError"),
+        "functional": ("dequantize_blockwise", "dynamic_map", "quantize_blockwise"),
+        "diffusion": ("DatasetError", "ImageCaptionDataset", "ObjectiveError", "objective_for", "NonFiniteLossError",
+                      "TrainConfigError"),
+        "models": ("ModelLoadError", "encode_prompts"),
+        "formats": ("UnetLayout", "diffusers_name", "kohya_name", "unet_layout"),
+        "kernels": ("KernelBackendError", "KernelInputError", "resolve_backend"),
+        "lora": ("LoRAConfigError", "LoRAStateError", "LoRATargetError"),
+        "memory": ("MemoryMeasurementUnavailable",),
+        "merge": ("AppliedLoras", "LoRAStack"),
+        "planning": ("PlanError", "parse_bytes"),
+        "precision": ("PrecisionError",),
+        "quant": ("QuantizationError", "QuantReport", "dequantize_weight", "quantize_weight"),
+    }.items() for name in names},
+}
+__getattr__ = _moved.old_name(__name__, _OLD_NAMES)
+
+_moved.install()  # `import lora_lab.digits` and the other 0.1 module paths still work, with a warning
 _install_log_filters()  # the few third-party import-time log lines that say nothing here (see quiet.py)

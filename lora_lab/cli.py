@@ -10,16 +10,15 @@ import sys
 import typing
 from pathlib import Path
 
-from .budget import fit, fit_config, options_table
-from .checkpoint import CheckpointError, parse_policy
-from .diffusion.kinds import KINDS
-from .diffusion.real import REAL_MODELS
-from .diffusion.train import TrainConfig, resolve_device, sample_with_without, train
+from .checkpointing import CheckpointingError, parse_policy
+from .diffusion.trainer import TrainConfig, resolve_device, sample_with_without, train
 from .errors import LoraLabError
-from .fakedevice import ATTENTION
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
-from .planner import DTYPES, RESIDENT, PlanError, parse_bytes, plan_memory
+from .models import KINDS, REAL_MODELS
+from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory
+from .planning.fakedevice import ATTENTION
+from .planning.planner import DTYPES, RESIDENT
 from .quant import FORMATS as QUANT_FORMATS
 
 # ----------------------------------------------------------------------------- LoRA files
@@ -39,7 +38,7 @@ def _checked_by(parse, error: type[Exception]):
 
 
 _memory_size = _checked_by(parse_bytes, PlanError)  # --vram
-_checkpoint_policy = _checked_by(parse_policy, CheckpointError)  # lora-lab plan --gradient-checkpointing
+_checkpoint_policy = _checked_by(parse_policy, CheckpointingError)  # lora-lab plan --gradient-checkpointing
 
 
 def _lora_spec(text: str) -> tuple[Path, float]:
@@ -165,7 +164,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
             p.add_argument(flag, type=base, default=f.default, help=helptext)
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
-                   help="memory budget, e.g. 24GiB: let the memory planner choose checkpointing, optimizer and "
+                   help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, optimizer and "
                    "micro-batch (--batch-size is then the effective batch)")
     p.set_defaults(func=_run_train)
     return p
@@ -187,7 +186,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
-    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a budget."""
+    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a card's memory."""
     p = sub.add_parser(
         "plan",
         help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options that fit",
@@ -209,7 +208,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="the denoiser's frozen Linear weights stored quantized (default: none)")
     p.add_argument("--gradient-checkpointing", default="full", metavar="POLICY", type=_checkpoint_policy,
                    help="the policy of the options with checkpointing: full | selective | every_k | budget:F (default: full)")
-    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size, help="budget, e.g. 24GiB: mark what fits, choose the fastest")
+    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size, help="the card's memory, e.g. 24GiB: mark what fits, choose the fastest")
     p.set_defaults(func=_run_plan)
     return p
 
@@ -226,7 +225,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(options_table(plans, args.vram))
     if args.vram is not None:
         try:
-            result = fit(args.vram, args.model, batch_size=args.batch_size, plans=plans,
+            result = fit_vram(args.vram, args.model, batch_size=args.batch_size, plans=plans,
                          checkpointing=args.gradient_checkpointing, **common)
         except PlanError as e:
             print(f"lora-lab: error: {e}", file=sys.stderr)
@@ -247,7 +246,7 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
         description="Make images from one prompt and seed with the base model, and with the base plus the "
         "given LoRA files (FILE:STRENGTH, kohya/ComfyUI or diffusers format) applied at run time.",
     )
-    p.add_argument("--model", required=True, choices=KINDS, help="model family")
+    p.add_argument("--model", required=True, choices=KINDS, help="model kind")
     p.add_argument("--base", default=None, help="local diffusers folder or single file (default: tiny base in data/)")
     p.add_argument("--lora", action="append", default=[], type=_lora_spec, metavar="FILE[:STRENGTH]",
                    help="a LoRA file and its strength (repeat to stack several)")

@@ -1,9 +1,12 @@
 """The root of every error lora_lab raises on purpose, and the errors of the bottom layer (files, tensors,
 block-wise quantized optimizer state).
 
-Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant.py, ...);
-this module imports nothing of lora_lab, so every module can look down at it.
+Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant/weights.py, ...);
+this module imports nothing of lora_lab but `_moved` (the 0.1 spellings, stdlib only), so every module can
+look down at it.
 """
+
+from ._moved import old_name
 
 
 class LoraLabError(Exception):
@@ -14,8 +17,8 @@ class WeightFileError(LoraLabError, OSError):
     """A weights file that is missing, not a safetensors file, or damaged."""
 
 
-class TensorKindError(LoraLabError, TypeError):
-    """A tensor of a kind the operation cannot take (e.g. an integer tensor made trainable)."""
+class TensorTypeError(LoraLabError, TypeError):
+    """A tensor of a type the operation cannot take (e.g. an integer tensor made trainable)."""
 
 
 class LoraFormatError(LoraLabError, ValueError):
@@ -25,3 +28,6 @@ class LoraFormatError(LoraLabError, ValueError):
 class OptimizerError(LoraLabError, ValueError):
     """An optimizer misused (a frozen or sparse tensor, a bad hyper-parameter), or 8-bit state given values
     its map cannot hold (negative values for the unsigned map)."""
+
+
+__getattr__ = old_name(__name__, {"TensorKindError": "lora_lab.errors:TensorTypeError"})  # lora_lab 0.1's names

@@ -19,10 +19,10 @@ from .params import var_from_tensor
 
 Frozen = Literal["frozen"]
 Trainable = Literal["trainable"]
-Kind = TypeVar("Kind", Frozen, Trainable)
+Role = TypeVar("Role", Frozen, Trainable)  # whether a layer's weights are frozen or trainable
 
 
-class Linear(nn.Module, Generic[Kind]):
+class Linear(nn.Module, Generic[Role]):
     """`Linear[Frozen]` holds buffers, `Linear[Trainable]` holds parameters; build with the two constructors."""
 
     weight: torch.Tensor
@@ -70,8 +70,8 @@ class Linear(nn.Module, Generic[Kind]):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        kind = "frozen" if self.is_frozen else "trainable"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+        role = "frozen" if self.is_frozen else "trainable"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {role}"
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

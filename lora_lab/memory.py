@@ -60,7 +60,7 @@ def saved_activation_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
     """Bytes of the activations autograd keeps for backward while `fn(*args, **kwargs)` runs (forward only).
 
     Counts each saved storage once; weights, buffers and the inputs (made before `fn`) are not
-    counted. Under `lora_lab.checkpoint` only what a checkpoint keeps (its inputs) is saved, which
+    counted. Under `lora_lab.checkpointed` only what a checkpointed segment keeps (its inputs) is saved, which
     is exactly what this reports. The graph is freed before returning.
     """
     saved: dict[tuple[str, int], int] = {}
@@ -167,8 +167,8 @@ class LiveBytes(TorchDispatchMode):
 
     `mark_saved` (a saved-tensor pack hook) records the storages autograd keeps that were made while
     `in_forward` was set: their bytes are `saved_bytes`, the live part of them `saved_live`, and
-    `saved_at_peak` is that part at the moment of the peak. `lora_lab.planner` counts a planned training
-    step with it; `lora_lab.step_memory.measure_training_step` a real one.
+    `saved_at_peak` is that part at the moment of the peak. `lora_lab.planning` counts a planned training
+    step with it; `lora_lab.planning.measure_training_step` a real one.
     """
 
     def __init__(self):

@@ -26,15 +26,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import dora
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraWeights, load_lora, match_modules
-from .lora import LoRAConv2d, LoRALinear, LoRAModule
-from .lowrank import lowrank_delta
+from .functional import dora
+from .functional.lowrank import lowrank_delta
+from .lora.model import LoRAConv2d, LoRALinear, LoRAModule
 from .modules import replace_weight, swap_module
 from .params import load_frozen
-from .quant import QuantizationError, QuantLinear
+from .quant.layer import QuantLinear
+from .quant.weights import QuantizationError
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 

@@ -4,7 +4,7 @@
     matches_targets("down.0.attn.q", ["attn.q"])              # a list: names or name suffixes
     old = swap_module(model, "down.0.attn.q", new)            # `new` takes the name; the module it replaced returns
 
-Adapters (lora.py, merge.py), the quantized base (quant.py) and runtime LoRAs (sampling.py) all change a
+Adapters (lora/, merge.py), the quantized base (quant/) and runtime LoRAs (sampling.py) all change a
 model in place through these; this module imports nothing of lora_lab but errors.py.
 """
 

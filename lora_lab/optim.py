@@ -2,8 +2,8 @@
 
 Storage apart from math, as torchao's: each moment is cut into blocks of 256 values, a block keeps one
 fp32 absmax and, per value, the uint8 index of the nearest entry of a dynamic (non-linear) map of
-value/absmax (blockwise.py): signed for m, unsigned for v (which is never negative). Each step
-dequantizes to fp32, runs the update math (adam.py's `adam_math_`, the formula of torch.optim.AdamW,
+value/absmax (functional/blockwise.py): signed for m, unsigned for v (which is never negative). Each step
+dequantizes to fp32, runs the update math (functional/adam.py's `adam_math_`, the formula of torch.optim.AdamW,
 vectorised over the whole tensor), and quantizes again. Tensors under 4096 elements keep fp32 moments
 (their state is small and quantizing them costs more accuracy than memory). State: 2 bytes + 8/256 bytes per value instead of 8.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .adam import AdamHyper, adam_step_
-from .blockwise import BLOCK_SIZE, dynamic_map
 from .errors import OptimizerError
+from .functional.adam import AdamHyper, adam_step_
+from .functional.blockwise import BLOCK_SIZE, dynamic_map
 from .kernels import BACKENDS, resolve_backend
 
 MIN_8BIT_SIZE = 4096

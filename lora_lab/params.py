@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .errors import TensorKindError, WeightFileError
+from .errors import TensorTypeError, WeightFileError
 
 
 def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
@@ -25,9 +25,9 @@ def var_from_tensor(t: torch.Tensor) -> nn.Parameter:
     on any device. Writing to the result never changes `t`, and `t`'s graph is not kept alive.
     """
     if not isinstance(t, torch.Tensor):
-        raise TensorKindError(f"var_from_tensor expects a torch.Tensor, got {type(t).__name__}")
+        raise TensorTypeError(f"var_from_tensor expects a torch.Tensor, got {type(t).__name__}")
     if not (t.is_floating_point() or t.is_complex()):
-        raise TensorKindError(
+        raise TensorTypeError(
             f"var_from_tensor needs a floating-point tensor (only those can have gradients), got {t.dtype}"
         )
     # detach() drops the graph; clone(contiguous_format) gives new, dense storage even for

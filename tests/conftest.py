@@ -16,9 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lora_lab.digits import digit_arrays
-from lora_lab.notebook import NOTEBOOKS, isolate_caches
 from lora_lab.notebook import run_notebook as _run
+from lora_lab.notebook.digits import digit_arrays
+from lora_lab.notebook.record import NOTEBOOKS
+from lora_lab.notebook.runner import isolate_caches
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

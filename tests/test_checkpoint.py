@@ -17,15 +17,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lora_lab import Linear, LoRAConfig, add_lora
-from lora_lab import checkpoint_segment as ckpt_segment
-from lora_lab.checkpoint import (
-    CheckpointError,
-    checkpoint,
-    checkpoint_plan,
+from lora_lab.checkpointing import (
+    CheckpointingError,
+    checkpointed,
+    checkpointing_plan,
     disable_checkpointing,
     enable_checkpointing,
 )
-from lora_lab.checkpoint_ops import _Record
+from lora_lab.checkpointing import segment as ckpt_segment
+from lora_lab.checkpointing.ops import _Record
 from lora_lab.memory import BlockStack, ResidualMLP, saved_activation_bytes
 
 N_BLOCKS, WIDTH, HIDDEN, BATCH = 12, 64, 256, 16
@@ -96,7 +96,7 @@ def test_really_recomputes_and_keeps_the_global_rng_stream():
     block.register_forward_pre_hook(lambda m, a: calls.append(1))
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
     torch.manual_seed(3)
-    checkpoint(block, x).sum().backward()
+    checkpointed(block, x).sum().backward()
     after_ckpt = torch.rand(4)
     assert len(calls) == 2  # the forward, and its recomputation during backward
     torch.manual_seed(3)
@@ -158,7 +158,7 @@ def test_autocast_kwargs_and_tuple_outputs():
 
     x = torch.randn(BATCH, WIDTH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h, s = checkpoint(fn, x, scale=2.0)
+        h, s = checkpointed(fn, x, scale=2.0)
     assert h.dtype == torch.bfloat16
     (h.float().square().mean() + s.float()).backward()
     g_ckpt = lin.weight.grad.clone()
@@ -168,7 +168,7 @@ def test_autocast_kwargs_and_tuple_outputs():
     (h.float().square().mean() + s.float()).backward()
     assert torch.equal(lin.weight.grad, g_ckpt)  # recomputed under the same autocast state
     with torch.no_grad():  # no graph: a plain call
-        assert torch.equal(checkpoint(fn, x, scale=1.0)[0], fn(x, scale=1.0)[0])
+        assert torch.equal(checkpointed(fn, x, scale=1.0)[0], fn(x, scale=1.0)[0])
 
 
 def test_diffusers_unet_blocks():
@@ -202,11 +202,11 @@ def test_diffusers_unet_blocks():
 
 def test_errors():
     model = _stack()
-    with pytest.raises(CheckpointError, match="no block matched"):
+    with pytest.raises(CheckpointingError, match="no block matched"):
         enable_checkpointing(model, nn.Conv2d)
-    with pytest.raises(CheckpointError, match="not a submodule"):
+    with pytest.raises(CheckpointingError, match="not a submodule"):
         enable_checkpointing(model, nn.ModuleList([nn.Linear(2, 2)]))
-    with pytest.raises(CheckpointError, match="class"):
+    with pytest.raises(CheckpointingError, match="class"):
         enable_checkpointing(model, "blocks")
     runs = []
 
@@ -216,16 +216,16 @@ def test_errors():
         return y if len(runs) > 1 else y.sin()
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(CheckpointError, match="saved"):
-        checkpoint(changes, x).sum().backward()
+    with pytest.raises(CheckpointingError, match="saved"):
+        checkpointed(changes, x).sum().backward()
 
     def reshaped(x):  # as many saved tensors on both runs, of another shape on the second: sin's backward would
         runs.append(1)  # broadcast a (1,) tensor into a wrong (3,) gradient without the check
         return (x if len(runs) % 2 else x.sum(0, keepdim=True)).sin()
 
     runs.clear()
-    with pytest.raises(CheckpointError, match=r"saved a \(1,\) torch.float32 tensor as its tensor 0 .* a \(3,\) "):
-        checkpoint(reshaped, x).sum().backward()
+    with pytest.raises(CheckpointingError, match=r"saved a \(1,\) torch.float32 tensor as its tensor 0 .* a \(3,\) "):
+        checkpointed(reshaped, x).sum().backward()
 
 
 # ---- policies ------------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
                     assert torch.equal(plain[n], g[n]), (policy, n)
                 else:
                     torch.testing.assert_close(g[n], plain[n], rtol=1e-5, atol=1e-6, msg=f"{policy} {n}")
-        plan = checkpoint_plan(model)
+        plan = checkpointing_plan(model)
         if policy.startswith("budget"):
             budget = float(policy.split(":")[1])
             assert plan.plain_bytes == plain_bytes and plan.kept_bytes == kept[policy], (plan, kept[policy])
@@ -355,7 +355,7 @@ def test_budget_replans_when_what_requires_grad_changes():
     enable_checkpointing(model, _InplaceAct, "budget:0.5")
     for _ in range(2):
         model(x).sum().backward()
-        plan = checkpoint_plan(model)
+        plan = checkpointing_plan(model)
         assert plan.kept_bytes == saved_activation_bytes(lambda: model(x)), plan
         model.requires_grad_(True)
     assert plan.n_calls == 8
@@ -709,32 +709,32 @@ def test_policies_on_meta_tensors():
     meta, xm = copy.deepcopy(model).to("meta"), x.to("meta")  # (copy before enabling: the wrappers are per module)
     enable_checkpointing(model, model.blocks, budget=0.3)
     model(x).sum().backward()
-    cpu_plan = checkpoint_plan(model)
+    cpu_plan = checkpointing_plan(model)
     for policy in POLICIES:
         enable_checkpointing(meta, meta.blocks, policy)
         meta(xm).square().mean().backward()
         if policy == "budget:0.3":  # counted cost: the same choice on meta
-            assert checkpoint_plan(meta).decisions == cpu_plan.decisions
-            assert checkpoint_plan(meta).kept_bytes == cpu_plan.kept_bytes
+            assert checkpointing_plan(meta).decisions == cpu_plan.decisions
+            assert checkpointing_plan(meta).kept_bytes == cpu_plan.kept_bytes
 
 
 def test_budget_says_what_it_chose_and_replans_per_shape(caplog):
     model = _stack()
     enable_checkpointing(model, model.blocks, "budget:0.3")
-    assert checkpoint_plan(model) is None  # nothing planned before a forward
-    with caplog.at_level("INFO", logger="lora_lab.checkpoint"):
+    assert checkpointing_plan(model) is None  # nothing planned before a forward
+    with caplog.at_level("INFO", logger="lora_lab.checkpointing"):
         model(torch.randn(BATCH, WIDTH)).sum().backward()
-    plan = checkpoint_plan(model)
+    plan = checkpointing_plan(model)
     assert "budget 0.3: keeps" in str(plan) and str(plan) in caplog.text
     model(torch.randn(2 * BATCH, WIDTH)).sum().backward()
-    assert checkpoint_plan(model).plain_bytes == 2 * plan.plain_bytes  # a new shape gets its own plan
-    assert sum(k for k in checkpoint_plan(model).kept_ops.values()) >= 0
+    assert checkpointing_plan(model).plain_bytes == 2 * plan.plain_bytes  # a new shape gets its own plan
+    assert sum(k for k in checkpointing_plan(model).kept_ops.values()) >= 0
     with torch.no_grad():  # no graph: plain calls, no planning
         model(torch.randn(3, WIDTH))
     # a budget below what whole-block checkpointing keeps: every block checkpointed whole
     enable_checkpointing(model, model.blocks, budget=0.01)
     model(torch.randn(BATCH, WIDTH)).sum().backward()
-    low = checkpoint_plan(model)
+    low = checkpointing_plan(model)
     assert low.kept_bytes == low.full_bytes and low.recompute_cost == low.full_recompute_cost and not low.kept_ops
 
 
@@ -742,11 +742,11 @@ def test_policy_errors_and_default():
     model = _stack()
     for bad, match in [("sometimes", "unknown checkpointing policy"), ("budget:1.5", r"\(0, 1\]"),
                        ("budget:x", r"\(0, 1\]"), (3, "must be a string")]:
-        with pytest.raises(CheckpointError, match=match):
+        with pytest.raises(CheckpointingError, match=match):
             enable_checkpointing(model, model.blocks, bad)
-    with pytest.raises(CheckpointError, match="policy of its own"):
+    with pytest.raises(CheckpointingError, match="policy of its own"):
         enable_checkpointing(model, model.blocks, "selective", budget=0.3)
-    with pytest.raises(CheckpointError, match="every_k"):
+    with pytest.raises(CheckpointingError, match="every_k"):
         enable_checkpointing(model, model.blocks, "full", k=2)
     assert "forward" not in model.__dict__  # errors leave the model as it was
     x = torch.randn(BATCH, WIDTH)

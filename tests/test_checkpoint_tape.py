@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lora_lab.checkpoint import enable_checkpointing
+from lora_lab.checkpointing import enable_checkpointing
 
 D = 16
 
@@ -164,7 +164,7 @@ class _Noisy(nn.Module):
 def test_op_numbers_planned_in_train_never_keep_a_random_op_in_eval():
     """A budget keeps ops by their number in the profiled forward (planned per input shape only); in eval the
     dropouts are gone and number 2 is randn_like: keeping it would replay it and shift the later rand."""
-    from lora_lab.checkpoint_segment import _Segment
+    from lora_lab.checkpointing.segment import _Segment
 
     torch.manual_seed(0)
     block = _Noisy()
@@ -191,7 +191,7 @@ def test_module_stamp_sees_a_swapped_submodule_and_does_not_keep_the_block_alive
     import gc
     import weakref
 
-    from lora_lab.checkpoint_tape import module_stamp
+    from lora_lab.checkpointing.tape import module_stamp
 
     block = nn.Sequential(nn.Linear(D, D), nn.Sequential(nn.GELU(), nn.Linear(D, D)))
     first = module_stamp(block)
@@ -213,7 +213,7 @@ def test_budget_and_selective_under_bf16_autocast_keep_their_plan_and_the_gradie
     """Autocast caches its casts of trainable parameters for the rest of its region: the budget's profiling
     forward must not leave them for the real forward (which would then run fewer ops than the plan numbered),
     and a block that reads a cast made before it was called still gets a tape (it casts the parameter itself)."""
-    from lora_lab.checkpoint import checkpoint_plan
+    from lora_lab.checkpointing import checkpointing_plan
     from lora_lab.memory import BlockStack, saved_activation_bytes
 
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_budget_and_selective_under_bf16_autocast_keep_their_plan_and_the_gradie
                 assert torch.equal(got[n], plain[n]), (policy, n)
         if policy.startswith("budget"):
             kept = saved()
-            plan = checkpoint_plan(model)
+            plan = checkpointing_plan(model)
             assert kept == plan.kept_bytes + (plain_bytes - plan.plain_bytes) and kept <= 0.3 * plain_bytes + 4096, (kept, plan)
 
 

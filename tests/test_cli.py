@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_lab.cli import main
-from lora_lab.formats import LoraFile, LoraModule, load_lora, save_lora
+from lora_lab.formats import LoraFile, LoraWeights, load_lora, save_lora
 from lora_lab.merge import merge_loras
 
 RANK, ALPHA = 4, 2.0
@@ -30,8 +30,8 @@ def files(tmp_path):
     save_file(base, str(tmp_path / "base.safetensors"))
     for i, name in enumerate(("a", "b")):
         lf = LoraFile({
-            "unet.proj": LoraModule(torch.randn(RANK, 8, generator=g), torch.randn(16, RANK, generator=g), ALPHA),
-            "unet.conv_in": LoraModule(torch.randn(2, 4, 3, 3, generator=g), torch.randn(16, 2, 1, 1, generator=g), ALPHA),
+            "unet.proj": LoraWeights(torch.randn(RANK, 8, generator=g), torch.randn(16, RANK, generator=g), ALPHA),
+            "unet.conv_in": LoraWeights(torch.randn(2, 4, 3, 3, generator=g), torch.randn(16, 2, 1, 1, generator=g), ALPHA),
         })
         save_lora(tmp_path / f"{name}.safetensors", lf, base="sd15")
     return tmp_path
@@ -91,7 +91,7 @@ def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch,
     """diffusers' hub errors, wrapped in a ModelLoadError (`--base` a file from_single_file cannot place), have
     several lines; the CLI prints them joined, so that every error is one line."""
     from lora_lab import cli
-    from lora_lab.diffusion.models import ModelLoadError
+    from lora_lab.models import ModelLoadError
 
     def fails(path):
         raise ModelLoadError(f"{path}: cannot load (LocalEntryNotFoundError: Got: ConnectError\n"

@@ -1,4 +1,4 @@
-"""diffusion/models.py: the tiny configs build the real diffusers pipelines, `predict` feeds the
+"""models/builders.py: the tiny configs build the real diffusers pipelines, `predict` feeds the
 denoiser exactly what the pipeline feeds it, and a saved pipeline loads back from its folder."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from lora_lab.diffusion import models as M
-from lora_lab.diffusion.inputs import sdxl_time_ids
-from lora_lab.diffusion.kinds import KINDS, ModelLoadError
+from lora_lab.models import KINDS, ModelLoadError
+from lora_lab.models import builders as M
+from lora_lab.models.inputs import sdxl_time_ids
 
 SEED = 3
 PROMPTS = ["a digit three", "a handwritten digit seven"]
@@ -61,7 +61,7 @@ def test_predict_matches_the_pipeline_denoiser_call(kind):
         x, t, expected = kw["hidden_states"], kw["timestep"] / 1000, seen["out"]
     else:
         h = w = SIZE // 2
-        from lora_lab.diffusion.inputs import unpack_latents
+        from lora_lab.models.inputs import unpack_latents
 
         x, t = unpack_latents(kw["hidden_states"], h, w), kw["timestep"]
         expected = unpack_latents(seen["out"], h, w)
@@ -127,8 +127,8 @@ def test_errors_name_the_problem(tmp_path):
 def test_shipped_sd3_base_draws_recognisable_digits():
     """data/base/sd3 (flow matching, `data/make_base.py --kind sd3`) loads and draws the digit asked for."""
     pytest.importorskip("sklearn")
-    from lora_lab.diffusion.effect import fit_classifiers
-    from lora_lab.diffusion.sampling import sample
+    from lora_lab.diffusion import sample
+    from lora_lab.notebook.effect import fit_classifiers
 
     pipe = M.build_pipeline("sd3", base=M.shipped_base("sd3"))
     images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
@@ -141,8 +141,8 @@ def test_shipped_sdxl_base_draws_recognisable_digits():
     """data/base/sdxl (made by data/make_base.py) loads with from_pretrained and draws the digit it is
     asked for; sdxl and sd3 ship pre-trained, sd15 and flux are built from a seed."""
     pytest.importorskip("sklearn")
-    from lora_lab.diffusion.effect import digit_images, fit_classifiers
-    from lora_lab.diffusion.sampling import sample
+    from lora_lab.diffusion import sample
+    from lora_lab.notebook.effect import digit_images, fit_classifiers
 
     base = M.shipped_base("sdxl")
     assert base is not None and M.shipped_base("sd15") is None

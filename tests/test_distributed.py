@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 from safetensors.torch import load_file
 
-from lora_lab.diffusion.train import TrainConfig, train
+from lora_lab.diffusion import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 11
@@ -31,7 +31,7 @@ def dataset(digits_folder) -> Path:
 def test_two_processes_match_one_with_the_same_global_batch(dataset, tmp_path, model):
     # A random tiny base (data/base/sd3 is trained: Adam's normalized first steps amplify the summation-order
     # differences of its larger activations to ~2e-5, measured): this test is about the data-parallel mechanics.
-    from lora_lab.diffusion.models import build_pipeline
+    from lora_lab.models import build_pipeline
 
     base = tmp_path / "random_base"
     build_pipeline(model, seed=SEED).save_pretrained(base)

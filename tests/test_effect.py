@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("sklearn")
 
-from lora_lab.diffusion.effect import digit_images, fit_classifiers
+from lora_lab.notebook.effect import digit_images, fit_classifiers
 
 TRAIN = range(1600)
 HELD_OUT = range(1600, 1797)

@@ -16,12 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from lora_lab.diffusion.models import build_components, build_pipeline
 from lora_lab.formats import (
     COMPONENTS,
     LoraFile,
     LoraFormatError,
-    LoraModule,
+    LoraWeights,
     convert_lora,
     diffusers_name,
     kohya_name,
@@ -31,6 +30,7 @@ from lora_lab.formats import (
 )
 from lora_lab.lora import LoRAConfig, add_lora, lora_modules
 from lora_lab.merge import apply_loras, merge_loras
+from lora_lab.models import build_components, build_pipeline
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
@@ -231,9 +231,9 @@ def load_file_raw(path) -> dict[str, torch.Tensor]:
 def hand_lora(seed: int = 0, dora: bool = False) -> LoraFile:
     """Two modules, a linear one and a 3x3 conv (LoCon), ranks and alphas differing."""
     g = torch.Generator().manual_seed(seed)
-    lin = LoraModule(torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g), alpha=2.0,
+    lin = LoraWeights(torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g), alpha=2.0,
                      dora_scale=torch.rand(64, 1, generator=g) + 0.5 if dora else None)
-    conv = LoraModule(torch.randn(2, 32, 3, 3, generator=g), torch.randn(32, 2, 1, 1, generator=g), alpha=1.5)
+    conv = LoraWeights(torch.randn(2, 32, 3, 3, generator=g), torch.randn(32, 2, 1, 1, generator=g), alpha=1.5)
     return LoraFile({"unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q": lin,
                      "unet.down_blocks.0.resnets.0.conv1": conv})
 
@@ -377,7 +377,7 @@ def test_not_safetensors_truncated_and_garbage_header(tmp_path):
 def test_keys_matching_no_module_are_listed_or_skipped(tmp_path):
     unet = build_components("sd15")["unet"]
     lf = hand_lora()
-    lf.modules["unet.down_blocks.9.nothing"] = LoraModule(torch.ones(2, 8), torch.ones(8, 2), 2.0, key="lora_unet_down_blocks_9_nothing")
+    lf.modules["unet.down_blocks.9.nothing"] = LoraWeights(torch.ones(2, 8), torch.ones(8, 2), 2.0, key="lora_unet_down_blocks_9_nothing")
     path = save_lora(tmp_path / "extra.safetensors", lf)
     loaded = load_lora(path)
     weights = unet.state_dict()
@@ -391,7 +391,7 @@ def test_keys_matching_no_module_are_listed_or_skipped(tmp_path):
 
 def test_shape_that_does_not_fit_the_model_is_an_error(tmp_path):
     unet = build_components("sd15")["unet"]
-    lf = LoraFile({"unet.conv_in": LoraModule(torch.ones(2, 4, 3, 3), torch.ones(7, 2, 1, 1), 2.0)})
+    lf = LoraFile({"unet.conv_in": LoraWeights(torch.ones(2, 4, 3, 3), torch.ones(7, 2, 1, 1), 2.0)})
     with pytest.raises(LoraFormatError, match="conv_in.*\\(7, 4, 3, 3\\).*\\(32, 4, 3, 3\\)"):
         match_modules(load_lora(save_lora(tmp_path / "s.safetensors", lf)), unet.state_dict())
 
@@ -468,7 +468,7 @@ def test_lora_lab_dora_peft_file_loads_in_diffusers_with_the_same_output(tmp_pat
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_transformer_peft_file_loads_in_diffusers_with_the_same_output(tmp_path, kind):
-    from lora_lab.diffusion.models import encode_prompts, predict
+    from lora_lab.models import encode_prompts, predict
 
     model = build_components(kind)["transformer"]
     add_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=r".*attn\.(to_q|to_k|to_v|add_q_proj|to_out\.0)|.*proj_mlp"))
@@ -580,7 +580,7 @@ def flux_bfl_file(path, names: dict[str, tuple[int, int]], seed: int = 11):
 
 def test_flux_kohya_file_in_bfl_layout_loads_as_diffusers_loads_it(tmp_path):
     """kohya's Flux LoRAs name BFL's fused modules (img_attn_qkv, ...); diffusers' own converter is the reference."""
-    from lora_lab.diffusion.models import encode_prompts, predict
+    from lora_lab.models import encode_prompts, predict
 
     d = 32  # the tiny Flux's hidden size
     path, _ = flux_bfl_file(tmp_path / "flux_bfl.safetensors", {
@@ -649,7 +649,7 @@ SGM = {
 def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
     from diffusers import UNet2DConditionModel
 
-    from lora_lab.diffusion.models import CONFIGS, pipeline_class
+    from lora_lab.models.builders import CONFIGS, pipeline_class
 
     def unet():
         torch.manual_seed(0)

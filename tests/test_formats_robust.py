@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lora_lab.formats import LoraFile, LoraFormatError, LoraModule, convert_lora, load_lora, save_lora
+from lora_lab.formats import LoraFile, LoraFormatError, LoraWeights, convert_lora, load_lora, save_lora
 from lora_lab.merge import apply_loras, merge_loras, save_merged
 
 Q = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
@@ -45,9 +45,9 @@ def time_limit(seconds: float):
 
 def small_lora(seed: int = 0, dora: bool = True) -> LoraFile:
     g = torch.Generator().manual_seed(seed)
-    lin = LoraModule(torch.randn(4, 64, generator=g) * 0.1, torch.randn(64, 4, generator=g) * 0.1, alpha=2.0,
+    lin = LoraWeights(torch.randn(4, 64, generator=g) * 0.1, torch.randn(64, 4, generator=g) * 0.1, alpha=2.0,
                      dora_scale=torch.rand(64, 1, generator=g) + 0.5 if dora else None)
-    conv = LoraModule(torch.randn(2, 32, 3, 3, generator=g) * 0.1, torch.randn(32, 2, 1, 1, generator=g) * 0.1, alpha=2.0)
+    conv = LoraWeights(torch.randn(2, 32, 3, 3, generator=g) * 0.1, torch.randn(32, 2, 1, 1, generator=g) * 0.1, alpha=2.0)
     return LoraFile({Q: lin, CONV: conv})
 
 
@@ -346,7 +346,7 @@ def big_lora(path, mib: int) -> LoraFile:
     """A valid kohya file of about `mib` MiB: 8 modules of rank 64 (fp32)."""
     n = mib * 2**20 // (8 * 2 * 64 * 4)
     mods = {f"unet.down_blocks.0.attentions.0.transformer_blocks.{i}.attn1.to_q":
-            LoraModule(torch.full((64, n), 0.01), torch.full((n, 64), 0.01), 8.0) for i in range(8)}
+            LoraWeights(torch.full((64, n), 0.01), torch.full((n, 64), 0.01), 8.0) for i in range(8)}
     save_lora(path, LoraFile(mods), base="sd15")
     return path
 
@@ -488,8 +488,8 @@ def test_two_modules_for_one_weight_are_an_error():
     from lora_lab.formats import match_modules
 
     g = torch.Generator().manual_seed(3)
-    m = LoraModule(torch.randn(2, 4, generator=g), torch.randn(4, 2, generator=g), 2.0)
-    lf = LoraFile({"unet.a.b": m, "unet.a_b": LoraModule(m.down, m.up, 2.0, key="lora_unet_a_b")})
+    m = LoraWeights(torch.randn(2, 4, generator=g), torch.randn(4, 2, generator=g), 2.0)
+    lf = LoraFile({"unet.a.b": m, "unet.a_b": LoraWeights(m.down, m.up, 2.0, key="lora_unet_a_b")})
     with pytest.raises(LoraFormatError, match="LoRA: modules .* and 'lora_unet_a_b' both adapt 'a.b.weight'"):
         match_modules(lf, {"a.b.weight": torch.zeros(4, 4)})
 
@@ -502,7 +502,7 @@ def test_two_modules_for_one_weight_are_an_error():
     (torch.ones(2, 6, dtype=torch.int64), torch.ones(8, 2), 1.0, "down has dtype torch.int64"),
 ])
 def test_a_lora_made_in_memory_is_checked_by_merge_and_apply(down, up, alpha, said):
-    lf = LoraFile({"unet.lin": LoraModule(down, up, alpha, key="lin")})
+    lf = LoraFile({"unet.lin": LoraWeights(down, up, alpha, key="lin")})
     base = {"lin.weight": torch.zeros(8, 6)}
     with pytest.raises(LoraFormatError, match=f"LoRA #0: module 'lin': {said}"):
         merge_loras(base, [(lf, 1.0)])

@@ -1,5 +1,6 @@
 """The package's import structure: every module imports alone, first, in a fresh interpreter, and the
-import graph drawn from the code (every `import`, lazy ones included) has no cycle."""
+import graph drawn from the code (every `import`, lazy ones included, and every package `__init__` an import
+runs on its way) has no cycle."""
 
 from __future__ import annotations
 
@@ -49,14 +50,17 @@ def module_names(root: Path) -> dict[str, Path]:
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (at the top or inside a function), from the source's ast.
+    """Module -> the package's modules its imports run (at the top or inside a function), from the source's ast.
 
     `from .a import b` counts as an import of module `a.b` if there is one, else of `a` (whose names b are).
+    Importing `p.q.m` first runs the `__init__` of `p` and `p.q`: the importer gets an edge to each of those
+    packages too, except its own (they are already running when it runs).
     """
     modules = module_names(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        own = {".".join(package.split(".")[:i]) for i in range(1, len(package.split(".")) + 1)}
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -69,7 +73,10 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
             else:
                 continue
-            graph[name] |= {t for t in targets if t in modules and t != name}
+            for target in targets:
+                parts = target.split(".")
+                on_the_way = {".".join(parts[:i]) for i in range(1, len(parts))} - own
+                graph[name] |= {t for t in (target, *on_the_way) if t in modules and t != name}
     return graph
 
 
@@ -130,9 +137,29 @@ def test_import_graph_sees_relative_and_lazy_imports(tmp_path):
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g  # lazy, still an edge\n")
     (pkg / "c.py").write_text("import pkg.a\nfrom . import sub\n")
     graph = import_graph(pkg)
-    assert graph == {"pkg": set(), "pkg.sub": set(), "pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.a"},
+    assert graph == {"pkg": set(), "pkg.sub": set(), "pkg.a": {"pkg.sub", "pkg.sub.b"}, "pkg.sub.b": {"pkg.a"},
                      "pkg.c": {"pkg.a", "pkg.sub"}}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+def test_import_graph_counts_the_package_inits_an_import_runs(tmp_path):
+    # the cycle lora_lab 0.1 had: formats imported diffusion.kinds, which ran diffusion/__init__, which imported
+    # the trainer, which imported formats; no two modules import each other directly
+    pkg = tmp_path / "pkg"
+    for d in ("formats", "diffusion"):
+        (pkg / d).mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "formats" / "__init__.py").write_text("from .names import N\n")
+    (pkg / "formats" / "names.py").write_text("from ..diffusion.kinds import K\nN = 1\n")
+    (pkg / "diffusion" / "__init__.py").write_text("from .train import train\n")
+    (pkg / "diffusion" / "kinds.py").write_text("K = 1\n")
+    (pkg / "diffusion" / "train.py").write_text("from ..formats import N\ndef train(): pass\n")
+    graph = import_graph(pkg)
+    assert "pkg.diffusion" in graph["pkg.formats.names"]  # the package __init__ on the way to diffusion.kinds
+    assert "pkg" not in graph["pkg.formats.names"]  # its own package is already running
+    assert find_cycles(graph) == [["pkg.diffusion", "pkg.diffusion.train", "pkg.formats", "pkg.formats.names"]]
+    (pkg / "formats" / "names.py").write_text("N = 1\n")  # the cycle broken
+    assert find_cycles(import_graph(pkg)) == []
 
 
 def imports_alone(names: list[str], path: Path, preload: tuple[str, ...] = ()) -> tuple[list[str], str]:

@@ -248,8 +248,7 @@ def test_triton_backend_refuses_dropout_and_auto_falls_back():
     (4099, torch.float16, True, 0.0),
 ])
 def test_adam8bit_step_matches_optim_pytorch_path(numel, dtype, decoupled, weight_decay):
-    from lora_lab.adam import AdamHyper
-    from lora_lab.blockwise import dynamic_map, quantize_blockwise
+    from lora_lab.functional import AdamHyper, dynamic_map, quantize_blockwise
     from lora_lab.kernels.adam8bit import adam8bit_step, reference_adam8bit_step
 
     hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)
@@ -286,8 +285,7 @@ def test_adam8bit_step_matches_optim_pytorch_path(numel, dtype, decoupled, weigh
 
 
 def test_adam8bit_step_on_a_transposed_parameter():
-    from lora_lab.adam import AdamHyper
-    from lora_lab.blockwise import quantize_blockwise
+    from lora_lab.functional import AdamHyper, quantize_blockwise
     from lora_lab.kernels.adam8bit import adam8bit_step, reference_adam8bit_step
 
     hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -307,7 +305,7 @@ def test_adam8bit_step_on_a_transposed_parameter():
 
 
 def test_adam8bit_step_rejects_bad_state():
-    from lora_lab.adam import AdamHyper
+    from lora_lab.functional import AdamHyper
     from lora_lab.kernels.adam8bit import adam8bit_step
 
     hp = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_lab.notebook import BATCH_ENV, KERNEL_NAME, NOTEBOOKS, REPORTS_ENV, ensure_kernel, report_dir
+from lora_lab.notebook.record import BATCH_ENV, NOTEBOOKS, REPORTS_ENV, report_dir
+from lora_lab.notebook.runner import KERNEL_NAME, ensure_kernel
 
 CHROMIUM = Path(os.environ.get("LORA_LAB_CHROMIUM", "/usr/bin/chromium"))
 REQUIRED = os.environ.get("LORA_LAB_REQUIRE_BROWSER") == "1"  # set by `make test-lab`: fail, not skip

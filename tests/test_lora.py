@@ -1,4 +1,4 @@
-"""LoRA / rsLoRA / DoRA / LoCon (lora.py, dora.py) against PEFT and against the plain formulas."""
+"""LoRA / rsLoRA / DoRA / LoCon (lora/, functional/dora.py) against PEFT and against the plain formulas."""
 
 from __future__ import annotations
 
@@ -13,12 +13,9 @@ from torch import nn
 import lora_lab
 from lora_lab import (
     LoRAConfig,
-    LoRAConfigError,
     LoRAConv2d,
     LoraLabError,
     LoRALinear,
-    LoRAStateError,
-    LoRATargetError,
     add_lora,
     count_parameters,
     lora_disabled,
@@ -29,6 +26,7 @@ from lora_lab import (
     set_lora_strength,
     unmerge_lora,
 )
+from lora_lab.lora import LoRAConfigError, LoRAStateError, LoRATargetError
 
 IN, OUT, TOKENS = 24, 20, 7  # Linear (out, in) and the tokens of a (2, 7, in) input
 CIN, COUT, HW = 5, 6, 9  # Conv2d channels and an odd spatial size
@@ -349,7 +347,7 @@ def _new_tensors(fn, *args) -> list[int]:
 
 @pytest.mark.parametrize("conv", [False, True])
 def test_dora_formula_on_plain_tensors(conv):
-    from lora_lab import dora
+    from lora_lab.functional import dora
 
     torch.manual_seed(0)
     k = (3, 3) if conv else ()
@@ -367,7 +365,7 @@ def test_dora_formula_on_plain_tensors(conv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dora_norm_makes_one_weight_sized_temporary(dtype):
-    from lora_lab.dora import weight_norm
+    from lora_lab.functional.dora import weight_norm
 
     w = (torch.randn(OUT, IN) * 0.3).to(dtype)
     down, up = torch.randn(RANK, IN), torch.randn(OUT, RANK)

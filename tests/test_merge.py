@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_lab.formats import LoraFile, LoraFormatError, LoraModule, save_lora
+from lora_lab.formats import LoraFile, LoraFormatError, LoraWeights, save_lora
 from lora_lab.lora import LoRAConv2d, LoRALinear, lora_modules
 from lora_lab.merge import AppliedLoras, LoRAStack, apply_loras, load_merged, merge_loras
 
@@ -21,11 +21,11 @@ STRENGTHS = (0.8, 0.6)
 TOL = 1e-5  # merged vs runtime: fp32 rounding only
 
 
-def rand_module(g, out, inp, r, alpha, k=None, dora=False) -> LoraModule:
+def rand_module(g, out, inp, r, alpha, k=None, dora=False) -> LoraWeights:
     down = torch.randn((r, inp) if k is None else (r, inp, k, k), generator=g) * 0.3
     up = torch.randn((out, r) if k is None else (out, r, 1, 1), generator=g) * 0.3
     m = torch.rand((out, 1) if k is None else (out, 1, 1, 1), generator=g) + 0.5 if dora else None
-    return LoraModule(down, up, alpha, m)
+    return LoraWeights(down, up, alpha, m)
 
 
 def toy_base(g) -> dict[str, torch.Tensor]:
@@ -90,7 +90,7 @@ def test_dora_merge_matches_peft():
         layer = model.base_model.model[int(i)]
         with torch.no_grad():
             layer.lora_magnitude_vector["default"].weight.mul_(1.3)  # m != ||W + s B A||: a real DoRA change
-        mods[f"unet.{i}"] = LoraModule(layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(),
+        mods[f"unet.{i}"] = LoraWeights(layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(),
                                        3.0, layer.lora_magnitude_vector["default"].weight.detach().reshape(10, *[1] * (1 + 2 * (i == "1"))))
     base = {"0.weight": model.base_model.model[0].base_layer.weight.detach(),
             "1.weight": model.base_model.model[1].base_layer.weight.detach()}
@@ -117,7 +117,7 @@ def test_dora_at_a_strength_matches_lora_lab_adapters(strength):
 
 def tiny_unet():
     pytest.importorskip("diffusers")
-    from lora_lab.diffusion.models import build_components
+    from lora_lab.models import build_components
 
     return build_components("sd15")["unet"]
 

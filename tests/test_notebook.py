@@ -1,4 +1,4 @@
-"""notebook.py (parameter checks, records, the runner), the foundation notebooks, and every notebook's shape."""
+"""lora_lab.notebook (parameter checks, records, the runner), the foundation notebooks, and every notebook's shape."""
 
 import json
 import math
@@ -6,20 +6,11 @@ import math
 import nbformat
 import pytest
 
-from lora_lab.notebook import (
-    NOTEBOOKS,
-    REPO,
-    ClaimFailed,
-    NotebookParameterError,
-    Record,
-    _cli_value,
-    report_dir,
-    run_notebook,
-    select_notebooks,
-)
-from lora_lab.notebook_params import check_parameters
-from lora_lab.notebook_params import literal_assignments as _literal_assignments
-from lora_lab.notebook_params import parameters_from_history as _parameters_from_history
+from lora_lab.notebook import NotebookParameterError, check_parameters
+from lora_lab.notebook.parameters import literal_assignments as _literal_assignments
+from lora_lab.notebook.parameters import parameters_from_history as _parameters_from_history
+from lora_lab.notebook.record import NOTEBOOKS, REPO, ClaimFailed, Record, report_dir
+from lora_lab.notebook.runner import _cli_value, run_notebook, select_notebooks
 
 DEFAULTS = {"EPOCHS": 3, "LR": 1e-3, "NAME": "a", "SIZES": (1, 2), "FLAG": True}
 
@@ -209,7 +200,8 @@ def test_runner_selects_notebooks_by_name_file_name_or_path():
 
 def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, monkeypatch):
     """Kernels the runner starts see batch_run() true (notebooks then show no widgets); others do not."""
-    from lora_lab.notebook import BATCH_ENV, batch_run, kernel_environment
+    from lora_lab.notebook.record import BATCH_ENV, batch_run
+    from lora_lab.notebook.runner import kernel_environment
 
     monkeypatch.delenv(BATCH_ENV, raising=False)
     assert not batch_run()

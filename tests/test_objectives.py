@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_lab.diffusion.inputs import flux_guidance, flux_latent_ids, pack_latents, unpack_latents
 from lora_lab.diffusion.objectives import (
     DDPM,
     FlowMatching,
@@ -14,6 +13,7 @@ from lora_lab.diffusion.objectives import (
     objective_for,
     shift_sigmas,
 )
+from lora_lab.models.inputs import flux_guidance, flux_latent_ids, pack_latents, unpack_latents
 
 SEED = 11
 SHAPE = (3, 4, 6, 10)  # (B, C, h, w): non-square, even sides for Flux packing
@@ -145,7 +145,7 @@ def test_objective_for_each_kind_and_errors():
 
 def test_objective_for_reads_a_pipelines_scheduler():
     pytest.importorskip("diffusers")
-    from lora_lab.diffusion.models import build_pipeline
+    from lora_lab.models import build_pipeline
 
     pipe = build_pipeline("sd15", seed=SEED)
     pipe.scheduler.register_to_config(prediction_type="v_prediction", beta_end=0.02)

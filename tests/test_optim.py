@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-import lora_lab.adam as adam_mod
+import lora_lab.functional.adam as adam_mod
 from lora_lab import Linear
-from lora_lab.blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
+from lora_lab.functional import dequantize_blockwise, dynamic_map, quantize_blockwise
 from lora_lab.memory import optimizer_state_bytes
 from lora_lab.optim import Adam8bit, AdamW8bit, OptimizerError
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lora_lab import Linear, TensorKindError, WeightFileError, count_parameters, load_frozen, var_from_tensor
+from lora_lab import Linear, count_parameters, load_frozen, var_from_tensor
+from lora_lab.errors import TensorTypeError, WeightFileError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -62,7 +63,7 @@ def test_var_does_not_keep_the_source_graph_alive():
 
 @pytest.mark.parametrize("bad", [torch.arange(4), torch.tensor([True, False]), [1.0, 2.0]])
 def test_var_from_non_floating_is_a_clear_error(bad):
-    with pytest.raises(TensorKindError, match="floating|torch.Tensor"):
+    with pytest.raises(TensorTypeError, match="floating|torch.Tensor"):
         var_from_tensor(bad)
 
 

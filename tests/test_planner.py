@@ -9,13 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lora_lab import planner
-from lora_lab.budget import fit
-from lora_lab.diffusion.train import TrainConfig
-from lora_lab.fakedevice import DeviceRules
+from lora_lab.diffusion import TrainConfig
 from lora_lab.memory import LiveBytes, saved_activation_bytes
-from lora_lab.planner import PlanError, parse_bytes, plan_memory
-from lora_lab.step_memory import measure_training_step
+from lora_lab.planning import PlanError, fit_vram, measure_training_step, parse_bytes, plan_memory, planner
+from lora_lab.planning.fakedevice import DeviceRules
 
 TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
@@ -34,19 +31,20 @@ def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, m
 
 def test_saved_activations_equal_saved_activation_bytes():
     """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real tensors."""
-    from lora_lab.diffusion.models import build_components
-    from lora_lab.diffusion.objectives import objective_for
-    from lora_lab.diffusion.train import add_adapter, denoising_loss
+    from lora_lab.diffusion import objective_for
+    from lora_lab.diffusion.step import denoising_loss
+    from lora_lab.diffusion.trainer import add_adapter
+    from lora_lab.models import build_components, model_kind
 
     config = TrainConfig(model="sdxl", rank=8)
     unet = build_components("sdxl")["unet"]
-    add_adapter(unet, config)
+    add_adapter(unet, config, model_kind("sdxl"))
     unet.train()
     pipe = type("P", (), {"unet": unet, "vae_scale_factor": 2})()
     x0, noise = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
     cond = {"prompt_embeds": torch.randn(1, 16, 64), "pooled_prompt_embeds": torch.randn(1, 32)}
     t = torch.tensor([500])
-    measured = saved_activation_bytes(lambda: denoising_loss(config, pipe, objective_for("sdxl"), x0, noise, t, cond))
+    measured = saved_activation_bytes(lambda: denoising_loss(config, model_kind("sdxl"), pipe, objective_for("sdxl"), x0, noise, t, cond))
     plan = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, mixed_precision="no")
     assert plan.saved_activations == measured
 
@@ -103,22 +101,22 @@ def test_fit_tries_fast_options_first(monkeypatch):
         return planner.MemoryPlan(model, "tiny", options, "flash", {"activations": peak}, peak, 0, 0, "backward")
 
     monkeypatch.setattr(planner, "plan_memory", fake_plan)
-    r = fit(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
+    r = fit_vram(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
     assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2, "grad_accum": 2}
     assert calls == [(False, "adamw", 1), (False, "adamw", 4), (False, "adamw", 2)]
     calls.clear()
-    r = fit(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does
+    r = fit_vram(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does
     assert r.settings["optimizer"] == "adamw8bit" and not r.settings["gradient_checkpointing"]
-    r = fit(11, "sdxl")  # checkpointing, adamw: 11 fits
+    r = fit_vram(11, "sdxl")  # checkpointing, adamw: 11 fits
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw"
-    r = fit(10, "sdxl")
+    r = fit_vram(10, "sdxl")
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw8bit"
     with pytest.raises(PlanError, match=r"smallest predicted peak is .*activations"):
-        fit(5, "sdxl")
+        fit_vram(5, "sdxl")
 
 
 def test_fit_reuses_the_plans_it_is_given(monkeypatch):
-    """fit(plans=...): an option already planned (same options) is not planned again; another one is."""
+    """fit_vram(plans=...): an option already planned (same options) is not planned again; another one is."""
     calls = []
     step = planner.planned_step
 
@@ -131,12 +129,12 @@ def test_fit_reuses_the_plans_it_is_given(monkeypatch):
     plans = [plan_memory("sd15", gradient_checkpointing=ck, optimizer=opt, **kw)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
     assert len(calls) == 4
-    r = fit(max(p.peak for p in plans), "sd15", plans=plans, **kw)  # the first option fits
+    r = fit_vram(max(p.peak for p in plans), "sd15", plans=plans, **kw)  # the first option fits
     assert r.chosen is plans[0] and r.tried == [plans[0]] and len(calls) == 4
     smallest = min(plans, key=lambda p: p.peak)
-    r = fit(smallest.peak, "sd15", plans=plans, **kw)  # only the smallest fits: every option tried, none re-planned
+    r = fit_vram(smallest.peak, "sd15", plans=plans, **kw)  # only the smallest fits: every option tried, none re-planned
     assert r.chosen is smallest and r.tried == plans and len(calls) == 4
-    r = fit(max(p.peak for p in plans), "sd15", plans=plans, **{**kw, "rank": 2})  # other options: planned
+    r = fit_vram(max(p.peak for p in plans), "sd15", plans=plans, **{**kw, "rank": 2})  # other options: planned
     assert r.chosen not in plans and len(calls) == 5
 
 
@@ -228,8 +226,9 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
     and NF4 plans less than int8, which plans less than the float base."""
     from diffusers import UNet2DConditionModel
 
-    from lora_lab.diffusion.models import CONFIGS
-    from lora_lab.quant import model_bytes, quantize_base
+    from lora_lab.memory import model_bytes
+    from lora_lab.models.builders import CONFIGS
+    from lora_lab.quant import quantize_base
 
     kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 8, "mixed_precision": "no"}
     measured = measure_training_step(TrainConfig(model="sdxl", output=str(tmp_path), rank=8, base_quantization="int8"))

@@ -1,4 +1,4 @@
-"""quant.py: the formats against their plain references and against bitsandbytes / torchao, the stored
+"""quant/: the formats against their plain references and against bitsandbytes / torchao, the stored
 bytes, the frozen QuantLinear (forward, dx, nothing saved), quantize_base on real models and on meta,
 and LoRA / rsLoRA / DoRA on a quantized base."""
 
@@ -12,13 +12,12 @@ from torch import nn
 from lora_lab import Linear, LoRAConfig, add_lora, lora_disabled, lora_state_dict, merge_lora, remove_lora
 from lora_lab.lora import LoRAConfigError, LoRALinear, LoRAStateError, lora_modules, set_lora_strength
 from lora_lab.memory import saved_activation_bytes
-from lora_lab.quant import (
+from lora_lab.quant import QuantLinear, quantize_base
+from lora_lab.quant.weights import (
     FORMATS,
     NF4_CODE,
     QuantizationError,
-    QuantLinear,
     dequantize_weight,
-    quantize_base,
     quantize_weight,
     reference_fp8,
     reference_int8,
@@ -66,7 +65,7 @@ def test_nf4_matches_reference_and_bitsandbytes_codes(shape, gen):
     codes, absmax = reference_nf4(w, 64)
     assert torch.equal(_unpack(q["qweight"], w.numel()), codes)
     # the double-quantized absmax is close to the exact one (8-bit codes of absmax - mean)
-    from lora_lab.quant import nf4_absmax
+    from lora_lab.quant.weights import nf4_absmax
 
     assert (nf4_absmax(q) - absmax).abs().max() <= 0.01 * absmax.max()
     bnbf = pytest.importorskip("bitsandbytes.functional")
@@ -371,10 +370,10 @@ def test_lora_files_at_runtime_and_merged_on_a_quantized_sdxl_unet(tmp_path):
     pytest.importorskip("diffusers")
     import copy
 
-    from lora_lab.diffusion.models import build_pipeline, encode_prompts, predict, shipped_base
-    from lora_lab.diffusion.sampling import sample
+    from lora_lab.diffusion import sample
     from lora_lab.formats import save_lora
     from lora_lab.merge import apply_loras
+    from lora_lab.models import build_pipeline, encode_prompts, predict, shipped_base
     from lora_lab.quant import quantized_layers
 
     g = torch.Generator().manual_seed(7)
@@ -445,9 +444,8 @@ def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(t
     pytest.importorskip("diffusers")
     from safetensors.torch import load_file
 
-    from lora_lab.diffusion.models import build_pipeline, shipped_base
-    from lora_lab.diffusion.sampling import sample
-    from lora_lab.diffusion.train import TrainConfig, TrainConfigError, train
+    from lora_lab.diffusion import TrainConfig, TrainConfigError, sample, train
+    from lora_lab.models import build_pipeline, shipped_base
 
     with pytest.raises(TrainConfigError, match="base_quantization"):
         TrainConfig(base_quantization="int4")

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from lora_lab.diffusion.models import ModelLoadError
-from lora_lab.diffusion.real import REAL_CONFIGS, REAL_MODELS, build_real, family
+from lora_lab.models import REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
 
 # Published totals (model cards / papers), in parameters, and how close the build must come.
 # SD3.5 Medium: Stability's model card says "2.5 billion parameters"; the published transformer config
@@ -47,11 +46,11 @@ def test_every_model_has_a_denoiser_vae_and_text_encoders():
         comps = REAL_CONFIGS[name]
         assert ("unet" in comps) != ("transformer" in comps)
         assert "vae" in comps and "text_encoder" in comps
-        assert family(name) in ("sd15", "sdxl", "sd3", "flux")
+        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux")
 
 
 def test_unknown_names_are_clear_errors():
     with pytest.raises(ModelLoadError, match="choose one of"):
-        family("sdxl-turbo")
+        real_kind("sdxl-turbo")
     with pytest.raises(ModelLoadError, match="has no component"):
         build_real("sdxl", ["text_encoder_3"])

@@ -1,4 +1,4 @@
-"""diffusion/train.py: config checks, the lr schedule, exact resume after a real kill, NaN handling,
+"""diffusion/trainer.py: config checks, the lr schedule, exact resume after a real kill, NaN handling,
 the memory features, and the saved LoRA loading into diffusers with the same image as lora_lab's sampling."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from lora_lab.cli import main as cli_main
 from lora_lab.diffusion.data import global_batch_indices
-from lora_lab.diffusion.train import (
+from lora_lab.diffusion.trainer import (
     NonFiniteLossError,
     ResumeError,
     TrainConfig,
@@ -77,8 +77,8 @@ def test_cli_gradient_checkpointing_policy():
                          (["--gradient-checkpointing", "budget:0.3"], "budget:0.3"),
                          (["--gradient-checkpointing", "selective"], "selective")]:
         args = build_parser().parse_args(["train", "--model", "sdxl", *argv])
-        assert TrainConfig(model="sdxl", gradient_checkpointing=args.gradient_checkpointing).checkpoint_policy() == policy
-    assert TrainConfig(gradient_checkpointing=True).checkpoint_policy() == "full"
+        assert TrainConfig(model="sdxl", gradient_checkpointing=args.gradient_checkpointing).checkpointing_policy() == policy
+    assert TrainConfig(gradient_checkpointing=True).checkpointing_policy() == "full"
 
 
 def test_cli_bad_value_exits_2(capsys, tmp_path):
@@ -187,8 +187,8 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
 @pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
 def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_path, model):
     """pipe.load_lora_weights(file) on a fresh pipeline samples the same image as the trained pipeline."""
-    from lora_lab.diffusion.models import build_pipeline, shipped_base
-    from lora_lab.diffusion.sampling import sample
+    from lora_lab.diffusion import sample
+    from lora_lab.models import build_pipeline, shipped_base
 
     result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4, lr=2e-2,
                                batch_size=2, seed=SEED, sample_steps=0, progress=False))

@@ -1,9 +1,8 @@
-"""diffusion/train.py's data options: aspect-ratio buckets, prior preservation (reg_dataset,
+"""diffusion/trainer.py's data options: aspect-ratio buckets, prior preservation (reg_dataset,
 prior_loss_weight) and caption dropout; their validation and CLI flags."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +14,9 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
 from lora_lab.cli import build_parser
-from lora_lab.diffusion import TrainConfig, train
+from lora_lab.diffusion import TrainConfig, TrainConfigError, train
+from lora_lab.diffusion import step as trainer_step
 from lora_lab.diffusion.data import EncodedExamples, bucket_batch_indices
-from lora_lab.diffusion.train import TrainConfigError
-
-# `lora_lab.diffusion.train` the attribute is the function (`from lora_lab.diffusion import train`); the module:
-train_module = sys.modules["lora_lab.diffusion.train"]
 
 SEED = 3
 FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
@@ -63,13 +59,13 @@ def test_bucket_batches_are_one_size_cover_the_epoch_and_repeat():
 
 def _x0_shapes(monkeypatch) -> list:
     shapes = []
-    real = train_module.denoising_loss
+    real = trainer_step.denoising_loss
 
-    def spy(config, pipe, objective, x0, *rest):
+    def spy(config, kind, pipe, objective, x0, *rest):
         shapes.append(tuple(x0.shape[-2:]))
-        return real(config, pipe, objective, x0, *rest)
+        return real(config, kind, pipe, objective, x0, *rest)
 
-    monkeypatch.setattr(train_module, "denoising_loss", spy)
+    monkeypatch.setattr(trainer_step, "denoising_loss", spy)
     return shapes
 
 

@@ -1,54 +1,31 @@
-"""LoRA training for diffusers models: model builders, objectives, image+caption data, sampling.
+"""LoRA training of diffusion models through diffusers: the trainer, its data, objectives and sampling.
 
-    from lora_lab.diffusion import build_pipeline, encode_prompts, objective_for, predict
-    from lora_lab.diffusion import TrainConfig, train
+    trainer.py     train(TrainConfig(...)) -> TrainResult: the run as named stages
+    step.py        one optimizer step: its draws, micro-batches, loss and accumulated gradients
+    config.py      TrainConfig, its validation (TrainConfigError), the adapter's targets, the lr schedule
+    state.py       a run's state on disk: checkpoints (written, read, checked), resumption
+    data.py        image+caption folders, aspect-ratio buckets, the dataset encoded once
+    objectives.py  DDPM (epsilon / v) and flow matching behind one interface
+    sampling.py    sample(pipe, prompts, loras=...) with and without LoRA files, image_grid
+
+The models themselves (kinds, builders, real configs) are `lora_lab.models`.
 """
 
+from .._moved import old_name
 from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
-from .kinds import KINDS, ModelLoadError, kind_of
-from .models import (
-    build_components,
-    build_pipeline,
-    build_tokenizer,
-    decode_latents,
-    denoiser,
-    encode_images,
-    encode_prompts,
-    predict,
-    shipped_base,
-)
 from .objectives import DDPM, FlowMatching, ObjectiveError, diffusion_loss, objective_for
 from .sampling import image_grid, loras_applied, sample
-from .train import TrainConfig, TrainConfigError, TrainResult, train
+from .state import NonFiniteLossError, ResumeError
+from .trainer import TrainConfig, TrainConfigError, TrainResult, train
 
 __all__ = [
-    "DDPM",
-    "KINDS",
-    "BucketBatchSampler",
-    "DatasetError",
-    "FlowMatching",
-    "ImageCaptionDataset",
-    "ModelLoadError",
-    "ObjectiveError",
-    "TrainConfig",
-    "TrainConfigError",
-    "TrainResult",
-    "aspect_buckets",
-    "build_components",
-    "build_pipeline",
-    "build_tokenizer",
-    "collate",
-    "decode_latents",
-    "denoiser",
-    "diffusion_loss",
-    "encode_images",
-    "encode_prompts",
-    "image_grid",
-    "kind_of",
-    "loras_applied",
-    "objective_for",
-    "predict",
-    "sample",
-    "shipped_base",
-    "train",
+    "DDPM", "BucketBatchSampler", "DatasetError", "FlowMatching", "ImageCaptionDataset", "NonFiniteLossError",
+    "ObjectiveError", "ResumeError",
+    "TrainConfig", "TrainConfigError", "TrainResult", "aspect_buckets", "collate", "diffusion_loss", "image_grid",
+    "loras_applied", "objective_for", "sample", "train",
 ]
+
+# lora_lab 0.1 exported the model builders from here too; they are lora_lab.models' now.
+__getattr__ = old_name(__name__, {name: f"lora_lab.models:{name}" for name in (
+    "KINDS", "ModelLoadError", "kind_of", "build_components", "build_pipeline", "build_tokenizer", "decode_latents",
+    "denoiser", "encode_images", "encode_prompts", "predict", "shipped_base")})

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import LoraLabError
-from .models import RESOLUTION, encode_images, encode_prompts
+from ..models import RESOLUTION, encode_images, encode_prompts
 
 # PIL is imported in the functions that read images: Pillow is optional (the diffusion extra), and
 # `import lora_lab` imports this module.
@@ -287,10 +287,10 @@ class EncodedExamples:
     captions: list[str]
     sizes: list[tuple[int, int]]
 
-    def latents_of(self, idx: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.latents[i] for i in idx.tolist()])  # (B, C, h, w)
+    def latents_of(self, idx: list[int] | torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.latents[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])  # (B, C, h, w)
 
-    def embeds_of(self, idx: torch.Tensor, drop: torch.Tensor | None, empty: dict | None, device) -> dict:
+    def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None, device) -> dict:
         """The examples' text embeddings; where `drop` is True, the empty prompt's (caption dropout)."""
         out = {}
         for k, v in self.embeds.items():

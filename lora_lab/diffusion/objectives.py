@@ -1,6 +1,6 @@
 """Training objectives: DDPM epsilon / v-prediction (SD1.5, SDXL) and rectified flow matching (SD3.5, Flux).
 
-API (stable; `diffusion/train.py` builds on it):
+API (stable; the trainer, `diffusion/trainer.py`, builds on it):
 
     DDPM(prediction_type="epsilon" | "v_prediction", num_train_timesteps=1000, beta_start, beta_end)
     FlowMatching(logit_mean=0.0, logit_std=1.0, shift=1.0)
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LoraLabError
-from .kinds import KINDS, kind_of, model_kind
-from .models import CONFIGS
+from ..models import KINDS, kind_of, model_kind
+from ..models.builders import CONFIGS
 
 
 class ObjectiveError(LoraLabError, ValueError):

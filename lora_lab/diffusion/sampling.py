@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from ..merge import apply_loras
+from ..models import default_resolution, denoiser, encode_prompts
+from ..models.kinds import kind_of, model_kind, t5_length
 from ..modules import swap_module
-from .kinds import kind_of, model_kind, t5_length
-from .models import default_resolution, denoiser, encode_prompts
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
 # PIL too: Pillow is optional (the diffusion extra).

@@ -23,8 +23,9 @@ On disk (safetensors only, never pickle):
 kohya files always get an `.alpha`: a missing alpha means scale 1 to ComfyUI and diffusers, whatever the rank.
 """
 
+from .._moved import old_name
 from ..errors import LoraFormatError
-from .lora_file import FORMATS, METADATA_KEY, LoraFile, LoraModule, LoraWeights
+from .lora_file import FORMATS, METADATA_KEY, LoraFile, LoraWeights
 from .matching import match_modules
 from .names import (
     COMPONENTS,
@@ -47,7 +48,6 @@ __all__ = [
     "UNET_LAYOUT_KEY",
     "LoraFile",
     "LoraFormatError",
-    "LoraModule",
     "LoraWeights",
     "UnetLayout",
     "canonical_name",
@@ -60,3 +60,5 @@ __all__ = [
     "save_lora",
     "unet_layout",
 ]
+
+__getattr__ = old_name(__name__, {"LoraModule": "lora_lab.formats:LoraWeights"})  # 0.1's second name of LoraWeights

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..diffusion.kinds import REGISTRY
 from ..errors import LoraFormatError
 from ..fileio import WEIGHT_DTYPES
-from ..lowrank import lowrank_delta
+from ..functional import lowrank_delta
+from ..models.kinds import REGISTRY
 
 FORMATS = ("kohya", "peft")
 METADATA_KEY = "lora_adapter_metadata"  # the safetensors metadata entry diffusers reads for PEFT files
@@ -173,4 +173,3 @@ def _base_from_metadata(metadata: Mapping[str, str]) -> str | None:
     return next((kind.name for kind in REGISTRY.values() if v.startswith(kind.kohya_version)), None)
 
 
-LoraModule = LoraWeights  # the public name lora_lab has exported (lora_lab.LoraModule): the same class

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..diffusion.kinds import COMPONENTS, REGISTRY
 from ..errors import LoraFormatError
 from ..fileio import parse_json
+from ..models.kinds import COMPONENTS, REGISTRY
 
 # kohya prefixes, read side. `lora_te_` and `lora_te1_` both mean the first text encoder
 # (SD1.5 files use the first, SDXL files the second); `lora_unet_` names a UNet module, or a

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from .._version import __version__
-from ..diffusion.kinds import KINDS, REGISTRY
 from ..errors import LoraFormatError
 from ..fileio import atomic_save_safetensors
 from ..lora import lora_state_dict
+from ..models.kinds import KINDS, REGISTRY
 from .lora_file import FORMATS, METADATA_KEY, LoraFile, _checked_module
 from .names import (
     COMPONENTS,

@@ -8,7 +8,7 @@ Per block of 256 values (a few blocks per program):
     m = m + (1 - b1) (g - m)                     v = b2 v + (1 - b2) g^2
     p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     absmax = max |m| over the block;  m_code = #{midpoints of the map < m / absmax}   (as torch.bucketize)
-    the same for v, except that a positive v never gets the code of 0 (as blockwise.py's keep_nonzero)
+    the same for v, except that a positive v never gets the code of 0 (as functional/blockwise.py's keep_nonzero)
 
 so each value is read and written once (param, grad, two codes) instead of the dozen passes of
 the PyTorch formulation. The nearest map entry is found by an 8-step binary search over the
@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..adam import AdamHyper, adam_step_
-from ..blockwise import dynamic_map
+from ..functional import AdamHyper, adam_step_, dynamic_map
 from . import KernelInputError, require_triton
 from .lora import FLOAT_DTYPES, _cast, check_device
 
@@ -83,7 +82,7 @@ def _adam8bit_kernel(
     v_absmax = tl.max(tl.where(mask, v, 0.0), axis=1)  # v >= 0
     v_scaled = v / tl.where(v_absmax > 0, v_absmax, 1.0)[:, None]
     v_code = _bucketize(v_scaled, MID_U)
-    # a positive v never rounds to 0 (as blockwise.py's keep_nonzero): under a non-zero m that would
+    # a positive v never rounds to 0 (as functional/blockwise.py's keep_nonzero): under a non-zero m that would
     # make the next step m / eps
     v_code = tl.where(v_scaled > 0, tl.maximum(v_code, 1), v_code)
     tl.store(V_CODE + offs, v_code.to(tl.uint8), mask=mask)
@@ -92,7 +91,7 @@ def _adam8bit_kernel(
 
 @functools.cache
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(map (256,), midpoints (256,) with +inf last), fp32, on `device`: the same values blockwise.py uses."""
+    """(map (256,), midpoints (256,) with +inf last), fp32, on `device`: the same values functional/blockwise.py uses."""
     q = dynamic_map(signed, device)
     mid = torch.cat([(q[1:] + q[:-1]) / 2, q.new_full((1,), math.inf)])
     return q.contiguous(), mid.contiguous()

@@ -1,7 +1,7 @@
 """DoRA in Triton: the weight norm in factored form, and the DoRA linear on the fused LoRA kernels.
 
 DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353) rescales each output row of the adapted
-weight W + s B A to a learned magnitude m, with the norm detached (as PEFT and lora_lab's dora.py):
+weight W + s B A to a learned magnitude m, with the norm detached (as PEFT and lora_lab.functional.dora):
 
     W' = W + t (m (W + s B A) / ||W + s B A|| - W)        norms per output row (N,), t the strength
 
@@ -14,7 +14,7 @@ matmul. With g = m / norm, the layer is y = x W'^T + b without forming W' either
 
     y = (1 + t (g - 1)) * (x W^T) + (x A^T) (t g s B)^T + b
 
-which is the fused LoRA kernel of lora.py with a column scale c = 1 + t (g - 1) in its epilogue.
+which is the fused LoRA kernel of kernels/lora.py with a column scale c = 1 + t (g - 1) in its epilogue.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dora import factors
+from ..functional.dora import factors
 from . import KernelInputError, require_triton
 from .lora import FLOAT_DTYPES, _block_r, _dot_dtype, _mma, _precision, check_device, lora_linear
 
@@ -99,7 +99,7 @@ def dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: fl
 
         g = m / ||W + s B A|| (norm detached),  y = (1 + t (g - 1)) * (x W^T) + (x A^T) (t g s B)^T + b
 
-    that is x W'^T + b for W' = W + t (m (W + s B A) / ||W + s B A|| - W), as lora_lab's dora.py.
+    that is x W'^T + b for W' = W + t (m (W + s B A) / ||W + s B A|| - W), as lora_lab.functional.dora.
     The (N,)-sized factors are plain PyTorch, so autograd carries their gradients to m and B."""
     norm = dora_weight_norm(weight, down, up, scale)  # (N,) fp32, detached
     k, u = factors(magnitude.float(), norm, scale, strength)  # k = t (g - 1), u = t g s: (N,) each, g = m / norm

@@ -5,7 +5,7 @@
     dA = s (g B)^T x
     dB = s g^T (x A^T)
 
-and DoRA's variant (dora.py) with a column scale c (N,) on the base product:
+and DoRA's variant (kernels/dora.py) with a column scale c (N,) on the base product:
 y = c * (x W^T) + s (x A^T) B^T + b, dx = (c g) W + s (g B) A, dc = sum over rows of g * (x W^T).
 
 Four kernels, each one pass over its big operand (x, W or g), fp32 accumulation throughout:

@@ -1,0 +1,253 @@
+"""The settings of one diffusion LoRA training run: `TrainConfig`, its validation (and what only the base model
+can tell), the layers an adapter targets, and the lr schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+
+from .._moved import warn
+from ..checkpointing import CheckpointingError, parse_policy
+from ..errors import LoraLabError
+from ..models import DATA_DIR, KINDS, ModelKind, denoiser, model_kind
+from ..modules import matches_targets
+from ..precision import MODES
+from ..quant import FORMATS
+
+MODELS = KINDS
+OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
+SCHEDULES = ("constant", "linear", "cosine")
+DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
+# Attention projections of every diffusers attention block: self- and cross-attention (UNets), and the
+# text stream's projections of SD3's and Flux's joint attention. Suffixes of module names (LoRAConfig).
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# The UNets' ResNet convolutions (LoCon), with --conv.
+CONV_TARGETS = ("conv1", "conv2")
+
+
+class TrainConfigError(LoraLabError, ValueError):
+    """A training configuration that cannot run: a value out of range, a missing path, a bad combination."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; the CLI (`lora-lab train --rank 32 ...`) and the notebook build it.
+
+    Each field's `help` is the CLI's help text; `None` means "the default described there".
+    """
+
+    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux"})
+    dataset: str | None = field(
+        default=None, metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"}
+    )
+    output: str = field(default="lora_output", metadata={"help": "output folder"})
+    base: str | None = field(
+        default=None, metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"}
+    )
+    resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the base's)"})
+    skip_bad_images: bool = field(
+        default=False, metadata={"help": "skip unreadable images and images without a caption, with a warning"}
+    )
+    buckets: bool = field(
+        default=False, metadata={"help": "aspect-ratio buckets: each image keeps its shape at about resolution^2 "
+                                 "pixels (kohya-style), batches come from one bucket; off: every image is cropped square"}
+    )
+    reg_dataset: str | None = field(
+        default=None, metadata={"help": "folder of regularization images in the base's own style, with captions: "
+                                "prior preservation (DreamBooth; kohya's reg images), their loss added to each step"}
+    )
+    prior_loss_weight: float = field(
+        default=1.0, metadata={"help": "weight of the regularization images' loss (with --reg-dataset)"}
+    )
+    caption_dropout: float = field(
+        default=0.0, metadata={"help": "probability that an example is trained with the pipeline's unconditional "
+                               "input (SDXL: zeros, others: the empty prompt) instead of its caption, so "
+                               "classifier-free guidance's negative branch learns the new data too"}
+    )
+    # the adapter
+    rank: int = field(default=16, metadata={"help": "LoRA rank r"})
+    alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
+    dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
+    conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
+    base_quantization: str | None = field(
+        default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA): "
+                                        "int8 | int8-block | nf4 | fp8 | fp8-row"})
+    # the optimization
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=1, metadata={"help": "examples per micro-batch per process"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches accumulated per optimizer step"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate"})
+    schedule: str = field(default="constant", metadata={"help": "after warm-up: constant | linear | cosine"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from lr/warmup to lr"})
+    optimizer: str = field(
+        default="adamw", metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"}
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
+    noise_offset: float = field(
+        default=0.0,
+        metadata={"help": "sd15/sdxl: add this times per-channel N(0,1) constants to the noise, so the model "
+                  "can change an image's overall brightness (kohya's --noise_offset)"},
+    )
+    # memory features
+    mixed_precision: str = field(default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"})
+    gradient_checkpointing: bool | str = field(
+        default=False,
+        metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at most "
+                  "the fraction F of the activation bytes) | none; true = full"},
+    )
+    # bookkeeping
+    seed: int = field(default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"})
+    save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps (0: only at the end)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in the output folder"})
+    sample_prompts: list[str] | None = field(
+        default=None, metadata={"help": "prompts of the with/without sample grid (default: from the dataset)"}
+    )
+    sample_steps: int = field(default=20, metadata={"help": "denoising steps of the sample grid (0: no grid)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    progress: bool = field(default=True, metadata={"help": "show a tqdm progress bar"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise TrainConfigError naming the first field whose value cannot run."""
+
+        def bad(name: str, why: str) -> None:
+            raise TrainConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for f in fields(self):  # every float field, the ones added later too: NaN passes every < and > test
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                bad(f.name, "must be a finite number")
+        for name, allowed in [
+            ("model", MODELS),
+            ("optimizer", OPTIMIZERS),
+            ("schedule", SCHEDULES),
+            ("mixed_precision", MODES),
+        ]:
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {', '.join(allowed)}")
+        for name in ("rank", "steps", "batch_size", "grad_accum", "keep_checkpoints"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        for name in ("warmup_steps", "save_every", "sample_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            bad("seed", "must be an integer in [-2**63, 2**64)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            bad("lr", "must be a finite number > 0")
+        if self.alpha is not None and not self.alpha > 0:
+            bad("alpha", "must be > 0")
+        if self.noise_offset < 0 or (self.noise_offset > 0 and model_kind(self.model).objective == "flow"):
+            bad("noise_offset", "must be >= 0, and 0 for the flow-matching models sd3 and flux")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
+        if self.warmup_steps > self.steps:
+            bad("warmup_steps", f"is longer than the run (steps={self.steps})")
+        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
+            bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
+        if self.dataset is not None and not Path(self.dataset).is_dir():
+            bad("dataset", "is not a folder")
+        if self.checkpointing_policy() is not None:
+            try:
+                parse_policy(self.checkpointing_policy())
+            except CheckpointingError as e:
+                bad("gradient_checkpointing", str(e))
+        if self.reg_dataset is not None and not Path(self.reg_dataset).is_dir():
+            bad("reg_dataset", "is not a folder")
+        if not (isinstance(self.prior_loss_weight, (int, float)) and 0 <= self.prior_loss_weight < math.inf):
+            bad("prior_loss_weight", "must be a finite number >= 0")
+        if not (isinstance(self.caption_dropout, (int, float)) and 0 <= self.caption_dropout < 1):
+            bad("caption_dropout", "must be a probability in [0, 1)")
+        if self.base is not None and not Path(self.base).exists():
+            bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
+        if self.base_quantization is not None and self.base_quantization not in FORMATS:
+            bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    def checkpointing_policy(self) -> str | None:
+        """The checkpointing policy for enable_checkpointing, or None for none."""
+        value = self.gradient_checkpointing
+        return None if value is False or value == "none" else "full" if value is True else value
+
+    def checkpoint_policy(self) -> str | None:
+        """lora_lab 0.1's name of `checkpointing_policy`, with a DeprecationWarning."""
+        warn("TrainConfig.checkpoint_policy()", "TrainConfig.checkpointing_policy()")
+        return self.checkpointing_policy()
+
+    def adapter_alpha(self) -> float:
+        """LoRA alpha: `alpha`, or the rank (scale 1)."""
+        return float(self.rank if self.alpha is None else self.alpha)
+
+    def adapter_targets(self) -> list[str]:
+        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the convs."""
+        return list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+
+    def dataset_dir(self) -> Path:
+        """The training images' folder: `dataset`, or the set shipped in data/."""
+        return Path(self.dataset) if self.dataset is not None else DATA_DIR / DEFAULT_DATASET
+
+    def resolved(self, base: Path | str | None, resolution: int) -> TrainConfig:
+        """The config with every default made explicit: what config.json records and a resume must match."""
+        return replace(
+            self,
+            base=None if base is None else str(base),
+            resolution=resolution,
+            alpha=self.adapter_alpha(),
+            dataset=str(self.dataset_dir()),
+            reg_dataset=None if self.reg_dataset is None else str(self.reg_dataset),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
+        """The config a run wrote as config.json (unknown keys are an error, not silently dropped)."""
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainConfigError(f"{path}: unknown TrainConfig field(s) {unknown}")
+        return cls(**data)
+
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """lr(step) / lr for the optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)  # in [0, 1)
+    if config.schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:
+    """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
+    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
+    model = denoiser(pipe)
+    widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
+              if name and matches_targets(name, config.adapter_targets()) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    if widths and config.rank > min(widths)[0]:
+        width, name = min(widths)
+        raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
+                               f"(min(out, in) = {width}); use --rank {width} or less")
+    vae_factor = pipe.vae_scale_factor
+    # latents reach the denoiser in patches: packed n x n (Flux), or cut by its patch embedding (SD3)
+    patch = kind.latent_packing * int(getattr(model.config, "patch_size", None) or 1)
+    if resolution % (vae_factor * patch):
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {kind.name} base needs a multiple of "
+                               f"{vae_factor * patch} (VAE downsampling {vae_factor} x patch size {patch})")
+    max_patches = getattr(model.config, "pos_embed_max_size", None)
+    if max_patches and resolution > max_patches * patch * vae_factor:
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {kind.name} base's "
+                               f"position embedding takes ({max_patches * patch * vae_factor} pixels at most)")

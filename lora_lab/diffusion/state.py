@@ -1,0 +1,289 @@
+"""A training run's state on disk: `RunState`, the checkpoints it writes and reads, and resumption."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import random
+import warnings
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._moved import old_name
+from ..errors import LoraLabError
+from ..fileio import atomic_torch_save, atomic_write_bytes
+from ..precision import MixedPrecision
+from .config import TrainConfig, TrainConfigError
+
+
+class NonFiniteLossError(LoraLabError, FloatingPointError):
+    """The loss became NaN or infinite; training stopped and the last good checkpoint was kept."""
+
+
+class ResumeError(LoraLabError, ValueError):
+    """A training checkpoint that cannot be resumed from: unreadable, not what train() writes, or not finite."""
+
+
+# What train() writes into a checkpoint, and the type of each entry.
+CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": dict, "rng": dict, "losses": list,
+                   "config": dict, "n_examples": int}
+# What may differ between a run and its resumption: where and how it runs, not what it computes; and what
+# NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
+# a run stopped by a non-finite loss can go on from its last good checkpoint.
+RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps",
+               "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
+PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
+NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
+
+
+@dataclass
+class RunState:
+    """Where a run stands, and what its checkpoints record beside the trained state: the resolved config,
+    the dataset's size and fingerprint, the step reached, one loss per step, the newest good checkpoint."""
+
+    output: Path
+    config: TrainConfig  # resolved: every default explicit (TrainConfig.resolved)
+    n_examples: int
+    fingerprint: str
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    last_good: Path | None = None
+
+    def last_good_text(self) -> str:
+        return str(self.last_good or "none (no checkpoint was written yet)")
+
+
+@dataclass
+class Learner:
+    """What a step changes: the adapter's named parameters, their optimizer, the mixed precision's scaler."""
+
+    named: list[tuple[str, torch.nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    precision: MixedPrecision
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named]
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states that anything in the step may draw from (dropout, augmentation), as tensors,
+    numbers and tuples only: what torch.load(weights_only=True) reads back."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_path(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"step_{step:07d}.pt"
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    """The checkpoint with the highest step in <output>/checkpoints, or None."""
+    found = sorted((output / "checkpoints").glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A training checkpoint, read without running any code (torch.load(weights_only=True)) and checked to
+    be a good one: the keys and types train() writes, one loss per step, every loss and adapter weight finite.
+
+    Raises ResumeError naming the file and what is wrong (empty, truncated, garbage, a folder, a pickle
+    that would call a function, a missing key, NaN weights ...).
+    """
+    path = Path(path)
+    if not path.is_file():  # a folder, a device, or a pipe (opening one waits for a writer for ever)
+        raise ResumeError(f"{path}: not a regular file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
+            KeyError, IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        raise ResumeError(f"{path}: not a readable weights-only checkpoint ({why})") from None
+    if not isinstance(state, dict):
+        raise ResumeError(f"{path}: holds a {type(state).__name__}, not a training checkpoint")
+    missing = sorted(set(CHECKPOINT_KEYS) - set(state))
+    if missing:
+        raise ResumeError(f"{path}: not a training checkpoint (no {', '.join(missing)})")
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise ResumeError(f"{path}: '{key}' is a {type(state[key]).__name__}, expected a {kind.__name__}")
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state["adapter"].items()):
+        raise ResumeError(f"{path}: 'adapter' must map parameter names to tensors")
+    rng = state["rng"]
+    if not (isinstance(rng.get("torch"), torch.Tensor) and isinstance(rng.get("numpy"), tuple)
+            and len(rng["numpy"]) == 5 and isinstance(rng.get("python"), tuple)):
+        raise ResumeError(f"{path}: 'rng' does not hold the torch, numpy and python states train() writes")
+    if len(state["losses"]) != state["step"] or not all(isinstance(x, float) for x in state["losses"]):
+        raise ResumeError(f"{path}: 'losses' must hold one float per step ({state['step']} steps)")
+    if not all(math.isfinite(x) for x in state["losses"]):
+        raise ResumeError(f"{path}: a loss before this checkpoint is not finite")
+    nonfinite = [k for k, v in state["adapter"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise ResumeError(f"{path}: adapter weights are not finite ({nonfinite[0]})")
+    return state
+
+
+def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | None, list[Path]]:
+    """(checkpoint, its state, the bad checkpoints newer than it) to resume from; (None, None, []) for a fresh
+    run. The newest good checkpoint (`load_checkpoint`) wins; each bad newer one is named in a warning.
+    Refuses to mix a fresh run into an old one."""
+    latest = latest_checkpoint(out)
+    if config.resume and latest is None:
+        raise TrainConfigError(f"TrainConfig.resume=True but {out / 'checkpoints'} holds no checkpoint")
+    if not config.resume and latest is not None:
+        raise TrainConfigError(
+            f"{out} already holds checkpoints of a run ({latest.name}); pass --resume to continue it, "
+            "or choose another --output"
+        )
+    if not config.resume:
+        return None, None, []
+    bad: list[Path] = []
+    for path in sorted((out / "checkpoints").glob("step_*.pt"), reverse=True):
+        try:
+            state = load_checkpoint(path)
+        except ResumeError as e:
+            warnings.warn(f"{e}; skipping it (it will be renamed {path.name}.bad)", stacklevel=3)
+            bad.append(path)
+            continue
+        if bad:
+            warnings.warn(f"resuming from {path}, the newest good checkpoint", stacklevel=3)
+        return path, state, bad
+    raise TrainConfigError(f"TrainConfig.resume=True but no checkpoint in {out / 'checkpoints'} is usable "
+                           f"(see the warnings); the newest is {latest}")
+
+
+def move_aside(bad: list[Path]) -> None:
+    """Rename bad checkpoints to <name>.bad: kept for a look, never resumed from, never pruned as good."""
+    for path in bad:
+        target = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, target)
+        except OSError as e:
+            raise TrainConfigError(f"cannot rename the bad checkpoint {path} to {target.name} ({e}); "
+                                   "remove it and resume again") from None
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the loss log's lines of steps <= `step` (a resumed run rewrites what came after its checkpoint).
+    A line that is not a record (the torn last line of a killed append) is dropped with a warning."""
+    if not path.exists():
+        return
+    if not path.is_file():  # a pipe would make the read below wait for ever
+        raise TrainConfigError(f"{path}: the loss log is not a regular file; remove it")
+    keep, torn = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            if record["step"] <= step:
+                keep.append(line)
+        except (ValueError, TypeError, KeyError):
+            if line:
+                torn.append(number)
+    if torn:
+        warnings.warn(f"{path}: dropped {len(torn)} line(s) that are not loss records (line {torn[0]}: "
+                      "a write cut short by a kill)", stacklevel=4)  # train() -> open_run -> here
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
+
+
+def save_checkpoint(run: RunState, learner: Learner, main: bool) -> Path:
+    """Write checkpoints/step_NNNNNNN.pt of `run.step` atomically (on the main process), keep the newest
+    `keep_checkpoints`, and make it `run.last_good`. Only a good checkpoint is written: non-finite adapter
+    weights raise NonFiniteLossError instead (on every process)."""
+    path = checkpoint_path(run.output, run.step)
+    nonfinite = [n for n, p in learner.named if not torch.isfinite(p.detach()).all()]
+    if nonfinite:
+        raise NonFiniteLossError(
+            f"adapter weights are not finite after step {run.step} ({nonfinite[0]}); training stopped. "
+            f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
+        )
+    if main:
+        atomic_torch_save(
+            {
+                "step": run.step,
+                "adapter": {n: p.detach().cpu().clone() for n, p in learner.named},
+                "optimizer": learner.optimizer.state_dict(),
+                "scaler": learner.precision.state_dict(),
+                "rng": rng_state(),
+                "losses": list(run.losses),
+                "config": asdict(run.config),
+                "n_examples": run.n_examples,
+                "dataset_fingerprint": run.fingerprint,
+            },
+            path,
+        )
+        for old in sorted((run.output / "checkpoints").glob("step_*.pt"))[: -run.config.keep_checkpoints]:
+            old.unlink()
+    run.last_good = path
+    return path
+
+
+def restore(run: RunState, learner: Learner, state: dict[str, Any], path: Path) -> None:
+    """Continue `run` from the checkpoint `state` read from `path`: adapter weights, optimizer, loss scaler,
+    RNG states, step and losses (the data order and the noise follow from the step). TrainConfigError if the
+    checkpoint belongs to another run (another config, dataset or adapter)."""
+    check_resumable(state, run, path)
+    named = learner.named
+    unfit = [n for n, p in named if n not in state["adapter"] or state["adapter"][n].shape != p.shape]
+    if unfit or len(state["adapter"]) != len(named):
+        raise TrainConfigError(f"cannot resume from {path}: its adapter weights do not fit this model's "
+                               f"adapter ({unfit[0] if unfit else 'other parameter names'})")
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(state["adapter"][n])
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.precision.load_state_dict(state["scaler"])  # empty when saved without fp16
+    set_rng_state(state["rng"])
+    run.step, run.losses, run.last_good = state["step"], list(state["losses"]), path
+
+
+def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
+    """TrainConfigError unless the checkpoint `state` was written by this run: the same config (but for
+    RESUME_FREE), the same number of examples and the same dataset files."""
+    saved, now = state["config"], asdict(run.config)
+
+    def same(k: str) -> bool:
+        if k in PATH_FIELDS and isinstance(saved.get(k), str) and isinstance(now[k], str):
+            return os.path.realpath(saved[k]) == os.path.realpath(now[k])
+        return saved.get(k) == now[k]
+
+    changed = sorted(k for k in now if k not in RESUME_FREE and not same(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise TrainConfigError(f"cannot resume from {path}: the config changed ({detail})")
+    if state["n_examples"] != run.n_examples:
+        raise TrainConfigError(
+            f"cannot resume from {path}: the dataset had {state['n_examples']} examples, now {run.n_examples}"
+        )
+    if state.get("dataset_fingerprint", run.fingerprint) != run.fingerprint:
+        raise TrainConfigError(
+            f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was written "
+            "(names, sizes or captions); restore them, or start a new run in another --output"
+        )
+
+
+def write_config(run: RunState) -> None:
+    """<output>/config.json: the resolved config (TrainConfig.from_json reads it back)."""
+    atomic_write_bytes(run.output / "config.json", (json.dumps(asdict(run.config), indent=2) + "\n").encode())
+
+
+__getattr__ = old_name(__name__, {"Trainable": "lora_lab.diffusion.state:Learner"})  # lora_lab 0.1's names

@@ -1,0 +1,139 @@
+"""One optimizer step of the trainer: what it draws, the loss of each micro-batch, the gradients it accumulates.
+
+With per-process batch b, accumulation a and world size w (global batch G = b*a*w):
+
+    draws = draw_step(config, objective, data, reg, empty, step, rank, w)   # this process's b*a examples
+    batch = micro_batch(config, data, reg, empty, draws, m, device)        # micro-batch m < a, on the device
+    loss  = micro_batch_loss(config, kind, pipe, objective, batch)
+    accumulate_grads(...)   # the a micro-batches' grads, averaged over the ranks, and the step's loss
+
+The examples, noise, timesteps and caption dropout of a step are functions of (seed, step) alone, drawn for
+all G examples on the CPU and sliced per process: a resumed run continues exactly, and w processes with
+batch b compute the step one process with batch w*b does. The memory planner runs `micro_batch_loss` on
+fake tensors (`lora_lab.planning.step`) after `draw_step` and `micro_batch`, so the plan and the trainer share this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models import ModelKind, denoiser, predict
+from ..precision import autocast
+
+# objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped (tests inject a NaN loss)
+from . import objectives
+from .config import TrainConfig
+from .data import EncodedExamples, batch_indices
+
+
+@dataclass
+class StepDraws:
+    """What one step draws, this process's share (b * a examples): which examples, their noise and timesteps,
+    whose captions drop out; and the same for the regularization examples (prior preservation), or None."""
+
+    idx: list[int]  # b*a example indices (ints: the memory planner slices them under fake tensors)
+    noise: torch.Tensor  # (b*a, C, h, w)
+    t: torch.Tensor  # (b*a,)
+    drop: torch.Tensor | None  # (b*a,) bool: caption replaced by the unconditional input
+    reg: tuple[list[int], torch.Tensor, torch.Tensor] | None  # (idx, noise, t) of the regularization examples
+
+
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator of step `step`'s noise and timesteps: a function of (seed, step) only."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) % (2**63))
+    return g
+
+
+def draw_noise(config: TrainConfig, objective, data: EncodedExamples, idx: torch.Tensor, g: torch.Generator):
+    """Noise (G, C, h, w) for the latents of `idx` (one size) and timesteps (G,), drawn from `g`."""
+    shape = (len(idx), *data.latents[int(idx[0])].shape)
+    noise = torch.randn(shape, generator=g)
+    if config.noise_offset:  # a constant per (example, channel): shifts the mean the model must remove
+        noise = noise + config.noise_offset * torch.randn((*shape[:2], 1, 1), generator=g)
+    return noise, objective.sample_timesteps(len(idx), generator=g)
+
+
+def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
+              step: int, rank: int = 0, world_size: int = 1) -> StepDraws:
+    """Step `step`'s draws for all G examples of the global batch, then this process's share of them."""
+    per_process = config.batch_size * config.grad_accum
+    global_batch = per_process * world_size
+    idx = batch_indices(config.seed, step, global_batch, data.sizes)  # (G,)
+    g = step_generator(config.seed, step, torch.device("cpu"))
+    noise, t = draw_noise(config, objective, data, idx, g)  # (G, C, h, w), (G,)
+    drop = None if empty is None else torch.rand(global_batch, generator=g) < config.caption_dropout  # (G,)
+    mine = slice(rank * per_process, (rank + 1) * per_process)
+    reg_draws = None
+    if reg is not None:  # prior preservation: as many regularization examples, their own order and noise
+        reg_idx = batch_indices(config.seed + 1, step, global_batch, reg.sizes)
+        reg_noise, reg_t = draw_noise(config, objective, reg, reg_idx, g)
+        reg_draws = (reg_idx[mine].tolist(), reg_noise[mine], reg_t[mine])
+    return StepDraws(idx[mine].tolist(), noise[mine], t[mine], None if drop is None else drop[mine], reg_draws)
+
+
+def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
+    """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
+    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t). fp32 scalar."""
+    with autocast(config.mixed_precision, x0.device):
+        pred = predict(kind, denoiser(pipe), objective.noisy(x0, noise, t), t, cond,
+                       vae_scale_factor=pipe.vae_scale_factor)
+    return objectives.diffusion_loss(pred, objective.target(x0, noise, t))
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the device: clean latents, noise, timesteps, text embeddings; and the regularization
+    examples' (prior preservation), or None."""
+
+    x0: torch.Tensor  # (b, C, h, w) fp32
+    noise: torch.Tensor  # (b, C, h, w)
+    t: torch.Tensor  # (b,)
+    cond: dict[str, torch.Tensor]
+    reg: MicroBatch | None = None
+
+
+def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
+                draws: StepDraws, m: int, device: torch.device) -> MicroBatch:
+    """Micro-batch m of a step's draws (its b examples, from the cache), moved to `device`."""
+    mb = slice(m * config.batch_size, (m + 1) * config.batch_size)
+    idx = draws.idx[mb]
+    batch = MicroBatch(data.latents_of(idx).to(device), draws.noise[mb].to(device), draws.t[mb].to(device),
+                       data.embeds_of(idx, None if draws.drop is None else draws.drop[mb], empty, device))
+    if draws.reg is not None:
+        reg_idx, reg_noise, reg_t = (d[mb] for d in draws.reg)
+        batch.reg = MicroBatch(reg.latents_of(reg_idx).to(device), reg_noise.to(device), reg_t.to(device),
+                               reg.embeds_of(reg_idx, None, None, device))
+    return batch
+
+
+def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective, batch: MicroBatch) -> torch.Tensor:
+    """A micro-batch's denoising loss (plus prior_loss_weight times its regularization examples' loss)."""
+    loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t, batch.cond)
+    if batch.reg is not None:
+        r = batch.reg
+        loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise, r.t,
+                                                                r.cond)
+    return loss
+
+
+def accumulate_grads(config: TrainConfig, kind: ModelKind, pipe, objective, data: EncodedExamples,
+                     reg: EncodedExamples | None, empty: dict | None, learner, step: int, env) -> float:
+    """Step `step`'s grads in the adapter's .grad, averaged over the ranks of `env` (still scaled under fp16),
+    and its loss: this process's share of the global batch in grad_accum micro-batches, then the all-reduce."""
+    device = learner.params[0].device
+    draws = draw_step(config, objective, data, reg, empty, step, env.rank, env.world_size)
+    step_loss = torch.zeros((), dtype=torch.float64)
+    for m in range(config.grad_accum):
+        batch = micro_batch(config, data, reg, empty, draws, m, device)
+        loss = micro_batch_loss(config, kind, pipe, objective, batch)
+        learner.precision.backward(loss / config.grad_accum)
+        step_loss += loss.detach().double().cpu() / config.grad_accum
+    params = learner.params
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    env.all_reduce_mean(grads + [step_loss])
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    return step_loss.item()

@@ -1,0 +1,142 @@
+"""The real models' configurations, as data, and a builder that makes them at full size without weights.
+
+    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev
+    REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public config.json files
+    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux
+    build_real(name, components=None)   -> {component: module}, built in the current device context
+                                           (under a FakeTensorMode or on "meta": no memory is allocated)
+
+Each config is copied from the model's public `config.json` (the Hugging Face repository named in the
+comment above it); only the fields that change the architecture are written out, the rest are the
+classes' defaults, which equal the published values. `tests/test_real.py` checks the parameter counts
+against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
+2.5 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
+"""
+
+from __future__ import annotations
+
+from .._moved import old_name
+from .kinds import ModelLoadError
+
+# diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
+
+# ----------------------------------------------------------------------------- text encoders
+
+# openai/clip-vit-large-patch14 (text_config), as used by stable-diffusion-v1-5/text_encoder,
+# stabilityai/stable-diffusion-xl-base-1.0/text_encoder, SD3.5 text_encoder and FLUX.1-dev text_encoder.
+CLIP_L = {"vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+          "num_attention_heads": 12, "max_position_embeddings": 77, "projection_dim": 768,
+          "hidden_act": "quick_gelu"}
+# laion/CLIP-ViT-bigG-14-laion2B-39B-b160k (text), as stabilityai/stable-diffusion-xl-base-1.0/text_encoder_2
+# and SD3.5 text_encoder_2 (CLIPTextModelWithProjection).
+CLIP_BIGG = {"vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+             "num_attention_heads": 20, "max_position_embeddings": 77, "projection_dim": 1280,
+             "hidden_act": "gelu"}
+# google/t5-v1_1-xxl encoder, as stabilityai/stable-diffusion-3.5-large/text_encoder_3 and
+# black-forest-labs/FLUX.1-dev/text_encoder_2 (T5EncoderModel).
+T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
+          "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+          "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0, "is_encoder_decoder": False}
+
+# ----------------------------------------------------------------------------- VAEs
+
+_VAE_SD = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
+           "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+           "layers_per_block": 2, "norm_num_groups": 32}
+# stable-diffusion-v1-5/stable-diffusion-v1-5/vae/config.json
+VAE_SD15 = {**_VAE_SD, "sample_size": 512, "scaling_factor": 0.18215}
+# stabilityai/stable-diffusion-xl-base-1.0/vae/config.json
+VAE_SDXL = {**_VAE_SD, "sample_size": 1024, "scaling_factor": 0.13025}
+# stabilityai/stable-diffusion-3.5-large/vae/config.json (the same VAE in 3.5 Medium)
+VAE_SD3 = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609,
+           "use_quant_conv": False, "use_post_quant_conv": False}
+# black-forest-labs/FLUX.1-dev/vae/config.json
+VAE_FLUX = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+            "use_quant_conv": False, "use_post_quant_conv": False}
+
+# ----------------------------------------------------------------------------- denoisers
+
+# stable-diffusion-v1-5/stable-diffusion-v1-5/unet/config.json
+UNET_SD15 = {"sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+             "block_out_channels": [320, 640, 1280, 1280],
+             "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+             "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+             "cross_attention_dim": 768, "attention_head_dim": 8, "norm_num_groups": 32}
+# stabilityai/stable-diffusion-xl-base-1.0/unet/config.json
+UNET_SDXL = {"sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+             "block_out_channels": [320, 640, 1280],
+             "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+             "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+             "transformer_layers_per_block": [1, 2, 10], "attention_head_dim": [5, 10, 20],
+             "cross_attention_dim": 2048, "use_linear_projection": True, "addition_embed_type": "text_time",
+             "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32}
+# stabilityai/stable-diffusion-3.5-medium/transformer/config.json (MMDiT-X: dual attention in blocks 0-12)
+SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+               "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+               "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+               "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
+# stabilityai/stable-diffusion-3.5-large/transformer/config.json
+SD35_LARGE = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 38,
+              "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+              "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+              "qk_norm": "rms_norm"}
+# black-forest-labs/FLUX.1-dev/transformer/config.json
+FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+            "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
+
+REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
+    "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
+             "text_encoder": ("CLIPTextModel", CLIP_L)},
+    "sdxl": {"unet": ("UNet2DConditionModel", UNET_SDXL), "vae": ("AutoencoderKL", VAE_SDXL),
+             "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG)},
+    "sd35-medium": {"transformer": ("SD3Transformer2DModel", SD35_MEDIUM), "vae": ("AutoencoderKL", VAE_SD3),
+                    "text_encoder": ("CLIPTextModelWithProjection", CLIP_L),
+                    "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG),
+                    "text_encoder_3": ("T5EncoderModel", T5_XXL)},
+    "sd35-large": {"transformer": ("SD3Transformer2DModel", SD35_LARGE), "vae": ("AutoencoderKL", VAE_SD3),
+                   "text_encoder": ("CLIPTextModelWithProjection", CLIP_L),
+                   "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG),
+                   "text_encoder_3": ("T5EncoderModel", T5_XXL)},
+    "flux-dev": {"transformer": ("FluxTransformer2DModel", FLUX_DEV), "vae": ("AutoencoderKL", VAE_FLUX),
+                 "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("T5EncoderModel", T5_XXL)},
+}
+REAL_MODELS = tuple(REAL_CONFIGS)
+_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
+# Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
+TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}
+
+
+def real_kind(name: str) -> str:
+    """The trainer's model kind (sd15 | sdxl | sd3 | flux) of a real model name."""
+    if name not in _KIND:
+        raise ModelLoadError(f"unknown real model {name!r}; choose one of {', '.join(REAL_MODELS)}")
+    return _KIND[name]
+
+
+def _build(class_name: str, cfg: dict):
+    import diffusers
+    import transformers
+
+    if class_name.startswith(("CLIP", "T5")):
+        config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
+        return getattr(transformers, class_name)(config_cls(**cfg))
+    return getattr(diffusers, class_name)(**cfg)
+
+
+def build_real(name: str, components: list[str] | tuple[str, ...] | None = None) -> dict:
+    """The model's components at full size, in eval mode, built in the caller's device context.
+
+    Call it under `torch.device("meta")` or a `FakeTensorMode` (as `lora_lab.planning` does): on a real
+    device it allocates every weight (SDXL's UNet alone is 10 GiB in fp32).
+    """
+    real_kind(name)
+    cfgs = REAL_CONFIGS[name]
+    wanted = list(cfgs) if components is None else list(components)
+    unknown = [c for c in wanted if c not in cfgs]
+    if unknown:
+        raise ModelLoadError(f"{name} has no component(s) {unknown}; it has {', '.join(cfgs)}")
+    return {c: _build(*cfgs[c]).eval() for c in wanted}
+
+
+__getattr__ = old_name(__name__, {"family": "lora_lab.models.real:real_kind"})  # lora_lab 0.1's names

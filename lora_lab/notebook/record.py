@@ -1,0 +1,189 @@
+"""What every notebook records: checked parameters, named numbers and claims, figures, and where they go.
+
+In a notebook:
+
+    nb = Record.start("01_autograd", globals())   # right after the `parameters` cell
+    ...
+    nb.number("dy_dx", 4.0)
+    nb.claim("dy/dx = 4 at x = 2", dy_dx == 4.0)
+    nb.figure(fig, "loss_curve")
+    nb.finish()                                   # writes the JSON, then fails if a claim failed
+
+`Record.start` reads the defaults from the notebook's `parameters` cell (from the IPython input
+history, so it works in JupyterLab and under papermill alike) and checks every injected parameter
+(parameters.py): a name the notebook does not define (in any case), a value of another type than
+the default's (also inside lists and dicts), or NaN/Inf where the parameter's comment does not say it
+takes them is a `NotebookParameterError` naming the parameter, raised in the cell right after the parameters.
+`finish()` shows one table of the claims (held or not) and writes the JSON.
+
+Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
+notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `--out` sets it).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import LoraLabError
+from ..fileio import atomic_write_bytes
+from .parameters import check_parameters, parameter_cells
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+REPORTS_ENV = "LORA_LAB_REPORTS"
+# Set in the kernels the batch runner starts. Their notebooks show no ipywidgets there: nobody can move a
+# slider in a batch run, and widget comm traffic can leave nbclient waiting for a reply that already came
+# (jupyter/nbclient#312; seen here as notebook 07 hanging at its widget cell with both processes idle).
+BATCH_ENV = "LORA_LAB_BATCH"
+
+
+class ClaimFailed(LoraLabError):
+    """A notebook's recorded claim did not hold."""
+
+
+def batch_run() -> bool:
+    """True in a kernel started by the batch runner (`python -m lora_lab.notebook`, `make run`, the tests):
+    notebooks then draw their interactive views once, as a static picture, instead of as widgets."""
+    return os.environ.get(BATCH_ENV) == "1"
+
+
+def report_dir() -> Path:
+    """Where results go: $LORA_LAB_REPORTS if set, else reports/ at the repository root (else ./reports
+    where lora_lab is installed outside a checkout)."""
+    if os.environ.get(REPORTS_ENV):
+        return Path(os.environ[REPORTS_ENV]).expanduser().resolve()
+    return REPO / "reports" if NOTEBOOKS.is_dir() else Path("reports").resolve()
+
+
+@dataclass
+class Record:
+    """Named numbers, named claims and figures of one notebook run, written to <reports>/<name>.json."""
+
+    name: str
+    parameters: dict[str, Any]
+    numbers: dict[str, Any] = field(default_factory=dict)
+    claims: dict[str, dict[str, Any]] = field(default_factory=dict)
+    figures: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    @classmethod
+    def start(cls, name: str, namespace: dict[str, Any]) -> Record:
+        """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
+        inputs = namespace.get("In")
+        if isinstance(inputs, list):
+            defaults, injected, nonfinite_ok = parameter_cells(inputs)
+            check_parameters(defaults, injected, nonfinite_ok)
+            # the values in use, typed into the parameters cell too (NaN/Inf there)
+            current = {k: namespace[k] for k in defaults if k in namespace}
+            check_parameters(defaults, {k: v for k, v in current.items() if k not in injected}, nonfinite_ok)
+        else:  # not IPython: nothing injected, take the UPPER_CASE globals as they are
+            defaults = {}
+        params = {k: namespace[k] for k in defaults if k in namespace}
+        return cls(name=name, parameters=params)
+
+    def number(self, key: str, value: Any) -> Any:
+        """Record a named number (or small list/dict of numbers) and return it."""
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            value = value.item()
+        self.numbers[key] = value
+        return value
+
+    def claim(self, key: str, held: bool, detail: str = "") -> bool:
+        """Record whether a claim held; `finish()` shows them all and fails the notebook if any did not."""
+        held = bool(held)
+        self.claims[key] = {"held": held, "detail": detail}
+        return held
+
+    def figure(self, fig, key: str) -> Path:
+        """Save a matplotlib figure as PNG beside the report and return its path (which a notebook does
+        not echo under the cell: the figure itself is shown inline)."""
+        out = _FigurePath(report_dir() / "figures" / f"{self.name}_{key}.png")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
+        self.figures.append(str(out.relative_to(report_dir())))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "notebook": self.name,
+            "parameters": self.parameters,
+            "numbers": self.numbers,
+            "claims": self.claims,
+            "figures": self.figures,
+            "passed": all(c["held"] for c in self.claims.values()),
+            "seconds": round(time.time() - self.started, 2),
+        }
+
+    def summary(self) -> tuple[str, str]:
+        """The claims as a small table: (plain text, HTML)."""
+        held = sum(c["held"] for c in self.claims.values())
+        where = report_dir() / f"{self.name}.json"
+        head = f"{self.name}: {held} of {len(self.claims)} claims held (results: {where})"
+        rows = [(("PASS" if c["held"] else "FAIL"), k, c["detail"]) for k, c in self.claims.items()]
+        width = max((len(k) for _, k, _ in rows), default=0)
+        text = "\n".join([head] + [f"  {v}  {k:{width}s}  {d}".rstrip() for v, k, d in rows])
+        cells = "".join(
+            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold;white-space:nowrap">'
+            f"{'&#10003;' if v == 'PASS' else '&#10007;'} {v.lower()}</td>"
+            f'<td style="text-align:left">{html.escape(k)}</td><td style="text-align:left">{html.escape(d)}</td></tr>'
+            for v, k, d in rows
+        )
+        table = (f'<table><caption style="text-align:left">{html.escape(head)}</caption>'
+                 f'<tr><th>held</th><th style="text-align:left">claim</th><th style="text-align:left">measured</th></tr>'
+                 f"{cells}</table>")
+        return text, table
+
+    def finish(self) -> dict[str, Any]:
+        """Write <reports>/<name>.json (atomically), show the table of claims, then raise ClaimFailed if a
+        claim failed. Returns the recorded dict (which IPython does not echo: the table says it)."""
+        data = _Shown(self.to_json())
+        atomic_write_bytes(report_dir() / f"{self.name}.json", json.dumps(data, indent=2, default=jsonable).encode())
+        _show(*self.summary())
+        failed = [k for k, c in self.claims.items() if not c["held"]]
+        if not self.claims:
+            raise ClaimFailed(f"{self.name}: recorded no claims")
+        if failed:
+            raise ClaimFailed(f"{self.name}: claim(s) did not hold: {failed}")
+        return data
+
+
+class _FigurePath(type(Path())):
+    """A saved figure's path: IPython does not echo it (the figure is on screen already)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+class _Shown(dict):
+    """A dict that a notebook does not echo under its cell: `finish()` has shown it as a table."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def _show(text: str, table: str) -> None:
+    """The table as HTML in a notebook (plain text in its text/plain part), else printed."""
+    try:  # IPython only where a notebook runs: Record also works in a plain interpreter
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(text)
+        return
+    display({"text/plain": text, "text/html": table}, raw=True)
+
+
+def jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)

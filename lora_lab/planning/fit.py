@@ -1,0 +1,149 @@
+"""Fitting a card's memory (VRAM): the fastest training configuration whose planned peak fits, and the table of options.
+
+    fit_vram("24GiB", "sdxl", resolution=1024, batch_size=4) -> FitResult (chosen plan, why, every plan tried)
+    options_table(plans, vram)                              -> one line per option: peak, largest part, fits
+    fit_config(train_config, "24GiB")                       -> the TrainConfig `lora-lab train --vram` runs
+
+Options are tried cheapest in time first: no recomputation before recomputation, fp32 AdamW (the faster
+step) before 8-bit, and the largest micro-batch that fits, with gradient accumulation for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .._moved import old_name
+from ..diffusion.trainer import resolve_device
+from ..models import default_resolution, shipped_base
+from . import planner
+from .planner import MemoryPlan, PlanError, folder_vae_scale, format_bytes, parse_bytes
+from .step import dataset_len
+
+# The order `fit_vram` tries options in, cheapest in time first: no recomputation before recomputation,
+# fp32 Adam (fastest step) before 8-bit.
+CHECKPOINTING_ORDER = (False, True)
+OPTIMIZER_ORDER = ("adamw", "adamw8bit")
+
+
+@dataclass
+class FitResult:
+    """What `fit_vram` chose, and every option it planned on the way (cheapest in time first)."""
+
+    vram: int
+    chosen: MemoryPlan
+    tried: list[MemoryPlan] = field(default_factory=list)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum."""
+        o = self.chosen.options
+        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum")}
+
+    def reason(self) -> str:
+        s = self.settings
+        skipped = [p for p in self.tried if not p.fits(self.vram)]
+        why = ("; faster options did not fit: " + ", ".join(
+            f"{_label(p.options)} {format_bytes(p.peak)}" for p in skipped)) if skipped else ""
+        return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
+                f"{format_bytes(self.vram)} (batch {s['batch_size']} x {s['grad_accum']} accumulation){why}")
+
+
+def _label(options: dict) -> str:
+    ck = planner.checkpointing_words(options["gradient_checkpointing"]) or "no checkpointing"
+    q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
+    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}"
+
+
+def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str:
+    """One line per plan: the option, its predicted peak, the part that dominates it, and whether it fits."""
+    vram = parse_bytes(vram) if vram is not None else None
+    head = f"{'option':<44} {'predicted peak':>15}  {'largest part':<34}" + (f" fits {format_bytes(vram)}" if vram else "")
+    rows = [head]
+    for p in plans:
+        row = f"{_label(p.options):<44} {format_bytes(p.peak):>15}  {p.dominant():<34}"
+        if vram:
+            row += " yes" if p.fits(vram) else " no"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: list[MemoryPlan] | tuple = (),
+             checkpointing: bool | str = True, **plan_options) -> FitResult:
+    """The fastest training configuration whose predicted peak fits `vram` (e.g. "24GiB"), a card's memory.
+
+    Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
+    forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit; within those,
+    the largest micro-batch (a power of two dividing `batch_size`, the effective batch) that fits, with
+    gradient accumulation making up the rest. Raises PlanError naming the smallest peak found and its
+    largest part when nothing fits. `plan_options` go to `plan_memory`; `plans` are plans already made
+    (e.g. the table `lora-lab plan` prints): one whose options are those of an option tried is used as it
+    is, not planned again. checkpointing: the policy of the options with checkpointing (True = "full").
+    """
+    vram = parse_bytes(vram)
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise PlanError(f"fit_vram: batch_size must be an integer >= 1, got {batch_size!r}")
+    micro = [b for b in (2**i for i in range(batch_size.bit_length())) if batch_size % b == 0][::-1]  # largest first
+    for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
+        if key in plan_options:
+            raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
+    tried: list[MemoryPlan] = []
+    for ckpt in CHECKPOINTING_ORDER:
+        for opt in OPTIMIZER_ORDER:
+            def plan(b, ckpt=ckpt, opt=opt):
+                kw = {"batch_size": b, "grad_accum": batch_size // b, "gradient_checkpointing": ckpt and checkpointing,
+                      "optimizer": opt,
+                      **plan_options}
+                options = planner.plan_options(model, **kw) if plans else None
+                p = next((q for q in plans if q.options == options), None) or planner.plan_memory(model, **kw)
+                tried.append(p)
+                return p
+            smallest = plan(micro[-1])
+            if not smallest.fits(vram):
+                continue
+            # the largest micro-batch that fits: the peak grows with the batch, so search down from the top
+            for b in micro[:-1]:
+                p = plan(b)
+                if p.fits(vram):
+                    return FitResult(vram, p, tried)
+            return FitResult(vram, smallest, tried)
+    best = min(tried, key=lambda p: p.peak)
+    raise PlanError(
+        f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
+        f"({_label(best.options)}), of which {best.dominant()} is {format_bytes(best.parts[best.dominant()])}; "
+        "lower the resolution or the rank, or use a larger GPU"
+        + ("" if checkpointing in (True, "full") else f", or a checkpointing policy that keeps less than {checkpointing} "
+           "(full, every_k, budget:F)"))
+
+
+def fit_config(config, vram: int | str):
+    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size and grad_accum
+    chosen by `fit_vram` for its base (the shipped tiny base, or --base, a local diffusers folder) on its device;
+    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why)."""
+    base = config.base if config.base is not None else shipped_base(config.model)
+    device = resolve_device(config.device).type
+    resolution = config.resolution
+    if base is None:  # the trainer builds the tiny model of this kind from a seed
+        size = "tiny"
+    elif (Path(base) / "model_index.json").is_file():
+        size = str(base)
+        if resolution is None:
+            sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
+            sample = json.loads((Path(base) / sub / "config.json").read_text()).get("sample_size")
+            resolution = default_resolution(SimpleNamespace(vae_scale_factor=folder_vae_scale(Path(base)), unet=SimpleNamespace(
+                config=SimpleNamespace(sample_size=sample))))
+    else:
+        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); single-file checkpoints are not planned")
+    dataset_size = dataset_len(config, resolution) if device == "cpu" else 0
+    result = fit_vram(vram, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
+                 resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
+                 mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),
+                 base_dtype="fp32", device=device, dataset_size=dataset_size,
+                 base_quantization=config.base_quantization)
+    return replace(config, **result.settings), result.reason()
+
+
+__getattr__ = old_name(__name__, {"fit": "lora_lab.planning.fit:fit_vram"})  # lora_lab 0.1's names
