@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 # (substring of torch.cuda.get_device_name(), dense bf16 TFLOP/s, memory GB/s): NVIDIA datasheets;
 # the first match wins, so the more specific names come first.
@@ -63,14 +64,14 @@ if ARGS.cpu_check:
 elif not torch.cuda.is_available():
     print("benchmarks/bench_kernels.py times GPU kernels and needs a CUDA GPU; there is none here.")
     print("Correctness is covered on the CPU by tests/test_kernels.py under TRITON_INTERPRET=1;")
-    print("`python benchmarks/bench_kernels.py --cpu-check` runs this script at tiny sizes under the interpreter.")
+    print("`python benchmarks/bench_kernels.py --cpu-check` runs this script at tiny sizes under the "
+          "interpreter.")
     sys.exit(0)
 
-from torch import nn
-
-from lora_lab.functional import AdamHyper, adam_step_, quantize_blockwise
-from lora_lab.kernels.adam8bit import adam8bit_step
-from lora_lab.lora import LoRAConfig, LoRALinear
+# not at the top: TRITON_INTERPRET=1 (--cpu-check) must be set before lora_lab.kernels.* is imported
+from lora_lab.functional import AdamHyper, adam_step_, quantize_blockwise  # noqa: E402  # TRITON_INTERPRET
+from lora_lab.kernels.adam8bit import adam8bit_step  # noqa: E402  # TRITON_INTERPRET
+from lora_lab.lora import LoRAConfig, LoRALinear  # noqa: E402  # TRITON_INTERPRET
 
 DEVICE = torch.device("cpu" if ARGS.cpu_check else "cuda")
 DTYPE = torch.bfloat16
@@ -235,14 +236,16 @@ def main():
         bench_layers(True, (peak_tflops, peak_gbps), rows)
     if "adam" in parts:
         bench_adam((peak_tflops, peak_gbps), rows)
-    print(f"device: {name}; peaks: {peak_tflops or 'unknown'} TFLOP/s bf16 dense, {peak_gbps or 'unknown'} GB/s")
+    print(f"device: {name}; peaks: {peak_tflops or 'unknown'} TFLOP/s bf16 dense, "
+          f"{peak_gbps or 'unknown'} GB/s")
     print(f"torch {torch.__version__}; median of {ARGS.rounds} interleaved rounds x {INNER} calls\n")
     print("| step | shape | variant | ms | TFLOP/s | % peak | GB/s | % peak | speed-up vs torch |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for step, shape, variant, t, flops, nbytes, speedup, _ in rows:
         tf, tf_pct = fmt_rate(flops / t / 1e12 if flops else None, peak_tflops)
         gb, gb_pct = fmt_rate(nbytes / t / 1e9, peak_gbps)
-        print(f"| {step} | {shape} | {variant} | {t * 1e3:.3f} | {tf} | {tf_pct} | {gb} | {gb_pct} | {speedup:.2f}x |")
+        print(f"| {step} | {shape} | {variant} | {t * 1e3:.3f} | {tf} | {tf_pct} | {gb} | {gb_pct} | "
+              f"{speedup:.2f}x |")
     print_targets(rows)
 
 

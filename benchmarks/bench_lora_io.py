@@ -8,7 +8,8 @@ not a file's pages, sampled every millisecond) and its wall time. The "eager" ro
 file with `safetensors.torch.load_file` and writing it with `safetensors.torch.save` cost: a copy of every
 tensor in memory, and the whole output file built in memory before it is written.
 
-Target (read here, not a timed test): inspect and convert add memory of the order of one tensor, not of the file.
+Target (read here, not a timed test): inspect and convert add memory of the order of one tensor, not of
+the file.
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def main() -> None:
         tensor = 64 * n * 4 / 2**20
         print(f"file: {size:.0f} MiB, 16 tensors of {tensor:.1f} MiB\n")
         print("| operation | peak extra private memory (MiB) | wall (s) |\n| --- | ---: | ---: |")
-        for op, label in (("inspect", "lora_lab load_lora + summary"), ("convert", "lora_lab convert_lora kohya -> peft"),
+        for op, label in (("inspect", "lora_lab load_lora + summary"),
+                          ("convert", "lora_lab convert_lora kohya -> peft"),
                           ("eager_read", "eager: safetensors.torch.load_file"),
                           ("eager_convert", "eager: load_file + safetensors.torch.save")):
-            out = subprocess.run([sys.executable, "-c", CHILD, op, str(src), str(dst)], capture_output=True, text=True,
-                                 check=True).stdout.split()
+            out = subprocess.run([sys.executable, "-c", CHILD, op, str(src), str(dst)], capture_output=True,
+                                 text=True, check=True).stdout.split()
             print(f"| {label} | {float(out[-2]):.1f} | {float(out[-1]):.2f} |")
 
 

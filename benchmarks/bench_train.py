@@ -1,7 +1,8 @@
 """Training step time and memory of lora_lab's trainer on the tiny SDXL-like base, against a reference
 loop of diffusers + PEFT + torch AdamW on the same config and batch; and each memory feature on/off.
 
-    PYTHONPATH=. python benchmarks/bench_train.py [--steps 10] [--rounds 3] [--batch-size 8] [--rank 8] [--threads 2]
+    PYTHONPATH=. python benchmarks/bench_train.py [--steps 10] [--rounds 3] [--batch-size 8] [--rank 8]
+                                                  [--threads 2]
 
 Rows: the reference loop; lora_lab's `train()` with plain fp32 AdamW; then with gradient checkpointing,
 lora_lab's 8-bit AdamW, bf16 autocast, and all three. Runs are interleaved (every row once per round);
@@ -96,7 +97,8 @@ def reference_step(config, pipe, unet, params, opt, objective, latents, embeds, 
     noise = torch.randn((config.batch_size, *latents.shape[1:]), generator=g)
     t = objective.sample_timesteps(config.batch_size, generator=g)
     x0, cond = latents[idx], {k: v[idx] for k, v in embeds.items()}
-    pred = predict(config.model, unet, objective.noisy(x0, noise, t), t, cond, vae_scale_factor=pipe.vae_scale_factor)
+    pred = predict(config.model, unet, objective.noisy(x0, noise, t), t, cond,
+                   vae_scale_factor=pipe.vae_scale_factor)
     loss = diffusion_loss(pred, objective.target(x0, noise, t))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
@@ -131,7 +133,8 @@ def memory_of(config: TrainConfig | None, base: TrainConfig) -> tuple[int, int, 
         objective = objective_for(pipe)
 
         def forward(x0, noise, t, cond):
-            pred = predict(base.model, model, objective.noisy(x0, noise, t), t, cond, vae_scale_factor=pipe.vae_scale_factor)
+            pred = predict(base.model, model, objective.noisy(x0, noise, t), t, cond,
+                           vae_scale_factor=pipe.vae_scale_factor)
             return diffusion_loss(pred, objective.target(x0, noise, t))
     else:
         from lora_lab.checkpointing import enable_checkpointing
@@ -157,7 +160,8 @@ def memory_of(config: TrainConfig | None, base: TrainConfig) -> tuple[int, int, 
     act = saved_activation_bytes(forward, x0, noise, t, cond)
     forward(x0, noise, t, cond).backward()
     opt.step()
-    quantized = sum(1 for st in opt.state.values() if getattr(st.get("exp_avg"), "dtype", None) == torch.uint8)
+    quantized = sum(1 for st in opt.state.values()
+                    if getattr(st.get("exp_avg"), "dtype", None) == torch.uint8)
     return act, optimizer_state_bytes(opt), quantized
 
 
@@ -170,8 +174,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    base = TrainConfig(model="sdxl", output="unused", steps=args.steps, batch_size=args.batch_size, rank=args.rank,
-                       lr=1e-3, sample_steps=0, progress=False, device="auto")
+    base = TrainConfig(model="sdxl", output="unused", steps=args.steps, batch_size=args.batch_size,
+                       rank=args.rank, lr=1e-3, sample_steps=0, progress=False, device="auto")
     print(f"tiny SDXL-like base ({shipped_base('sdxl') or 'random init'}), data {base.dataset_dir()}, "
           f"batch {args.batch_size}, rank {args.rank}, {args.steps} steps x {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}, device {'cuda' if torch.cuda.is_available() else 'cpu'}")
@@ -188,11 +192,13 @@ def main() -> None:
             peaks[name] = peak
             print(f"  round {r + 1}: {name.strip():45s} {sec * 1000:8.1f} ms/step", flush=True)
 
-    mem = {name: memory_of(None if ch is None else replace(base, **ch), base) for name, ch in VARIANTS.items()}
+    mem = {name: memory_of(None if ch is None else replace(base, **ch), base)
+           for name, ch in VARIANTS.items()}
     ref_name, plain_name = list(VARIANTS)[:2]
     ref = statistics.median(times[ref_name])
     gpu = torch.cuda.is_available()
-    header = "| run | ms/step (median) | vs reference | activation KiB | optimizer state KiB |" + (" peak MiB |" if gpu else "")
+    header = ("| run | ms/step (median) | vs reference | activation KiB | optimizer state KiB |"
+              + (" peak MiB |" if gpu else ""))
     print("\n" + header)
     print("|" + "---|" * (header.count("|") - 1))
     for name in VARIANTS:
@@ -207,7 +213,8 @@ def main() -> None:
     a_plain, o_plain, _ = mem[plain_name]
     n_8bit = mem["  + 8-bit AdamW (lora_lab)"][2]
     checks = [
-        ("lora_lab plain is no slower than the reference (ratio <= 1.05)", plain / ref <= 1.05, f"{plain / ref:.2f}"),
+        ("lora_lab plain is no slower than the reference (ratio <= 1.05)", plain / ref <= 1.05,
+         f"{plain / ref:.2f}"),
         ("checkpointing keeps fewer activation bytes", mem["  + gradient checkpointing"][0] < a_plain,
          f"{mem['  + gradient checkpointing'][0] / a_plain:.2f}x"),
         ("8-bit AdamW keeps less optimizer state",

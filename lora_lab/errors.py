@@ -1,9 +1,9 @@
 """The root of every error lora_lab raises on purpose, and the errors of the bottom layer (files, tensors,
 block-wise quantized optimizer state).
 
-Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant/weights.py, ...);
-this module imports nothing of lora_lab but `_moved` (the 0.1 spellings, stdlib only), so every module can
-look down at it.
+Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant/weights.py,
+...); this module imports nothing of lora_lab but `_moved` (the 0.1 spellings, stdlib only), so every
+module can look down at it.
 """
 
 from ._moved import old_name
@@ -30,4 +30,5 @@ class OptimizerError(LoraLabError, ValueError):
     its map cannot hold (negative values for the unsigned map)."""
 
 
-__getattr__ = old_name(__name__, {"TensorKindError": "lora_lab.errors:TensorTypeError"})  # lora_lab 0.1's names
+# lora_lab 0.1's names
+__getattr__ = old_name(__name__, {"TensorKindError": "lora_lab.errors:TensorTypeError"})

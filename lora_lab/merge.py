@@ -4,15 +4,17 @@ For a weight W that LoRA files 1..N adapt, at strengths t_i, each change is comp
 base W and the changes add up (so the order of the files does not matter):
 
     W' = W + sum_i D_i        plain LoRA:  D_i = t_i * (alpha_i / r_i) * up_i @ down_i
-                              DoRA:        D_i = t_i * (m_i * V_i / ||V_i|| - W),  V_i = W + (alpha_i / r_i) up_i @ down_i
+                              DoRA:        D_i = t_i * (m_i * V_i / ||V_i|| - W),
+                                           V_i = W + (alpha_i / r_i) up_i @ down_i
 
 in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshaped as kohya does).
 A single DoRA file at strength t is exactly ComfyUI's W + t (W_dora - W); ComfyUI applies several
 files one after the other, which differs from the sum above only when a DoRA file is stacked.
 
 `merge_loras` is a read-only mapping over the base weights that merges a weight only when it is
-asked for (`merged.get(name)`), so a model can be built from it one weight at a time. `apply_loras` does the same to a live model (mode="merge"),
-or wraps the adapted modules in lora_lab adapters whose strengths can be changed later (mode="runtime").
+asked for (`merged.get(name)`), so a model can be built from it one weight at a time. `apply_loras`
+does the same to a live model (mode="merge"), or wraps the adapted modules in lora_lab adapters whose
+strengths can be changed later (mode="runtime").
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 
 def lora_change(weight: torch.Tensor, m: LoraWeights, strength: float) -> torch.Tensor:
-    """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module docstring)."""
-    down, up = m.down.to(weight.device), m.up.to(weight.device)  # a linear LoRA fits a 1x1 conv: both are flattened
+    """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module
+    docstring)."""
+    # a linear LoRA fits a 1x1 conv: both are flattened
+    down, up = m.down.to(weight.device), m.up.to(weight.device)
     if m.dora_scale is None:
         return strength * lowrank_delta(down, up, m.scale).reshape(weight.shape)
     return dora.weight_change(weight, down, up, m.dora_scale.to(weight.device).float(), m.scale, strength)
@@ -65,8 +69,10 @@ class MergedState(Mapping):
         out = w.float()
         for p in self.patches[name]:
             change = lora_change(w, p.module, p.strength)
-            if not bool(torch.isfinite(change).all()):  # overflow (a huge strength or alpha), a DoRA row of norm 0
-                raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} is not finite")
+            # overflow (a huge strength or alpha), a DoRA row of norm 0
+            if not bool(torch.isfinite(change).all()):
+                raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} "
+                                      "is not finite")
             out = out + change
         merged = out.to(w.dtype)  # isfinite has no float8 kernel: test in fp32
         if not bool(torch.isfinite(merged.float()).all()) and bool(torch.isfinite(w.float()).all()):
@@ -109,9 +115,11 @@ def _patches(
     for i, (lora, strength) in enumerate(loras):
         lf = _load(lora)
         name = str(lf.path) if lf.path else f"LoRA #{i}"
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        if (isinstance(strength, bool) or not isinstance(strength, (int, float))
+                or not math.isfinite(strength)):
             raise LoraFormatError(f"{name}: strength {strength!r} must be a finite number")
-        for n, m in lf.modules.items():  # a LoraFile made in memory is checked here (load_lora checked a file's)
+        # a LoraFile made in memory is checked here (load_lora checked a file's)
+        for n, m in lf.modules.items():
             m.check(f"{name}: module {m.key or n!r}", values=False)
         _, matched = match_modules(lf, weights, component, strict=strict)
         for key, m in matched.items():
@@ -147,16 +155,19 @@ def load_merged(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> nn.Modu
         for name, t in model.state_dict(keep_vars=True).items():
             w = merged.get(name)
             if w is None:
-                raise LoraFormatError(f"the merged weights have no {name!r}, which the {type(model).__name__} needs")
+                raise LoraFormatError(f"the merged weights have no {name!r}, which the "
+                                      f"{type(model).__name__} needs")
             t.copy_(w)
     return model
 
 
-def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+def save_merged(merged: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                metadata: dict[str, str] | None = None) -> Path:
     """Write every weight of `merged` (base dtype) to a safetensors file, atomically, merging and writing one
     weight at a time (a `MergedState` never holds more than one merged weight)."""
     path = Path(path)
-    atomic_save_safetensors(path, merged, metadata or {}, like=merged.base if isinstance(merged, MergedState) else None)
+    atomic_save_safetensors(path, merged, metadata or {},
+                            like=merged.base if isinstance(merged, MergedState) else None)
     return path
 
 
@@ -171,7 +182,8 @@ class AppliedLoras:
     def set_strength(self, index: int, strength: float) -> None:
         """Runtime mode: the strength of LoRA file `index` (in the order given), no reloading."""
         if self.mode != "runtime":
-            raise LoraFormatError("strengths of merged LoRAs are part of the weights; apply them with mode='runtime'")
+            raise LoraFormatError("strengths of merged LoRAs are part of the weights; apply them with "
+                                  "mode='runtime'")
         for a in self.adapters[index]:
             a.strength = strength
 
@@ -229,19 +241,22 @@ def apply_loras(
     weights = _live_weights(model)
     patches = _patches(weights, loras, component, strict)
     if mode == "merge":
-        quantized = [k for k in sorted(patches) if isinstance(model.get_submodule(k[: -len(".weight")]), QuantLinear)]
+        quantized = [k for k in sorted(patches)
+                     if isinstance(model.get_submodule(k[: -len(".weight")]), QuantLinear)]
         if quantized and not requantize:
             fmt = model.get_submodule(quantized[0][: -len(".weight")]).fmt
             raise QuantizationError(
-                f"{len(quantized)} adapted layer(s) are quantized ({fmt}), e.g. {quantized[0][: -len('.weight')]!r}: "
-                "merging rounds W + D to the format's grid and loses precision (a LoRA's change is often smaller "
-                "than a quantization step); use mode='runtime', or pass requantize=True to merge anyway"
+                f"{len(quantized)} adapted layer(s) are quantized ({fmt}), e.g. "
+                f"{quantized[0][: -len('.weight')]!r}: merging rounds W + D to the format's grid and loses "
+                "precision (a LoRA's change is often smaller than a quantization step); use mode='runtime', "
+                "or pass requantize=True to merge anyway"
             )
         merged = MergedState(weights, patches)
         with torch.no_grad():
             for key in merged.patched:
                 module = model.get_submodule(key[: -len(".weight")])
-                if isinstance(module, QuantLinear):  # merged into the dequantized weight, then quantized again
+                # merged into the dequantized weight, then quantized again
+                if isinstance(module, QuantLinear):
                     module.requantize(MergedState({key: module.dequantize()}, {key: patches[key]})[key])
                     continue
                 replace_weight(module, merged[key])

@@ -61,7 +61,8 @@ class MixedPrecision:
             raise PrecisionError(f"mixed precision must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self.device_type = torch.device(device).type
-        self.scaler = torch.amp.GradScaler(self.device_type, init_scale=init_scale) if mode == "fp16" else None
+        self.scaler = (torch.amp.GradScaler(self.device_type, init_scale=init_scale) if mode == "fp16"
+                       else None)
 
     def autocast(self):
         """The forward's context: autocast to bf16/fp16, or nothing for "no"."""
@@ -101,7 +102,8 @@ class MixedPrecision:
             stepped = True
         else:
             before = self.scaler.get_scale()
-            self.scaler.step(optimizer)  # unscales (unless done above); skips optimizer.step() on inf/nan grads
+            # unscales (unless done above); skips optimizer.step() on inf/nan grads
+            self.scaler.step(optimizer)
             self.scaler.update()  # the scale shrinks exactly when the step was skipped
             stepped = self.scaler.get_scale() >= before
         optimizer.zero_grad(set_to_none=True)
@@ -130,7 +132,8 @@ class MixedPrecision:
         if not micro_batches:
             raise PrecisionError("train_step needs at least one micro-batch")
         self.check_fp32_weights(optimizer)
-        sizes = [next(t for t in tree_leaves(b) if isinstance(t, torch.Tensor)).shape[0] for b in micro_batches]
+        sizes = [next(t for t in tree_leaves(b) if isinstance(t, torch.Tensor)).shape[0]
+                 for b in micro_batches]
         total = sum(sizes)
         optimizer.zero_grad(set_to_none=True)
         batch_loss = 0.0

@@ -30,7 +30,8 @@ def rand_module(g, out, inp, r, alpha, k=None, dora=False) -> LoraWeights:
 
 def toy_base(g) -> dict[str, torch.Tensor]:
     return {"lin.weight": torch.randn(8, 6, generator=g), "lin.bias": torch.randn(8, generator=g),
-            "conv.weight": torch.randn(8, 6, 3, 3, generator=g), "other.weight": torch.randn(5, 5, generator=g)}
+            "conv.weight": torch.randn(8, 6, 3, 3, generator=g),
+            "other.weight": torch.randn(5, 5, generator=g)}
 
 
 def two_loras(g, dora=False) -> list[LoraFile]:
@@ -46,7 +47,8 @@ def test_merge_loras_is_the_formula():
     la, lb = a.modules["unet.lin"], b.modules["unet.lin"]
     want_lin = base["lin.weight"] + 0.8 * (1.0 / 2) * la.up @ la.down + 0.6 * (2.0 / 4) * lb.up @ lb.down
     ca = a.modules["unet.conv"]
-    want_conv = base["conv.weight"] + 0.8 * (6.0 / 3) * torch.einsum("or,rikl->oikl", ca.up[:, :, 0, 0], ca.down)
+    want_conv = (base["conv.weight"]
+                 + 0.8 * (6.0 / 3) * torch.einsum("or,rikl->oikl", ca.up[:, :, 0, 0], ca.down))
     torch.testing.assert_close(merged.get("lin.weight"), want_lin)
     torch.testing.assert_close(merged["conv.weight"], want_conv)
     assert merged["other.weight"] is base["other.weight"] and merged["lin.bias"] is base["lin.bias"]
@@ -66,8 +68,9 @@ def test_merge_is_lazy_and_in_fp32_stored_in_the_base_dtype():
 
 
 def test_a_float8_base_merges_and_its_overflow_is_an_error():
-    """isfinite has no float8 kernel: a float8 base (as ComfyUI users keep SDXL/Flux) merges like any dtype, and a
-    merged weight that overflows float8_e5m2 is refused, not a NotImplementedError (torch saturates e4m3fn at 448)."""
+    """isfinite has no float8 kernel: a float8 base (as ComfyUI users keep SDXL/Flux) merges like any dtype,
+    and a merged weight that overflows float8_e5m2 is refused, not a NotImplementedError (torch saturates
+    e4m3fn at 448)."""
     g = torch.Generator().manual_seed(1)
     base, (a, _) = {k: v.to(torch.float8_e4m3fn) for k, v in toy_base(g).items()}, two_loras(g)
     m = a.modules["unet.lin"]
@@ -82,23 +85,26 @@ def test_dora_merge_matches_peft():
     peft = pytest.importorskip("peft")
     g = torch.Generator().manual_seed(2)
     model = nn.Sequential(nn.Linear(12, 10), nn.Conv2d(3, 10, 3, padding=1))
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=3.0, use_dora=True, target_modules=["0", "1"],
-                                                       init_lora_weights=False))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=3.0, use_dora=True,
+                                                       target_modules=["0", "1"], init_lora_weights=False))
     x, img = torch.randn(5, 12, generator=g), torch.randn(2, 3, 6, 6, generator=g)
     mods = {}
     for i in ("0", "1"):
         layer = model.base_model.model[int(i)]
         with torch.no_grad():
             layer.lora_magnitude_vector["default"].weight.mul_(1.3)  # m != ||W + s B A||: a real DoRA change
-        mods[f"unet.{i}"] = LoraWeights(layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(),
-                                       3.0, layer.lora_magnitude_vector["default"].weight.detach().reshape(10, *[1] * (1 + 2 * (i == "1"))))
+        mods[f"unet.{i}"] = LoraWeights(layer.lora_A["default"].weight.detach(),
+                                       layer.lora_B["default"].weight.detach(), 3.0,
+                                       layer.lora_magnitude_vector["default"].weight.detach()
+                                       .reshape(10, *[1] * (1 + 2 * (i == "1"))))
     base = {"0.weight": model.base_model.model[0].base_layer.weight.detach(),
             "1.weight": model.base_model.model[1].base_layer.weight.detach()}
     merged = merge_loras(base, [(LoraFile(mods), 1.0)])
     with torch.no_grad():
         torch.testing.assert_close(F.linear(x, merged["0.weight"], model.base_model.model[0].base_layer.bias),
                                    model.base_model.model[0](x), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(F.conv2d(img, merged["1.weight"], model.base_model.model[1].base_layer.bias, padding=1),
+        torch.testing.assert_close(F.conv2d(img, merged["1.weight"],
+                                            model.base_model.model[1].base_layer.bias, padding=1),
                                    model.base_model.model[1](img), atol=1e-5, rtol=1e-5)
 
 
@@ -131,7 +137,8 @@ def unet_loras(unet, g) -> list[LoraFile]:
         mods = {}
         for name, s in shapes.items():
             k = s[2] if len(s) == 4 else None
-            mods[f"unet.{name}"] = rand_module(g, s[0], s[1], r, alpha, k=k, dora=(i == 1 and name.endswith(("to_q", "conv1"))))
+            mods[f"unet.{name}"] = rand_module(g, s[0], s[1], r, alpha, k=k,
+                                               dora=(i == 1 and name.endswith(("to_q", "conv1"))))
         files.append(LoraFile(mods))
     return files
 
@@ -157,7 +164,8 @@ def test_merged_equals_runtime_and_strengths_change_at_runtime(tmp_path):
     assert len(stacks) == len(a.modules) and len(list(lora_modules(runtime_unet))) == 2 * len(a.modules)
     want = unet_call(merged_unet, torch.Generator().manual_seed(9))
     assert (want - before).abs().max() > 1e-2
-    torch.testing.assert_close(unet_call(runtime_unet, torch.Generator().manual_seed(9)), want, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(unet_call(runtime_unet, torch.Generator().manual_seed(9)), want,
+                               atol=TOL, rtol=TOL)
 
     live.set_strength(0, 0.3)  # no reloading: the adapters' strength
     again = tiny_unet()
@@ -219,10 +227,13 @@ def test_a_linear_lora_fits_a_1x1_conv_and_back():
     model = nn.ModuleDict({"c": conv, "l": lin})
     merged = merge_loras(model.state_dict(), [(lf, 0.7)])
     m = lf.modules["unet.c"]
-    torch.testing.assert_close(merged["c.weight"], conv.weight + 0.7 * 1.5 * (m.up @ m.down)[:, :, None, None])
+    torch.testing.assert_close(merged["c.weight"],
+                               conv.weight + 0.7 * 1.5 * (m.up @ m.down)[:, :, None, None])
     x = torch.randn(3, 6, 5, 5, generator=g)
     apply_loras(model, [(lf, 0.7)], mode="runtime")
     with torch.no_grad():
-        torch.testing.assert_close(model["c"](x), F.conv2d(x, merged["c.weight"], conv.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model["c"](x), F.conv2d(x, merged["c.weight"], conv.bias),
+                                   atol=1e-5, rtol=1e-5)
         xl = x[:, :, 0, 0]
-        torch.testing.assert_close(model["l"](xl), F.linear(xl, merged["l.weight"], lin.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model["l"](xl), F.linear(xl, merged["l.weight"], lin.bias),
+                                   atol=1e-5, rtol=1e-5)

@@ -34,7 +34,8 @@ def test_ddpm_schedule_and_noising_match_diffusers(x0_noise):
     torch.testing.assert_close(ddpm.alphas_cumprod.float(), ref.alphas_cumprod, rtol=1e-6, atol=1e-7)
     t = torch.tensor([0, 411, 999])
     torch.testing.assert_close(ddpm.noisy(x0, noise, t), ref.add_noise(x0, noise, t), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ddpm.target(x0, noise, t), ref.get_velocity(x0, noise, t), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ddpm.target(x0, noise, t), ref.get_velocity(x0, noise, t),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_ddpm_endpoints_and_v_identities(x0_noise):
@@ -48,7 +49,8 @@ def test_ddpm_endpoints_and_v_identities(x0_noise):
     torch.testing.assert_close(ddpm.noisy(x0, noise, t0), a0 * x0 + s0 * noise)
     torch.testing.assert_close(ddpm.target(x0, noise, t0), a0 * noise - s0 * x0)  # v ~ eps near t = 0
     a_end = 0.0047**0.5
-    assert (ddpm.noisy(x0, noise, t_end) - noise).abs().max() < a_end * x0.abs().max() + 0.01 * noise.abs().max()
+    assert ((ddpm.noisy(x0, noise, t_end) - noise).abs().max()
+            < a_end * x0.abs().max() + 0.01 * noise.abs().max())
     t = torch.tensor([5, 300, 870])
     abar = ddpm.alphas_cumprod[t].float().view(-1, 1, 1, 1)
     a, s = abar.sqrt(), (1 - abar).sqrt()
@@ -82,7 +84,8 @@ def test_flow_matching_endpoints_target_and_exact_predictor(x0_noise):
     torch.testing.assert_close(v, noise - x0)
     # v is the path's derivative: (x_{t+h} - x_t) / h for a straight path, exactly.
     h = 1e-2
-    torch.testing.assert_close((fm.noisy(x0, noise, t + h) - fm.noisy(x0, noise, t)) / h, v, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close((fm.noisy(x0, noise, t + h) - fm.noisy(x0, noise, t)) / h, v,
+                               rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(fm.x0_from(fm.noisy(x0, noise, t), v, t), x0, rtol=1e-5, atol=1e-5)
     assert diffusion_loss(v, v).item() == 0.0
 

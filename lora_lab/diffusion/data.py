@@ -14,16 +14,17 @@ API:
     encode_dataset(pipe, folder, resolution, ...) -> EncodedExamples: cached VAE latents, text embeddings
     collate(items) -> {"images": (B, 3, H, W), "captions": [str], "paths": [str]}
     DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
-        a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the file
+        a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the
+        file
     folder_fingerprint(folder) -> hex digest of the images' names and sizes and the captions' text
     to_rgb(img) -> the RGB image a PIL image shows (16-bit scaled to 8, alpha composited over white)
 
 Each image is resized (bicubic) so it covers its target size, then center-cropped to it. Without
 buckets every image becomes resolution x resolution; with buckets each image gets the bucket whose
 aspect ratio is closest to its own (kohya-style), and batches come from one bucket at a time.
-Every image mode PIL reads becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits (round(v/257)),
-palette and grayscale images are expanded, and transparent pixels (RGBA, LA, a palette with transparency)
-are composited over white.
+Every image mode PIL reads becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits
+(round(v/257)), palette and grayscale images are expanded, and transparent pixels (RGBA, LA, a palette
+with transparency) are composited over white.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 w, h = _open_image(path).size
             except DatasetError as e:
                 if not skip_bad:
-                    raise DatasetError(f"{e} (pass skip_bad=True to skip such files with a warning)") from None
+                    raise DatasetError(f"{e} (pass skip_bad=True to skip such files "
+                                       "with a warning)") from None
                 bad.append(str(e))
                 continue
             self.paths.append(path)
@@ -210,7 +212,8 @@ def bucket_batches(sizes: list[tuple[int, int]], batch_size: int, seed: int, epo
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
-    """`bucket_batches` of a dataset as a DataLoader's batch sampler; the order is shuffled per epoch from `seed`.
+    """`bucket_batches` of a dataset as a DataLoader's batch sampler; the order is shuffled per epoch from
+    `seed`.
 
     `set_epoch(e)` picks the epoch (the same epoch gives the same batches: a resumed run sees the data
     an uninterrupted run would have seen).
@@ -230,7 +233,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return len(bucket_batches(self.sizes, self.batch_size, self.seed, self.epoch, self.drop_last))
 
 
-# ----------------------------------------------------------------------------- the examples of a training step
+# ---------------------------------------------------------------------------- the examples of a training step
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -250,7 +253,8 @@ def global_batch_indices(seed: int, step: int, global_batch: int, n: int) -> tor
     return out
 
 
-def bucket_batch_indices(seed: int, step: int, global_batch: int, sizes: list[tuple[int, int]]) -> torch.Tensor:
+def bucket_batch_indices(seed: int, step: int, global_batch: int,
+                         sizes: list[tuple[int, int]]) -> torch.Tensor:
     """Dataset indices of optimizer step `step` when images keep their aspect ratio: all from one bucket.
 
     One epoch is `bucket_batches` of `global_batch` for (seed, epoch); a bucket's last, short batch is filled
@@ -274,7 +278,7 @@ def collate(items: list[dict]) -> dict:
             "captions": [it["caption"] for it in items], "paths": [it["path"] for it in items]}
 
 
-# ----------------------------------------------------------------------------- a dataset encoded once for training
+# ------------------------------------------------------------------------ a dataset encoded once for training
 
 
 @dataclass
@@ -288,9 +292,12 @@ class EncodedExamples:
     sizes: list[tuple[int, int]]
 
     def latents_of(self, idx: list[int] | torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.latents[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])  # (B, C, h, w)
+        # (B, C, h, w)
+        return torch.stack([self.latents[i]
+                            for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])
 
-    def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None, device) -> dict:
+    def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None,
+                  device) -> dict:
         """The examples' text embeddings; where `drop` is True, the empty prompt's (caption dropout)."""
         out = {}
         for k, v in self.embeds.items():

@@ -28,17 +28,18 @@ class NonFiniteLossError(LoraLabError, FloatingPointError):
 
 
 class ResumeError(LoraLabError, ValueError):
-    """A training checkpoint that cannot be resumed from: unreadable, not what train() writes, or not finite."""
+    """A training checkpoint that cannot be resumed from: unreadable, not what train() writes, or not
+    finite."""
 
 
 # What train() writes into a checkpoint, and the type of each entry.
-CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": dict, "rng": dict, "losses": list,
-                   "config": dict, "n_examples": int}
+CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": dict, "rng": dict,
+                   "losses": list, "config": dict, "n_examples": int}
 # What may differ between a run and its resumption: where and how it runs, not what it computes; and what
 # NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
 # a run stopped by a non-finite loss can go on from its last good checkpoint.
-RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts", "sample_steps",
-               "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
+RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
+               "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
 PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
 
@@ -115,8 +116,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise ResumeError(f"{path}: not a regular file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError,
-            KeyError, IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError,
+            IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         raise ResumeError(f"{path}: not a readable weights-only checkpoint ({why})") from None
     if not isinstance(state, dict):
@@ -137,7 +138,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise ResumeError(f"{path}: 'losses' must hold one float per step ({state['step']} steps)")
     if not all(math.isfinite(x) for x in state["losses"]):
         raise ResumeError(f"{path}: a loss before this checkpoint is not finite")
-    nonfinite = [k for k, v in state["adapter"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    nonfinite = [k for k, v in state["adapter"].items()
+                 if v.is_floating_point() and not torch.isfinite(v).all()]
     if nonfinite:
         raise ResumeError(f"{path}: adapter weights are not finite ({nonfinite[0]})")
     return state
@@ -276,8 +278,8 @@ def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
         )
     if state.get("dataset_fingerprint", run.fingerprint) != run.fingerprint:
         raise TrainConfigError(
-            f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was written "
-            "(names, sizes or captions); restore them, or start a new run in another --output"
+            f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was "
+            "written (names, sizes or captions); restore them, or start a new run in another --output"
         )
 
 

@@ -5,9 +5,9 @@ One optimizer step, with per-process batch b, accumulation a and world size w (g
     x0, text  <- G examples in the order of this epoch's permutation (cached VAE latents, text embeddings)
     noise, t  <- drawn for all G examples from a generator seeded by (seed, step): every rank draws the same
     loss      =  mean over the G examples of objective(denoiser + LoRA, x0, text, noise, t)
-                 (+ prior_loss_weight * the same over G examples of reg_dataset: DreamBooth's prior preservation;
-                 text <- the pipeline's unconditional input with probability caption_dropout; with buckets, the G
-                 examples share one aspect-ratio bucket)
+                 (+ prior_loss_weight * the same over G examples of reg_dataset: DreamBooth's prior
+                 preservation; text <- the pipeline's unconditional input with probability caption_dropout;
+                 with buckets, the G examples share one aspect-ratio bucket)
     grad      <- all-reduce mean over ranks of (sum over the a micro-batches of grad(loss_micro) / a)
     LoRA      <- optimizer(grad, lr(step))      lr(step): linear warm-up, then constant | linear | cosine
 
@@ -16,7 +16,8 @@ resumed from a checkpoint (which also holds the optimizer, scaler and the torch/
 continues exactly, and w processes with batch b compute the same step as one process with batch w*b.
 
 The stages of `train`, each taking and returning plain values:
-    setup_device -> resume_point -> load_base -> encode_data -> add_trainable -> open_run -> run_loop -> write_outputs
+    setup_device -> resume_point -> load_base -> encode_data -> add_trainable -> open_run -> run_loop ->
+        write_outputs
 The config lives in config.py, checkpoints and resumption in state.py.
 """
 
@@ -64,8 +65,8 @@ from .state import (
 )
 from .step import accumulate_grads
 
-__all__ = ["NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult", "load_checkpoint",
-           "train"]
+__all__ = ["NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
+           "load_checkpoint", "train"]
 
 SAMPLE_PROMPTS = 4  # default prompts of the sample grid: the first distinct captions of the dataset
 
@@ -80,7 +81,8 @@ class TrainResult:
     seconds: float
     is_main: bool = True
     adapted: list[str] = field(default_factory=list)
-    pipe: Any = field(default=None, repr=False)  # the diffusers pipeline, its denoiser holding the trained adapter
+    # the diffusers pipeline, its denoiser holding the trained adapter
+    pipe: Any = field(default=None, repr=False)
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -103,8 +105,8 @@ def train(config: TrainConfig) -> TrainResult:
     open_run(run, learner, env, bad_checkpoints, resume_from, state)
     run_loop(config, kind, pipe, data, reg, empty, learner, run, env)
     outputs = write_outputs(config, kind, pipe, run, env, data.captions)
-    return TrainResult(outputs=outputs, losses=run.losses, steps=run.step, seconds=time.perf_counter() - t_start,
-                       is_main=env.main, adapted=adapted, pipe=pipe)
+    return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
+                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
 
 
 # ----------------------------------------------------------------------------- the stages of train()
@@ -119,7 +121,8 @@ def setup_device(name: str) -> tuple[torch.device, DistEnv]:
     return device, env
 
 
-def load_base(config: TrainConfig, kind: ModelKind, device: torch.device) -> tuple[Any, Path | str | None, int]:
+def load_base(config: TrainConfig, kind: ModelKind,
+              device: torch.device) -> tuple[Any, Path | str | None, int]:
     """The frozen base pipeline on `device`, where it came from, and the training resolution it takes."""
     base = config.base if config.base is not None else shipped_base(kind.name)
     pipe = build_pipeline(kind.name, base)
@@ -129,25 +132,29 @@ def load_base(config: TrainConfig, kind: ModelKind, device: torch.device) -> tup
     return pipe, base, resolution
 
 
-def encode_data(config: TrainConfig, pipe, resolution: int) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
+def encode_data(config: TrainConfig, pipe,
+                resolution: int) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
     """The examples (and the regularization examples, or None) as cached latents and text embeddings, and
     what a dropped caption becomes (None without caption dropout)."""
     options = {"buckets": config.buckets, "skip_bad": config.skip_bad_images, "seed": config.seed}
     data = encode_dataset(pipe, config.dataset_dir(), resolution, **options)
-    reg = None if config.reg_dataset is None else encode_dataset(pipe, config.reg_dataset, resolution, **options)
+    reg = (None if config.reg_dataset is None
+           else encode_dataset(pipe, config.reg_dataset, resolution, **options))
     empty = unconditional_embeds(pipe) if config.caption_dropout else None
     return data, reg, empty
 
 
 def dataset_fingerprint(config: TrainConfig) -> str:
-    """What a resume checks the data folders against: the dataset's (and the regularization folder's) files."""
+    """What a resume checks the data folders against: the dataset's (and the regularization folder's)
+    files."""
     fingerprint = folder_fingerprint(config.dataset_dir())
     if config.reg_dataset is not None:  # a changed regularization folder changes the run too
         fingerprint += "+" + folder_fingerprint(config.reg_dataset)
     return fingerprint
 
 
-def add_trainable(config: TrainConfig, kind: ModelKind, pipe, device: torch.device) -> tuple[list[str], Learner]:
+def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
+                  device: torch.device) -> tuple[list[str], Learner]:
     """The adapter on the frozen (optionally quantized) denoiser, every process building the same one from
     the seed; gradient checkpointing per the config's policy; the optimizer and the mixed precision."""
     model = denoiser(pipe)
@@ -177,8 +184,8 @@ def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: lis
         write_config(run)
 
 
-def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
-             learner: Learner, run: RunState, env: DistEnv) -> None:
+def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, reg: EncodedExamples | None,
+             empty: dict | None, learner: Learner, run: RunState, env: DistEnv) -> None:
     """Optimizer steps from `run.step` to config.steps: lr, this process's share of the global batch, the
     accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step,
     a checkpoint every save_every steps and at the end. NonFiniteLossError on a NaN/inf loss."""
@@ -195,7 +202,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
             loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step, env)
             if not math.isfinite(loss):
                 raise NonFiniteLossError(
-                    f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); training stopped. "
+                    f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); "
+                    "training stopped. "
                     f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
                 )
             learner.precision.step(learner.optimizer, config.max_grad_norm)
@@ -204,7 +212,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
             dt = time.perf_counter() - t0
             if env.main:
                 with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": run.step, "loss": loss, "lr": lr, "seconds": round(dt, 4)}) + "\n")
+                    f.write(json.dumps({"step": run.step, "loss": loss, "lr": lr, "seconds": round(dt, 4)})
+                            + "\n")
             bar.set_postfix(loss=f"{loss:.4f}", s_per_step=f"{dt:.3f}")
             bar.update(1)
             if (config.save_every and run.step % config.save_every == 0) or run.step == config.steps:
@@ -215,7 +224,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
     env.check_identical(learner.params, "the adapter weights")
 
 
-def write_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv, captions: list[str]) -> dict[str, Path]:
+def write_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
+                  captions: list[str]) -> dict[str, Path]:
     """The LoRA files (kohya/ComfyUI and diffusers), and the samples with and without the LoRA (rank 0)."""
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
@@ -229,7 +239,8 @@ def write_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env
                 disable_checkpointing(model)
             model.eval()
             prompts = config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
-            outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps, out / "samples.png")
+            outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
+                                             out / "samples.png")
     env.barrier()
     return outputs
 
@@ -268,7 +279,8 @@ class DistEnv:
             return cls()
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
     def all_reduce_mean(self, tensors: list[torch.Tensor]) -> None:
         """In place: every tensor becomes the mean of that tensor over the ranks (one flat all-reduce)."""
@@ -282,7 +294,8 @@ class DistEnv:
             t.copy_(v.view_as(t))
 
     def check_identical(self, tensors: list[torch.Tensor], what: str) -> None:
-        """Raise if any rank's tensors differ from rank 0's (they must: every rank applies the same update)."""
+        """Raise if any rank's tensors differ from rank 0's (they must: every rank applies the same
+        update)."""
         if self.world_size == 1:
             return
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
@@ -291,7 +304,8 @@ class DistEnv:
         diff = (flat - ref).abs().max().reshape(1)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         if diff.item() != 0:
-            raise LoraLabError(f"data-parallel training diverged: {what} differ across ranks by up to {diff.item():.3g}")
+            raise LoraLabError(f"data-parallel training diverged: {what} differ across ranks by up to "
+                               f"{diff.item():.3g}")
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -302,13 +316,16 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
     """Freeze the denoiser and wrap its attention projections (and, with config.conv, its ResNet convs)
     in LoRA/DoRA adapters initialised from config.seed; returns the wrapped module names."""
     if config.conv and kind.component != "unet":
-        raise TrainConfigError(f"TrainConfig.conv=True: the {kind.name} transformer has no conv layers to adapt")
+        raise TrainConfigError(f"TrainConfig.conv=True: the {kind.name} transformer has no conv layers to "
+                               "adapt")
     model.requires_grad_(False)
-    if config.base_quantization is not None:  # QLoRA: the frozen Linear weights stored quantized, under the adapters
+    # QLoRA: the frozen Linear weights stored quantized, under the adapters
+    if config.base_quantization is not None:
         quantize_base(model, config.base_quantization)
     torch.manual_seed(config.seed)
-    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(), targets=config.adapter_targets(),
-                                      use_dora=config.dora, conv=config.conv))
+    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
+                                      targets=config.adapter_targets(), use_dora=config.dora,
+                                      conv=config.conv))
 
 
 def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
@@ -321,14 +338,16 @@ def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> tor
     try:  # imported here: bitsandbytes is optional (the dev extra)
         import bitsandbytes as bnb
     except ImportError as e:
-        raise TrainConfigError("TrainConfig.optimizer='bnb-adamw8bit' needs bitsandbytes (pip install bitsandbytes)") from e
+        raise TrainConfigError("TrainConfig.optimizer='bnb-adamw8bit' needs bitsandbytes "
+                               "(pip install bitsandbytes)") from e
     return bnb.optim.AdamW8bit(params, **kw)
 
 
 # ----------------------------------------------------------------------------- samples with and without
 
 
-def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path, guidance: float | None = None) -> Path:
+def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
+                guidance: float | None = None) -> Path:
     """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
 
     Both rows use the same seed, so the initial noise is the same and only the adapter differs.

@@ -9,13 +9,15 @@
 On disk (safetensors only, never pickle):
 
     kohya / ComfyUI   lora_unet_<path, dots as _>.lora_down.weight  .lora_up.weight  .alpha  .dora_scale
-                      (an SDXL UNet's path in the LDM/sgm layout sd-scripts' SDXL UNet has, when its structure is
-                      known: lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q, see `UnetLayout`)
+                      (an SDXL UNet's path in the LDM/sgm layout sd-scripts' SDXL UNet has, when its
+                      structure is known: lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q,
+                      see `UnetLayout`)
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
                       (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
-                      read also: kohya's Flux files in BFL's layout (lora_unet_double_blocks_0_img_attn_qkv, ...),
-                      whose fused projections split exactly into diffusers' modules by output rows
+                      read also: kohya's Flux files in BFL's layout
+                      (lora_unet_double_blocks_0_img_attn_qkv, ...), whose fused projections split exactly
+                      into diffusers' modules by output rows
     PEFT / diffusers  unet.<path>.lora_A.weight  .lora_B.weight  .lora_magnitude_vector (out,)
                       with the alphas in metadata["lora_adapter_metadata"] (JSON, "unet.lora_alpha", ...)
                       as diffusers' `save_lora_weights` writes it: without it diffusers takes alpha = rank.
@@ -61,4 +63,5 @@ __all__ = [
     "unet_layout",
 ]
 
-__getattr__ = old_name(__name__, {"LoraModule": "lora_lab.formats:LoraWeights"})  # 0.1's second name of LoraWeights
+# 0.1's second name of LoraWeights
+__getattr__ = old_name(__name__, {"LoraModule": "lora_lab.formats:LoraWeights"})

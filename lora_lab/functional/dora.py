@@ -1,6 +1,7 @@
 """DoRA: weight-decomposed low-rank adaptation (Liu et al. 2024, https://arxiv.org/abs/2402.09353).
 
-    W' = m * (W + s B A) / ||W + s B A||        m: (out,), learned, initialised to ||W + s B A|| (= ||W|| when B = 0)
+    W' = m * (W + s B A) / ||W + s B A||
+        m: (out,), learned, initialised to ||W + s B A|| (= ||W|| when B = 0)
 
 The norm is per output unit (a row of a Linear weight, a whole filter of a Conv2d weight) and is
 detached from the graph, as the paper suggests (sec. 4.3) and PEFT does: it is a constant in the
@@ -37,7 +38,8 @@ def weight_norm(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scal
     return torch.linalg.vector_norm(w, dim=1)
 
 
-def factors(magnitude: torch.Tensor, norm: torch.Tensor, scale: float, strength: float) -> tuple[torch.Tensor, torch.Tensor]:
+def factors(magnitude: torch.Tensor, norm: torch.Tensor, scale: float,
+            strength: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, u), each (out,): W' = (1 + k) W + u B A with g = m / norm, k = t (g - 1), u = t s g."""
     g = magnitude.reshape(-1) / norm
     return strength * (g - 1), strength * scale * g
@@ -60,12 +62,15 @@ def weight_change(
     return torch.addcmul(lowrank_delta(down, up, u[:, None]), w, k[:, None]).reshape(weight.shape)
 
 
-def merged_weight(weight, down, up, magnitude, scale: float, strength: float = 1.0, norm=None) -> torch.Tensor:
-    """W' = W + t (m (W + s B A) / norm - W) in fp32, in W's shape; `norm` from the unmerged W (the default)."""
+def merged_weight(weight, down, up, magnitude, scale: float, strength: float = 1.0,
+                  norm=None) -> torch.Tensor:
+    """W' = W + t (m (W + s B A) / norm - W) in fp32, in W's shape; `norm` from the unmerged W (the
+    default)."""
     return weight.float() + weight_change(weight, down, up, magnitude, scale, strength, norm)
 
 
-def unmerged_weight(merged, down, up, magnitude, scale: float, strength: float, norm: torch.Tensor) -> torch.Tensor:
+def unmerged_weight(merged, down, up, magnitude, scale: float, strength: float,
+                    norm: torch.Tensor) -> torch.Tensor:
     """W back from W' (fp32) with the norm the merge used: W = (W' - t g s B A) / (1 + t (g - 1))."""
     k, u = factors(magnitude, norm, scale, strength)
     w = merged.reshape(merged.shape[0], -1).float()

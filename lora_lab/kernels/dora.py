@@ -63,7 +63,8 @@ def _norm_kernel(
     tl.store(NORM + rn, tl.sqrt(tl.maximum(norm_sq, 0.0)), mask=rn < N)
 
 
-def dora_weight_norm(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
+def dora_weight_norm(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """||W + s B A|| per output row (N,), fp32, without forming B A; no gradient (DoRA detaches it)."""
     if weight.dim() != 2 or down.dim() != 2 or up.dim() != 2:
         raise KernelInputError("lora_lab.kernels.dora: weight, down, up must be 2-D")
@@ -74,7 +75,8 @@ def dora_weight_norm(weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
             "do not fit W + s B A"
         )
     if weight.dtype not in FLOAT_DTYPES:
-        raise KernelInputError(f"lora_lab.kernels.dora: weight dtype {weight.dtype} is not one of {FLOAT_DTYPES}")
+        raise KernelInputError(f"lora_lab.kernels.dora: weight dtype {weight.dtype} is not one of "
+                               f"{FLOAT_DTYPES}")
     check_device(weight.device)
     with torch.no_grad():
         af = down.detach().float()
@@ -102,12 +104,14 @@ def dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: fl
     that is x W'^T + b for W' = W + t (m (W + s B A) / ||W + s B A|| - W), as lora_lab.functional.dora.
     The (N,)-sized factors are plain PyTorch, so autograd carries their gradients to m and B."""
     norm = dora_weight_norm(weight, down, up, scale)  # (N,) fp32, detached
-    k, u = factors(magnitude.float(), norm, scale, strength)  # k = t (g - 1), u = t g s: (N,) each, g = m / norm
+    # k = t (g - 1), u = t g s: (N,) each, g = m / norm
+    k, u = factors(magnitude.float(), norm, scale, strength)
     # (N,) column scale 1 + k on the base product, (N, r) t g s B
     return lora_linear(x, weight, bias, down, up * u[:, None], 1.0, col_scale=1 + k)
 
 
-def reference_dora_linear(x, weight, bias, down, up, magnitude, scale: float, strength: float = 1.0) -> torch.Tensor:
+def reference_dora_linear(x, weight, bias, down, up, magnitude, scale: float,
+                          strength: float = 1.0) -> torch.Tensor:
     """The same in plain PyTorch: W' formed in fp32 (the norm detached), y = x W'^T + b in x's dtype."""
     w = weight.float()
     adapted = w + scale * up.float() @ down.float()  # W + s B A

@@ -138,7 +138,8 @@ def _down_kernel(
 @triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "R"])
 @triton.jit
 def _gemm_kernel(
-    P, Q, LO, UP, BIAS, COL_SCALE, Z, OUT,  # P (M, K), Q (K, N), LO (M, r) fp32, UP (r, N), BIAS/COL_SCALE (N,), Z/OUT (M, N)
+    # P (M, K), Q (K, N), LO (M, r) fp32, UP (r, N), BIAS/COL_SCALE (N,), Z/OUT (M, N)
+    P, Q, LO, UP, BIAS, COL_SCALE, Z, OUT,
     M, N, K, R, scale,
     stride_pm, stride_pk, stride_qk, stride_qn, stride_lm, stride_lr, stride_ur, stride_un,
     HAS_BIAS: tl.constexpr, HAS_COL_SCALE: tl.constexpr, STORE_Z: tl.constexpr,
@@ -186,7 +187,8 @@ def _gemm_kernel(
 
 @triton.jit
 def _up_grad_kernel(
-    G, B, XA, Z, GB, DB, DC,  # G (M, N), B (N, r), XA (M, r) fp32, Z (M, N); outs fp32: GB (M, r), DB (N, r), DC (N,)
+    # G (M, N), B (N, r), XA (M, r) fp32, Z (M, N); outs fp32: GB (M, r), DB (N, r), DC (N,)
+    G, B, XA, Z, GB, DB, DC,
     M, N, R, BLOCKS_PER_PROG, scale,
     stride_gm, stride_gn, stride_bn, stride_br,
     HAS_DC: tl.constexpr,
@@ -231,7 +233,8 @@ def _down_grad_kernel(
     first = tl.program_id(1) * BLOCKS_PER_PROG
     for i in range(BLOCKS_PER_PROG):
         rm = ((first + i) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        gb = tl.load(GB + rm[:, None] * R + rr[None, :], mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+        gb = tl.load(GB + rm[:, None] * R + rr[None, :],
+                     mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         acc = _mma(tl.trans(gb), x, acc, DTYPE, PRECISION)
@@ -250,13 +253,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias, down: torch.Tensor, up: 
             f"{tuple(down.shape)}, {tuple(up.shape)}"
         )
     (n, k), r = weight.shape, down.shape[0]
-    if x.shape[1] != k or down.shape != (r, k) or up.shape != (n, r) or (bias is not None and bias.shape != (n,)):
+    if (x.shape[1] != k or down.shape != (r, k) or up.shape != (n, r)
+            or (bias is not None and bias.shape != (n,))):
         raise KernelInputError(
-            f"{where}: shapes do not fit y = x W^T + b + s (x A^T) B^T: x {tuple(x.shape)}, W {tuple(weight.shape)}, "
-            f"b {None if bias is None else tuple(bias.shape)}, A {tuple(down.shape)}, B {tuple(up.shape)}"
+            f"{where}: shapes do not fit y = x W^T + b + s (x A^T) B^T: x {tuple(x.shape)}, "
+            f"W {tuple(weight.shape)}, b {None if bias is None else tuple(bias.shape)}, "
+            f"A {tuple(down.shape)}, B {tuple(up.shape)}"
         )
     if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
-        raise KernelInputError(f"{where}: x and W must share one of {FLOAT_DTYPES}, got {x.dtype} and {weight.dtype}")
+        raise KernelInputError(f"{where}: x and W must share one of {FLOAT_DTYPES}, got {x.dtype} and "
+                               f"{weight.dtype}")
     if down.dtype not in FLOAT_DTYPES or up.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"{where}: down/up must be floating point, got {down.dtype} and {up.dtype}")
     tensors = [t for t in (x, weight, bias, down, up) if t is not None]
@@ -292,7 +298,8 @@ def lora_forward(
     n, r = up.shape
     if col_scale is not None and (col_scale.shape != (n,) or col_scale.dtype != torch.float32):
         raise KernelInputError(
-            f"lora_lab.kernels.lora: col_scale must be fp32 of shape ({n},), got {col_scale.dtype} {tuple(col_scale.shape)}"
+            f"lora_lab.kernels.lora: col_scale must be fp32 of shape ({n},), got {col_scale.dtype} "
+            f"{tuple(col_scale.shape)}"
         )
     dtype, prec, block_r = _dot_dtype(x.dtype), _precision(x.dtype), _block_r(r)
     xa = torch.empty((m, r), device=x.device, dtype=torch.float32)
@@ -303,10 +310,14 @@ def lora_forward(
     )
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     z = torch.empty_like(y) if col_scale is not None else None
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
     _gemm_kernel[grid](
         x, weight, xa, up,
-        bias if bias is not None else y, col_scale if col_scale is not None else y, z if z is not None else y, y,
+        bias if bias is not None else y, col_scale if col_scale is not None else y,
+        z if z is not None else y, y,
         m, n, k, r, float(scale),
         x.stride(0), x.stride(1), weight.stride(1), weight.stride(0),  # Q = W^T
         xa.stride(0), xa.stride(1), up.stride(1), up.stride(0),  # UP = B^T
@@ -349,13 +360,17 @@ def lora_backward(
         m, n, r, per_prog, float(scale),
         g.stride(0), g.stride(1), up.stride(0), up.stride(1),
         HAS_DC=dc is not None,
-        DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_N=THIN_BLOCK, num_warps=THIN_WARPS,
+        DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_N=THIN_BLOCK,
+        num_warps=THIN_WARPS,
     )
     dx = None
     if need_dx:
         p = (g * col_scale).to(x.dtype) if col_scale is not None else g  # the base product's cotangent c g
         dx = torch.empty((m, k), device=x.device, dtype=x.dtype)  # row-major, as the GEMM writes it
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
+
         _gemm_kernel[grid](
             p, weight, gb, down, dx, dx, dx, dx,
             m, k, n, r, float(scale),
@@ -368,7 +383,8 @@ def lora_backward(
     per_prog = _split(m_blocks, k_blocks, x.device)
     _down_grad_kernel[(k_blocks, triton.cdiv(m_blocks, per_prog))](
         gb, x, da, m, k, r, per_prog, float(scale), x.stride(0), x.stride(1),
-        DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_K=THIN_BLOCK, num_warps=THIN_WARPS,
+        DTYPE=dtype, PRECISION=prec, BLOCK_R=block_r, BLOCK_M=THIN_BLOCK, BLOCK_K=THIN_BLOCK,
+        num_warps=THIN_WARPS,
     )
     return dx, da, db, dc
 
@@ -404,7 +420,8 @@ class LoRALinearFunction(torch.autograd.Function):
                 db.to(up.dtype) if need[4] else None, dc if need[5] else None, None)
 
 
-def lora_linear(x, weight, bias, down, up, scale: float, col_scale: torch.Tensor | None = None) -> torch.Tensor:
+def lora_linear(x, weight, bias, down, up, scale: float,
+                col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fused LoRA linear: x (..., K) -> c * (x W^T) + scale * (x A^T) B^T + b, shape (..., N), x's dtype.
 
     x and W share a dtype (fp32/fp16/bf16); A and B may be fp32. `col_scale` c (N,) fp32 is
@@ -414,7 +431,8 @@ def lora_linear(x, weight, bias, down, up, scale: float, col_scale: torch.Tensor
     return y.reshape(*lead, y.shape[-1])
 
 
-def reference_lora_linear(x, weight, bias, down, up, scale: float, col_scale: torch.Tensor | None = None) -> torch.Tensor:
+def reference_lora_linear(x, weight, bias, down, up, scale: float,
+                          col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same in plain PyTorch, computed in fp32 and returned in x's dtype."""
     xf = x.float()
     y = xf @ weight.float().T

@@ -1,6 +1,7 @@
 """The adapter layers: LoRALinear and LoRAConv2d (LoCon) around a frozen base, with DoRA and runtime strength.
 
-    y = W x + b + t s B A dropout(x)        DoRA (functional/dora.py): y = (1 + t (g - 1)) W x + t g s B A x + b
+    y = W x + b + t s B A dropout(x)
+    DoRA (functional/dora.py): y = (1 + t (g - 1)) W x + t g s B A x + b
 
 The base stays frozen; A (`down`), B (`up`) and DoRA's magnitude train in fp32 even over a bf16/fp16 or
 quantized base. The formulas are in model.py's and functional/dora.py's docstrings.
@@ -62,12 +63,14 @@ class LoRAModule(nn.Module):
         magnitude: torch.Tensor | None = None,
         use_rslora: bool = False,
     ) -> LoRAModule:
-        """An adapter around `base` with the given A (`down`), B (`up`) and, for DoRA, m (`magnitude`, out values)."""
+        """An adapter around `base` with the given A (`down`), B (`up`) and, for DoRA, m (`magnitude`, out
+        values)."""
         layer = cls(base, LoRAConfig(rank=int(down.shape[0]), alpha=alpha, use_rslora=use_rslora))
         for name, t in (("down", down), ("up", up)):
             want = tuple(getattr(layer, name).shape)
             if tuple(t.shape) != want:
-                raise LoRAConfigError(f"{cls.__name__}.from_weights: {name} has shape {tuple(t.shape)}, expected {want}")
+                raise LoRAConfigError(f"{cls.__name__}.from_weights: {name} has shape {tuple(t.shape)}, "
+                                      f"expected {want}")
         with torch.no_grad():
             layer.down.copy_(down)
             layer.up.copy_(up)
@@ -75,7 +78,8 @@ class LoRAModule(nn.Module):
             out = layer.up.shape[0]
             if magnitude.numel() != out:
                 raise LoRAConfigError(
-                    f"{cls.__name__}.from_weights: magnitude has shape {tuple(magnitude.shape)}, expected {out} values"
+                    f"{cls.__name__}.from_weights: magnitude has shape {tuple(magnitude.shape)}, "
+                    f"expected {out} values"
                 )
             m = magnitude.detach().to(device=layer.up.device, dtype=torch.float32).reshape(out).clone()
             layer.magnitude = nn.Parameter(m)
@@ -88,16 +92,20 @@ class LoRAModule(nn.Module):
             names = " or ".join(t.__name__ for t in cls.base_types)
             raise LoRATargetError(f"{cls.__name__} wraps a {names}, got {type(base).__name__}")
         if isinstance(base, QuantLinear) and config.init == "pissa":
-            raise LoRAConfigError("init='pissa' rewrites the base weight; on a quantized base use init='kaiming' or 'gaussian'")
+            raise LoRAConfigError("init='pissa' rewrites the base weight; on a quantized base use "
+                                  "init='kaiming' or 'gaussian'")
         if isinstance(base, QuantLinear) and config.backend == "triton":
-            raise LoRAConfigError("backend='triton' has no quantized-base kernel; use backend='auto' or 'torch'")
+            raise LoRAConfigError("backend='triton' has no quantized-base kernel; use backend='auto' or "
+                                  "'torch'")
         w = base.weight
         if config.init == "pissa" and config.rank > min(w.shape[0], w[0].numel()):
-            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w.shape[0], w[0].numel())} for a weight of shape {tuple(w.shape)}")
+            raise LoRAConfigError(f"init='pissa' needs rank <= {min(w.shape[0], w[0].numel())} for a weight "
+                                  f"of shape {tuple(w.shape)}")
 
     def _init_weights(self, init: str) -> None:
         with torch.no_grad():
-            if init == "kaiming":  # as nn.Linear's own init, PEFT and kohya: the adapter starts as a no-op (B = 0)
+            # as nn.Linear's own init, PEFT and kohya: the adapter starts as a no-op (B = 0)
+            if init == "kaiming":
                 nn.init.kaiming_uniform_(self.down, a=math.sqrt(5))
             elif init == "gaussian":  # as PEFT's init_lora_weights="gaussian"
                 nn.init.normal_(self.down, std=1 / self.rank)
@@ -105,7 +113,8 @@ class LoRAModule(nn.Module):
                 self._init_pissa()
 
     def _init_pissa(self) -> None:
-        """PiSSA (Meng et al. 2024): s B A = U_r S_r V_r^T, the top-r part of W; the base keeps the residual."""
+        """PiSSA (Meng et al. 2024): s B A = U_r S_r V_r^T, the top-r part of W; the base keeps the
+        residual."""
         w = self.base.weight
         out = w.shape[0]
         w2 = w.detach().float().reshape(out, -1)  # (out, in * kh * kw)
@@ -113,7 +122,8 @@ class LoRAModule(nn.Module):
         root = (s[: self.rank] / self.lora_scale).sqrt()  # split S_r / scale evenly between A and B
         self.down.copy_((root[:, None] * vh[: self.rank]).reshape(self.down.shape))
         self.up.copy_((u[:, : self.rank] * root[None, :]).reshape(self.up.shape))
-        self._set_base_weight((w2 - lowrank_delta(self.down, self.up, self.lora_scale)).reshape(w.shape).to(w.dtype))
+        self._set_base_weight((w2 - lowrank_delta(self.down, self.up, self.lora_scale))
+                              .reshape(w.shape).to(w.dtype))
 
     # -- scale
 
@@ -129,7 +139,8 @@ class LoRAModule(nn.Module):
 
     @property
     def strength(self) -> float:
-        """Runtime multiplier t: W + t s B A (DoRA: W + t (W' - W)); 0 gives the base, 1 the adapter as trained."""
+        """Runtime multiplier t: W + t s B A (DoRA: W + t (W' - W)); 0 gives the base, 1 the adapter as
+        trained."""
         return self._strength
 
     @strength.setter
@@ -143,7 +154,8 @@ class LoRAModule(nn.Module):
     # -- weights
 
     def delta_weight(self) -> torch.Tensor:
-        """scale * B A in the base weight's shape, fp32 (the plain LoRA part; DoRA's W' is `merged_weight`)."""
+        """scale * B A in the base weight's shape, fp32 (the plain LoRA part; DoRA's W' is
+        `merged_weight`)."""
         return lowrank_delta(self.down, self.up, self.scale).reshape(self.base.weight.shape)
 
     def _norm(self) -> torch.Tensor:
@@ -152,7 +164,8 @@ class LoRAModule(nn.Module):
 
     def _dora_weight(self, norm: torch.Tensor) -> torch.Tensor:
         """DoRA's W' in fp32 from the unmerged base weight and its `norm`."""
-        return dora.merged_weight(self.base.weight, self.down, self.up, self.magnitude, self.lora_scale, self.strength, norm)
+        return dora.merged_weight(self.base.weight, self.down, self.up, self.magnitude, self.lora_scale,
+                                  self.strength, norm)
 
     def merged_weight(self) -> torch.Tensor:
         """The effective weight W' in fp32 (DoRA included); when merged, the base's weight, which is W'."""
@@ -180,9 +193,10 @@ class LoRAModule(nn.Module):
             raise LoRAStateError(f"{type(self).__name__} is already merged")
         if isinstance(self.base, QuantLinear) and not requantize:
             raise LoRAStateError(
-                f"the base is quantized ({self.base.fmt}): merging rounds W + s B A to its grid and loses precision "
-                "(the adapter's change is often smaller than a quantization step); pass requantize=True to merge "
-                "anyway, or keep the adapter at runtime / remove_lora(model, merge=False)"
+                f"the base is quantized ({self.base.fmt}): merging rounds W + s B A to its grid and loses "
+                "precision (the adapter's change is often smaller than a quantization step); pass "
+                "requantize=True to merge anyway, or keep the adapter at runtime / "
+                "remove_lora(model, merge=False)"
             )
         if self.magnitude is None:
             w = self.base.weight.float() + self.delta_weight()
@@ -201,8 +215,8 @@ class LoRAModule(nn.Module):
         if self.magnitude is None:
             w = merged - self.delta_weight()
         else:
-            w = dora.unmerged_weight(merged, self.down, self.up, self.magnitude, self.lora_scale, self.strength,
-                                     self._merge_norm)
+            w = dora.unmerged_weight(merged, self.down, self.up, self.magnitude, self.lora_scale,
+                                     self.strength, self._merge_norm)
         self._set_base_weight(w.to(self.base.weight.dtype))
         self.merged = False
         self._merge_norm = None
@@ -220,7 +234,8 @@ class LoRAModule(nn.Module):
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether this forward runs the Triton kernels (lora_lab.kernels): backend "triton", or
         "auto" on CUDA; only Linear adapters have them, and only without an active dropout."""
-        if not self.has_kernels or isinstance(self.base, QuantLinear) or resolve_backend(self.backend, x.device) != "triton":
+        if (not self.has_kernels or isinstance(self.base, QuantLinear)
+                or resolve_backend(self.backend, x.device) != "triton"):
             return False
         if self.training and isinstance(self.dropout, nn.Dropout):
             if self.backend == "triton":
@@ -236,9 +251,11 @@ class LoRAModule(nn.Module):
         return y + self._up(h, self.up * self.scale)
 
     def dora_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(1 + t (g - 1)) W x + t g s B A dropout(x) + b, in fp32 (functional/dora.py), without forming W'."""
+        """(1 + t (g - 1)) W x + t g s B A dropout(x) + b, in fp32 (functional/dora.py), without forming
+        W'."""
         w, b = self.base.weight, self.base.bias
-        k, u = dora.factors(self.magnitude, self._norm(), self.lora_scale, self.strength)  # (out,), the norm a constant
+        # (out,), the norm a constant
+        k, u = dora.factors(self.magnitude, self._norm(), self.lora_scale, self.strength)
         # t g s goes on the small (out, r) B, the bias into the same product: no extra pass over the output
         up = self.up * u.reshape(-1, *[1] * (self.up.dim() - 1))
         c = self.out_axis(k)  # t (g - 1) on the output axis
@@ -246,7 +263,8 @@ class LoRAModule(nn.Module):
         lora = self._up(self._down(xd), up, None if b is None else b.to(torch.float32))  # t g s B A xd + b
         if self.training and isinstance(self.dropout, nn.Dropout):
             # As PEFT: under dropout the (g - 1) W term sees the dropped input too, so W is applied twice.
-            return self._base_product(x.to(w.dtype)) + torch.addcmul(lora, self._base_product(xd.to(w.dtype)), c)
+            return (self._base_product(x.to(w.dtype))
+                    + torch.addcmul(lora, self._base_product(xd.to(w.dtype)), c))
         # One product with W: (1 + t (g - 1)) W x + t g s B A x + b; its gradient to x is one matmul too.
         return torch.addcmul(lora, self._base_product(x.to(w.dtype)), 1 + c)
 
@@ -336,7 +354,8 @@ class LoRALinear(LoRAModule):
 
 
 class LoRAConv2d(LoRAModule):
-    """LoCon around a frozen `nn.Conv2d` (groups = 1): A is k x k with the base's stride/padding/dilation, B is 1 x 1."""
+    """LoCon around a frozen `nn.Conv2d` (groups = 1): A is k x k with the base's stride/padding/dilation,
+    B is 1 x 1."""
 
     base_types = (nn.Conv2d,)
 

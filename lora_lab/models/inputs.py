@@ -1,4 +1,5 @@
-"""The denoisers' extra inputs, as plain tensors: Flux's 2x2 latent packing, rotary ids and guidance; SDXL's time ids.
+"""The denoisers' extra inputs, as plain tensors: Flux's 2x2 latent packing, rotary ids and guidance;
+SDXL's time ids.
 
     pack_latents(x) / unpack_latents(packed, h, w)  -> Flux's patch packing (B, C, h, w) <-> (B, hw/4, 4C)
     flux_latent_ids(h, w), flux_text_ids(T), flux_guidance(B, value)

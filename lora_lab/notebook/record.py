@@ -130,13 +130,16 @@ class Record:
         width = max((len(k) for _, k, _ in rows), default=0)
         text = "\n".join([head] + [f"  {v}  {k:{width}s}  {d}".rstrip() for v, k, d in rows])
         cells = "".join(
-            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold;white-space:nowrap">'
+            f'<tr><td style="color:{"#1a7f37" if v == "PASS" else "#cf222e"};font-weight:bold;'
+            'white-space:nowrap">'
             f"{'&#10003;' if v == 'PASS' else '&#10007;'} {v.lower()}</td>"
-            f'<td style="text-align:left">{html.escape(k)}</td><td style="text-align:left">{html.escape(d)}</td></tr>'
+            f'<td style="text-align:left">{html.escape(k)}</td>'
+            f'<td style="text-align:left">{html.escape(d)}</td></tr>'
             for v, k, d in rows
         )
         table = (f'<table><caption style="text-align:left">{html.escape(head)}</caption>'
-                 f'<tr><th>held</th><th style="text-align:left">claim</th><th style="text-align:left">measured</th></tr>'
+                 f'<tr><th>held</th><th style="text-align:left">claim</th>'
+                 f'<th style="text-align:left">measured</th></tr>'
                  f"{cells}</table>")
         return text, table
 
@@ -144,7 +147,8 @@ class Record:
         """Write <reports>/<name>.json (atomically), show the table of claims, then raise ClaimFailed if a
         claim failed. Returns the recorded dict (which IPython does not echo: the table says it)."""
         data = _Shown(self.to_json())
-        atomic_write_bytes(report_dir() / f"{self.name}.json", json.dumps(data, indent=2, default=jsonable).encode())
+        atomic_write_bytes(report_dir() / f"{self.name}.json",
+                           json.dumps(data, indent=2, default=jsonable).encode())
         _show(*self.summary())
         failed = [k for k, c in self.claims.items() if not c["held"]]
         if not self.claims:

@@ -31,7 +31,8 @@ def isolate_caches(root: Path | None = None) -> None:
     """Point matplotlib/IPython/Jupyter/inductor caches inside `root` (default .venv/cache or a temp dir)."""
     if root is None:
         venv = Path(sys.prefix)
-        root = venv / "cache" if os.access(venv, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp")) / "lora_lab_cache"
+        root = (venv / "cache" if os.access(venv, os.W_OK)
+                else Path(os.environ.get("TMPDIR", "/tmp")) / "lora_lab_cache")
     for var, sub in [
         ("MPLCONFIGDIR", "matplotlib"),
         ("IPYTHONDIR", "ipython"),
@@ -46,8 +47,9 @@ def isolate_caches(root: Path | None = None) -> None:
 
 @contextlib.contextmanager
 def kernel_environment(reports: Path):
-    """What a kernel started by the runner inherits: results in `reports`, `batch_run()` true, figures inline (not a forced
-    MPLBACKEND=Agg from the calling shell, which would leave the executed copies without images)."""
+    """What a kernel started by the runner inherits: results in `reports`, `batch_run()` true, figures
+    inline (not a forced MPLBACKEND=Agg from the calling shell, which would leave the executed copies
+    without images)."""
     saved = {k: os.environ.get(k) for k in (REPORTS_ENV, "MPLBACKEND", BATCH_ENV)}
     os.environ[REPORTS_ENV] = str(reports)
     os.environ[BATCH_ENV] = "1"
@@ -79,7 +81,8 @@ def ensure_kernel() -> str:
     return KERNEL_NAME
 
 
-def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = None, timeout: int = 1800) -> dict:
+def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = None,
+                 timeout: int = 1800) -> dict:
     """Execute one notebook with papermill into `out_dir`; return its recorded JSON (or a failure record)."""
     import papermill as pm  # the `notebooks` extra (see ensure_kernel)
 
@@ -102,7 +105,8 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
                 execution_timeout=timeout,
             )
     except Exception as e:  # noqa: BLE001 (any failure of the notebook is recorded, not raised)
-        ename = getattr(e, "ename", None) or type(e).__name__  # the kernel-side exception, not papermill's wrapper
+        # the kernel-side exception, not papermill's wrapper
+        ename = getattr(e, "ename", None) or type(e).__name__
         error = f"{ename}: {getattr(e, 'evalue', None) or e}".splitlines()[0][:500]
     if result_path.exists():
         data = json.loads(result_path.read_text())
@@ -130,11 +134,14 @@ def select_notebooks(names: list[str]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook", description="Execute the notebooks with papermill.")
-    ap.add_argument("names", nargs="*", help="notebook names or paths, e.g. 03_lora_dora or notebooks/03_lora_dora.ipynb "
+    ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook",
+                                 description="Execute the notebooks with papermill.")
+    ap.add_argument("names", nargs="*",
+                    help="notebook names or paths, e.g. 03_lora_dora or notebooks/03_lora_dora.ipynb "
                     "(default: all in notebooks/)")
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                    help="inject a parameter (a Python literal, else a string), as papermill's -p; repeatable")
+                    help="inject a parameter (a Python literal, else a string), as papermill's -p; "
+                    "repeatable")
     ap.add_argument("--out", default=None,
                     help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
     args = ap.parse_args(argv)
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         held = sum(c["held"] for c in r.get("claims", {}).values())
         verdict = "PASS" if r["passed"] else "FAIL"
         extra = f"  {r['error']}" if r.get("error") else ""
-        print(f"  {verdict}  {r['notebook']}: {held}/{n} claims held in {r.get('wall_seconds', '?')} s{extra}")
+        print(f"  {verdict}  {r['notebook']}: {held}/{n} claims held in "
+              f"{r.get('wall_seconds', '?')} s{extra}")
     return 0 if summary["passed"] else 1
 
 

@@ -43,7 +43,8 @@ from .step import planned_step
 
 GiB = 1 << 30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RESIDENT = ("all", "denoiser")  # all: VAE and text encoders stay on the device (as lora_lab's trainer); denoiser: offloaded
+# all: VAE and text encoders stay on the device (as lora_lab's trainer); denoiser: offloaded
+RESIDENT = ("all", "denoiser")
 
 
 class PlanError(LoraLabError, ValueError):
@@ -51,7 +52,8 @@ class PlanError(LoraLabError, ValueError):
 
 
 def checkpointing_words(value) -> str:
-    """A plan's gradient_checkpointing option in words: "" (none), "checkpointing" (full), "checkpointing POLICY"."""
+    """A plan's gradient_checkpointing option in words: "" (none), "checkpointing" (full), "checkpointing
+    POLICY"."""
     return "" if not value else "checkpointing" if value is True else f"checkpointing {value}"
 
 
@@ -113,7 +115,8 @@ class MemoryPlan:
         width = max(map(len, [*self.parts, peak]))
         rows = [f"{name:<{width}} {format_bytes(n):>12}" for name, n in self.parts.items()]
         ck = checkpointing_words(self.options.get("gradient_checkpointing"))
-        head = (f"{self.model} ({self.size}) {self.options.get('resolution')}px batch {self.options.get('batch_size')} "
+        head = (f"{self.model} ({self.size}) {self.options.get('resolution')}px "
+                f"batch {self.options.get('batch_size')} "
                 f"rank {self.options.get('rank')} {self.options.get('optimizer')} "
                 f"{ck + ' ' if ck else ''}"
                 f"{self.options.get('mixed_precision')} autocast, base {self.options.get('base_dtype')}, "
@@ -140,7 +143,8 @@ def _text_shapes(model: str, size: str, denoiser) -> dict[str, tuple[int, ...]]:
             pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
             out["pooled_prompt_embeds"] = (pooled,)
         return out
-    return {"prompt_embeds": (tokens, cfg.joint_attention_dim), "pooled_prompt_embeds": (cfg.pooled_projection_dim,)}
+    return {"prompt_embeds": (tokens, cfg.joint_attention_dim),
+            "pooled_prompt_embeds": (cfg.pooled_projection_dim,)}
 
 
 def _components(model: str, size: str, resident: str, base_dtype: torch.dtype) -> dict:
@@ -191,7 +195,8 @@ def _folder_components(path: Path, resident: str) -> dict:
 
 
 def _folder_text_tokens(path: Path, kind: str) -> int:
-    """Tokens per prompt the trainer's encode_prompts gives for a folder's tokenizers (see kinds.t5_length)."""
+    """Tokens per prompt the trainer's encode_prompts gives for a folder's tokenizers (see
+    kinds.t5_length)."""
     def max_len(sub: str, default: int) -> int:
         f = path / sub / "tokenizer_config.json"
         return int(json.loads(f.read_text()).get("model_max_length", default)) if f.is_file() else default
@@ -231,8 +236,8 @@ def plan_options(
     dataset_size: int = 0,
     base_quantization: str | None = None,
 ) -> dict[str, Any]:
-    """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and its
-    `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
+    """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and
+    its `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
 
     model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev) or a tiny kind
     (`size="tiny"`: sd15 | sdxl | sd3 | flux, what the trainer builds by default: the pre-trained base
@@ -252,12 +257,15 @@ def plan_options(
     same layout (uint8 moments, one fp32 absmax per 256 values, fp32 under 4096 values).
     """
     if size not in ("real", "tiny") and not (Path(size) / "model_index.json").is_file():
-        raise PlanError(f"size must be 'real', 'tiny' or a local diffusers folder (with model_index.json), got {size!r}")
+        raise PlanError(f"size must be 'real', 'tiny' or a local diffusers folder (with model_index.json), "
+                        f"got {size!r}")
     models = REAL_MODELS if size == "real" else KINDS
     if model not in models:
-        raise PlanError(f"unknown {'real' if size == 'real' else 'tiny'} model {model!r}; choose one of {', '.join(models)}")
+        raise PlanError(f"unknown {'real' if size == 'real' else 'tiny'} model {model!r}; "
+                        f"choose one of {', '.join(models)}")
     kind = real_kind(model) if size == "real" else model
-    for name, value, allowed in [("attention", attention, ATTENTION), ("base_dtype", base_dtype, tuple(DTYPES)),
+    for name, value, allowed in [("attention", attention, ATTENTION),
+                                 ("base_dtype", base_dtype, tuple(DTYPES)),
                                  ("resident", resident, RESIDENT), ("device", device, ("cuda", "cpu"))]:
         if value not in allowed:
             raise PlanError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
@@ -265,27 +273,32 @@ def plan_options(
         if size not in ("real", "tiny"):
             raise PlanError("plan_memory: give the resolution when planning for a local folder")
         resolution = RESOLUTION if size == "tiny" else (512 if kind == "sd15" else 1024)
-    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's reuse)
-    gradient_checkpointing = {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing) \
+    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal
+    # (fit's reuse)
+    gradient_checkpointing = (
+        {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing)
         if isinstance(gradient_checkpointing, str) else gradient_checkpointing
+    )
     options = {"model": model, "size": size, "kind": kind, "resolution": resolution, "batch_size": batch_size,
                "grad_accum": grad_accum, "rank": rank, "dora": dora, "conv": conv, "optimizer": optimizer,
-               "gradient_checkpointing": gradient_checkpointing, "checkpoint_options": dict(checkpoint_options or {}),
-               "mixed_precision": {"fp32": "no"}.get(mixed_precision, mixed_precision), "base_dtype": base_dtype,
-               "resident": resident, "attention": attention, "device": device, "dataset_size": dataset_size,
-               "base_quantization": base_quantization}
+               "gradient_checkpointing": gradient_checkpointing,
+               "checkpoint_options": dict(checkpoint_options or {}),
+               "mixed_precision": {"fp32": "no"}.get(mixed_precision, mixed_precision),
+               "base_dtype": base_dtype, "resident": resident, "attention": attention, "device": device,
+               "dataset_size": dataset_size, "base_quantization": base_quantization}
     _train_config(options)  # TrainConfig checks the training options
     return options
 
 
 def _train_config(options: dict[str, Any]) -> TrainConfig:
     try:
-        return TrainConfig(model=options["kind"], resolution=options["resolution"], batch_size=options["batch_size"],
+        return TrainConfig(model=options["kind"], resolution=options["resolution"],
+                           batch_size=options["batch_size"],
                            grad_accum=options["grad_accum"], rank=options["rank"], dora=options["dora"],
                            conv=options["conv"], optimizer=options["optimizer"],
                            gradient_checkpointing=options["gradient_checkpointing"],
-                           mixed_precision=options["mixed_precision"], progress=False, sample_steps=0, device="cpu",
-                           base_quantization=options["base_quantization"])
+                           mixed_precision=options["mixed_precision"], progress=False, sample_steps=0,
+                           device="cpu", base_quantization=options["base_quantization"])
     except TrainConfigError as e:
         raise PlanError(f"plan_memory: {e}") from e
 
@@ -301,7 +314,8 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
     config = _train_config(options)
     comps = _components(model, size, options["resident"], DTYPES[options["base_dtype"]])
     den = comps["unet"] if "unet" in comps else comps["transformer"]
-    if config.base_quantization is not None:  # as add_adapter does, but on the meta build: the codes are what is stored
+    # as add_adapter does, but on the meta build: the codes are what is stored
+    if config.base_quantization is not None:
         den.requires_grad_(False)
         quantize_base(den, config.base_quantization)
         config = replace(config, base_quantization=None)
@@ -310,9 +324,11 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
     tracker = LiveBytes()
     rules = DeviceRules(options["attention"], device, cuda_autocast=device == "cuda")
     with fake_device(), rules, torch.random.fork_rng(devices=[]), tracker:
-        parts, phase, saved, grads = planned_step(comps, kind, config, options, tracker, vae_scale, text_shapes)
+        parts, phase, saved, grads = planned_step(comps, kind, config, options, tracker, vae_scale,
+                                                  text_shapes)
     used = "+".join(sorted(rules.used)) or "none"
     if used == "native":
         used = f"native ({device})"
     return MemoryPlan(model=model, size=size, options=options, attention=used, parts=parts, peak=tracker.peak,
-                      saved_activations=saved, gradients=grads, peak_phase=phase, seconds=time.perf_counter() - t0)
+                      saved_activations=saved, gradients=grads, peak_phase=phase,
+                      seconds=time.perf_counter() - t0)

@@ -1,6 +1,6 @@
-"""The quantized frozen layer and whole models: `QuantLinear` (a frozen Linear whose weight is stored in 8 or 4
-bits, dequantized on the fly) and `quantize_base(model, fmt)` -> `QuantReport`. The formats' maths is in
-`weights.py`.
+"""The quantized frozen layer and whole models: `QuantLinear` (a frozen Linear whose weight is stored in 8
+or 4 bits, dequantized on the fly) and `quantize_base(model, fmt)` -> `QuantReport`. The formats' maths is
+in `weights.py`.
 
     y = x dequant(Q)^T + b          dx = dy dequant(Q)          (no dW: the base is frozen)
 
@@ -53,7 +53,8 @@ class QuantLinear(nn.Module):
 
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, block_size: int | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 block_size: int | None = None):
         super().__init__()
         self.fmt = fmt
         self.block_size = check_format(fmt, block_size)
@@ -112,7 +113,8 @@ class QuantLinear(nn.Module):
     def requantize(self, weight: torch.Tensor) -> None:
         """Store a new weight (same shape) in this layer's format: what merging into it does, on request."""
         if tuple(weight.shape) != self.shape:
-            raise QuantizationError(f"requantize: weight shape {tuple(weight.shape)} != layer shape {self.shape}")
+            raise QuantizationError(f"requantize: weight shape {tuple(weight.shape)} != layer shape "
+                                    f"{self.shape}")
         self._store(weight.to(self.device))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,20 +127,23 @@ class QuantLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes the quantized weight takes as stored (codes and scales; not the bias)."""
-        return sum(math.prod(s) * dt.itemsize for s, dt in stored_layout(self.fmt, self.shape, self.block_size).values())
+        return sum(math.prod(s) * dt.itemsize
+                   for s, dt in stored_layout(self.fmt, self.shape, self.block_size).values())
 
     def stored_bytes(self) -> int:
         """Bytes this layer keeps: the quantized weight and the bias."""
-        return self.weight_bytes() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return self.weight_bytes() + (0 if self.bias is None
+                                      else self.bias.numel() * self.bias.element_size())
 
     def transient_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the dequantized weight the forward (and the backward's dx) makes and frees: (out * in) in `dtype`."""
+        """Bytes of the dequantized weight the forward (and the backward's dx) makes and frees: (out * in) in
+        `dtype`."""
         return self.out_features * self.in_features * (dtype or self.dtype).itemsize
 
     def extra_repr(self) -> str:
         block = f", block_size={self.block_size}" if self.block_size else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.fmt}{block}, dtype={self.dtype}, frozen")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.fmt}{block}, dtype={self.dtype}, frozen")
 
 
 # ----------------------------------------------------------------------------- whole models
@@ -183,7 +188,8 @@ def quantize_base(
     modules = dict(model.named_modules())
     found, trainable, merged = [], [], []
     for name, m in modules.items():
-        if not isinstance(m, (nn.Linear, Linear)) or (targets is not None and not matches_targets(name, targets)):
+        if not isinstance(m, (nn.Linear, Linear)) or (targets is not None
+                                                     and not matches_targets(name, targets)):
             continue
         if not name:
             raise QuantizationError("the model itself is a Linear: use QuantLinear.from_linear(layer, fmt)")
@@ -194,9 +200,9 @@ def quantize_base(
         found.append(name)
     if trainable:
         raise QuantizationError(
-            f"quantize_base({fmt!r}): {len(trainable)} matching Linear layer(s) are trainable, e.g. {trainable[:4]}; "
-            "only frozen weights are stored quantized: freeze them first (model.requires_grad_(False)), "
-            "then add adapters, or narrow `targets`"
+            f"quantize_base({fmt!r}): {len(trainable)} matching Linear layer(s) are trainable, "
+            f"e.g. {trainable[:4]}; only frozen weights are stored quantized: freeze them first "
+            "(model.requires_grad_(False)), then add adapters, or narrow `targets`"
         )
     if merged:
         raise QuantizationError(
@@ -204,7 +210,8 @@ def quantize_base(
             "unmerge_lora(model) first, so that only the base weight is quantized"
         )
     if not found:
-        raise QuantizationError(f"quantize_base({fmt!r}): targets {targets!r} match no nn.Linear / lora_lab.Linear")
+        raise QuantizationError(f"quantize_base({fmt!r}): targets {targets!r} match no nn.Linear / "
+                                "lora_lab.Linear")
     before_model = model_bytes(model)
     params = before = after = transient = 0
     for name in found:
