@@ -40,13 +40,14 @@ from .quant import QuantLinear, quantize_base
 from .quiet import install_log_filters as _install_log_filters
 
 __all__ = [
-    "Adam8bit", "AdamW8bit", "BlockStack", "Frozen", "Linear", "LiveBytes", "LoRAConfig", "LoRAConv2d", "LoRALinear",
-    "LoRAModule", "LoraFile", "LoraLabError", "LoraWeights", "MemoryPlan", "MixedPrecision", "QuantLinear",
-    "TrainConfig", "Trainable", "add_lora", "apply_loras", "build_pipeline", "checkpointed", "checkpointing_plan",
-    "convert_lora", "count_parameters", "disable_checkpointing", "enable_checkpointing", "fit_vram", "load_frozen",
-    "load_lora", "load_merged", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora", "merge_loras",
-    "optimizer_state_bytes", "peak_memory", "plan_memory", "quantize_base", "remove_lora", "sample", "save_lora",
-    "save_merged", "saved_activation_bytes", "set_lora_strength", "train", "unmerge_lora", "var_from_tensor",
+    "Adam8bit", "AdamW8bit", "BlockStack", "Frozen", "Linear", "LiveBytes", "LoRAConfig", "LoRAConv2d",
+    "LoRALinear", "LoRAModule", "LoraFile", "LoraLabError", "LoraWeights", "MemoryPlan", "MixedPrecision",
+    "QuantLinear", "TrainConfig", "Trainable", "add_lora", "apply_loras", "build_pipeline", "checkpointed",
+    "checkpointing_plan", "convert_lora", "count_parameters", "disable_checkpointing", "enable_checkpointing",
+    "fit_vram", "load_frozen", "load_lora", "load_merged", "lora_disabled", "lora_modules", "lora_state_dict",
+    "merge_lora", "merge_loras", "optimizer_state_bytes", "peak_memory", "plan_memory", "quantize_base",
+    "remove_lora", "sample", "save_lora", "save_merged", "saved_activation_bytes", "set_lora_strength",
+    "train", "unmerge_lora", "var_from_tensor",
 ]
 
 # lora_lab 0.1's top-level names that were renamed or now live only in their subpackage: still importable from
@@ -63,8 +64,8 @@ _OLD_NAMES = {
     **{name: f"lora_lab.{where}:{name}" for where, names in {
         "errors": ("LoraFormatError", "WeightFileError", "OptimizerError"),
         "functional": ("dequantize_blockwise", "dynamic_map", "quantize_blockwise"),
-        "diffusion": ("DatasetError", "ImageCaptionDataset", "ObjectiveError", "objective_for", "NonFiniteLossError",
-                      "TrainConfigError"),
+        "diffusion": ("DatasetError", "ImageCaptionDataset", "ObjectiveError", "objective_for",
+                      "NonFiniteLossError", "TrainConfigError"),
         "models": ("ModelLoadError", "encode_prompts"),
         "formats": ("UnetLayout", "diffusers_name", "kohya_name", "unet_layout"),
         "kernels": ("KernelBackendError", "KernelInputError", "resolve_backend"),

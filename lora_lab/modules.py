@@ -1,8 +1,10 @@
-"""Submodules by dotted name: which names a target list picks, swapping a submodule in and out, replacing a weight.
+"""Submodules by dotted name: which names a target list picks, swapping a submodule in and out,
+replacing a weight.
 
     matches_targets("down.0.attn.q", r".*attn\\.(q|k|v)")    # a regex: re.fullmatch on the full name
     matches_targets("down.0.attn.q", ["attn.q"])              # a list: names or name suffixes
-    old = swap_module(model, "down.0.attn.q", new)            # `new` takes the name; the module it replaced returns
+    old = swap_module(model, "down.0.attn.q", new)            # `new` takes the name; the module it
+                                                              # replaced returns
 
 Adapters (lora/, merge.py), the quantized base (quant/) and runtime LoRAs (sampling.py) all change a
 model in place through these; this module imports nothing of lora_lab but errors.py.
@@ -20,7 +22,8 @@ from .errors import LoraLabError
 
 
 class ModulePathError(LoraLabError, LookupError):
-    """A dotted name that names no submodule of the model (or names the model itself, which cannot be swapped)."""
+    """A dotted name that names no submodule of the model (or names the model itself, which cannot be
+    swapped)."""
 
 
 def matches_targets(name: str, targets: str | Sequence[str]) -> bool:
@@ -54,7 +57,8 @@ def swap_module(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
 
 def replace_weight(module: nn.Module, weight: torch.Tensor) -> None:
     """Give `module` a new weight tensor without writing into the old one (a frozen weight may be shared
-    with the caller or memory-mapped): a parameter's `.data`, or the buffer itself (lora_lab.Linear.frozen)."""
+    with the caller or memory-mapped): a parameter's `.data`, or the buffer itself
+    (lora_lab.Linear.frozen)."""
     if isinstance(module.weight, nn.Parameter):
         module.weight.data = weight
     else:

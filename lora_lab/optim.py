@@ -3,9 +3,10 @@
 Storage apart from math, as torchao's: each moment is cut into blocks of 256 values, a block keeps one
 fp32 absmax and, per value, the uint8 index of the nearest entry of a dynamic (non-linear) map of
 value/absmax (functional/blockwise.py): signed for m, unsigned for v (which is never negative). Each step
-dequantizes to fp32, runs the update math (functional/adam.py's `adam_math_`, the formula of torch.optim.AdamW,
-vectorised over the whole tensor), and quantizes again. Tensors under 4096 elements keep fp32 moments
-(their state is small and quantizing them costs more accuracy than memory). State: 2 bytes + 8/256 bytes per value instead of 8.
+dequantizes to fp32, runs the update math (functional/adam.py's `adam_math_`, the formula of
+torch.optim.AdamW, vectorised over the whole tensor), and quantizes again. Tensors under 4096 elements keep
+fp32 moments (their state is small and quantizing them costs more accuracy than memory).
+State: 2 bytes + 8/256 bytes per value instead of 8.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Adam8bit(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
-            where = f"{type(self).__name__}: param group {len(self.param_groups)}, tensor {i} (shape {tuple(p.shape)})"
+            where = (f"{type(self).__name__}: param group {len(self.param_groups)}, tensor {i} "
+                     f"(shape {tuple(p.shape)})")
             if not p.is_floating_point():
                 raise OptimizerError(f"{where} is {p.dtype}; only floating-point tensors can be optimized")
             if not p.requires_grad:

@@ -67,14 +67,16 @@ def run_notebook(tmp_path):
         assert path.exists(), f"no notebook {path}"
         data = _run(path, tmp_path / "reports", parameters=params, timeout=600)
         failed = [k for k, c in data.get("claims", {}).items() if not c["held"]]
-        print(json.dumps({"numbers": data.get("numbers"), "failed": failed, "error": data.get("error")}, indent=1))
+        print(json.dumps({"numbers": data.get("numbers"), "failed": failed, "error": data.get("error")},
+                         indent=1))
         return data
 
     def bare_results(name: str) -> list[str]:
         """Ids of the cells of the executed copy that show a bare value (an execute_result: a repr such as
         the Generator of `torch.manual_seed`, which no one printed)."""
         executed = json.loads((tmp_path / "reports" / f"{name}.ipynb").read_text())
-        return [c.get("id") for c in executed["cells"] if any(o["output_type"] == "execute_result" for o in c.get("outputs", []))]
+        return [c.get("id") for c in executed["cells"]
+                if any(o["output_type"] == "execute_result" for o in c.get("outputs", []))]
 
     run.bare_results = bare_results
     old = os.environ.get("LORA_LAB_REPORTS")

@@ -179,7 +179,8 @@ def test_op_numbers_planned_in_train_never_keep_a_random_op_in_eval():
             block.zero_grad(set_to_none=True)
             torch.manual_seed(5 + step)
             if checkpointed:
-                out = _Segment().run(block.forward, (x,), {}, keep=lambda f, a, k, i: i in keep, layouts=layouts, tag=keep)
+                out = _Segment().run(block.forward, (x,), {}, keep=lambda f, a, k, i: i in keep,
+                                     layouts=layouts, tag=keep)
             else:
                 out = block(x)
             out.square().mean().backward()
@@ -196,7 +197,8 @@ def test_module_stamp_sees_a_swapped_submodule_and_does_not_keep_the_block_alive
     block = nn.Sequential(nn.Linear(D, D), nn.Sequential(nn.GELU(), nn.Linear(D, D)))
     first = module_stamp(block)
     assert module_stamp(block) == first
-    block[1][0] = nn.GELU(approximate="tanh")  # a swapped grandchild: its parent's entry changes, then its own
+    # a swapped grandchild: its parent's entry changes, then its own
+    block[1][0] = nn.GELU(approximate="tanh")
     second = module_stamp(block)
     assert second != first and module_stamp(block) == second
     block[1][0].approximate = "none"  # an attribute of the new grandchild: walked after the swap
@@ -212,12 +214,14 @@ def test_module_stamp_sees_a_swapped_submodule_and_does_not_keep_the_block_alive
 def test_budget_and_selective_under_bf16_autocast_keep_their_plan_and_the_gradients():
     """Autocast caches its casts of trainable parameters for the rest of its region: the budget's profiling
     forward must not leave them for the real forward (which would then run fewer ops than the plan numbered),
-    and a block that reads a cast made before it was called still gets a tape (it casts the parameter itself)."""
+    and a block that reads a cast made before it was called still gets a tape (it casts the parameter
+    itself)."""
     from lora_lab.checkpointing import checkpointing_plan
     from lora_lab.memory import BlockStack, saved_activation_bytes
 
     torch.manual_seed(0)
-    model = BlockStack(6, 32, 128, out=4, dropout=0.0).train()  # trainable weights: autocast caches their casts
+    # trainable weights: autocast caches their casts
+    model = BlockStack(6, 32, 128, out=4, dropout=0.0).train()
     x = torch.randn(8, 32)
 
     def step():
@@ -243,7 +247,8 @@ def test_budget_and_selective_under_bf16_autocast_keep_their_plan_and_the_gradie
         if policy.startswith("budget"):
             kept = saved()
             plan = checkpointing_plan(model)
-            assert kept == plan.kept_bytes + (plain_bytes - plan.plain_bytes) and kept <= 0.3 * plain_bytes + 4096, (kept, plan)
+            assert (kept == plan.kept_bytes + (plain_bytes - plan.plain_bytes)
+                    and kept <= 0.3 * plain_bytes + 4096), (kept, plan)
 
 
 def test_a_block_called_twice_under_autocast_reads_the_cached_casts_from_its_tape():
@@ -251,8 +256,8 @@ def test_a_block_called_twice_under_autocast_reads_the_cached_casts_from_its_tap
     made by the first call: its tape casts the parameters itself (a replay in Python would cast again and
     find other ops than the forward ran)."""
     torch.manual_seed(0)
-    model = nn.ModuleDict({"blocks": nn.ModuleList([nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.GELU(),
-                                                                  nn.Linear(4 * D, D))]),
+    model = nn.ModuleDict({"blocks": nn.ModuleList([nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D),
+                                                                  nn.GELU(), nn.Linear(4 * D, D))]),
                            "head": nn.Linear(D, 1)})
     block = model["blocks"][0]
     x = torch.randn(8, D)

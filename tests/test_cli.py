@@ -30,8 +30,10 @@ def files(tmp_path):
     save_file(base, str(tmp_path / "base.safetensors"))
     for i, name in enumerate(("a", "b")):
         lf = LoraFile({
-            "unet.proj": LoraWeights(torch.randn(RANK, 8, generator=g), torch.randn(16, RANK, generator=g), ALPHA),
-            "unet.conv_in": LoraWeights(torch.randn(2, 4, 3, 3, generator=g), torch.randn(16, 2, 1, 1, generator=g), ALPHA),
+            "unet.proj": LoraWeights(torch.randn(RANK, 8, generator=g),
+                                     torch.randn(16, RANK, generator=g), ALPHA),
+            "unet.conv_in": LoraWeights(torch.randn(2, 4, 3, 3, generator=g),
+                                        torch.randn(16, 2, 1, 1, generator=g), ALPHA),
         })
         save_lora(tmp_path / f"{name}.safetensors", lf, base="sd15")
     return tmp_path
@@ -46,8 +48,10 @@ def test_inspect_shows_format_modules_ranks_alphas_metadata(files, capsys):
 
 
 def test_convert_to_peft_and_back(files, capsys):
-    assert main(["convert", str(files / "a.safetensors"), str(files / "a_peft.safetensors"), "--to", "peft"]) == 0
-    assert main(["convert", str(files / "a_peft.safetensors"), str(files / "a_back.safetensors"), "--to", "kohya"]) == 0
+    assert main(["convert", str(files / "a.safetensors"), str(files / "a_peft.safetensors"),
+                 "--to", "peft"]) == 0
+    assert main(["convert", str(files / "a_peft.safetensors"), str(files / "a_back.safetensors"),
+                 "--to", "kohya"]) == 0
     assert load_lora(files / "a_peft.safetensors").format == "peft"
     a, back = load_file(str(files / "a.safetensors")), load_file(str(files / "a_back.safetensors"))
     assert a.keys() == back.keys() and all(torch.equal(a[k], back[k]) for k in a)
@@ -68,11 +72,14 @@ def test_merge_writes_the_merged_weights(files, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "missing.safetensors"], "missing.safetensors: no such file"),
     (["convert", "a.safetensors", "x.safetensors", "--to", "onnx"], "invalid choice: 'onnx'"),
-    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:strong"], "with a number after the colon"),
+    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:strong"],
+     "with a number after the colon"),
     (["merge", "base.safetensors", "m.safetensors"], "the following arguments are required: --lora"),
     (["merge", "a.safetensors", "m.safetensors", "--lora", "b.safetensors:1"], "match no module"),
-    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:1", "--component", "text_encoder"],
-     "base.safetensors: the --lora file(s) change none of its weights (component text_encoder); nothing written"),
+    (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:1",
+      "--component", "text_encoder"],
+     "base.safetensors: the --lora file(s) change none of its weights (component text_encoder); "
+     "nothing written"),
 ])
 def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(files)
@@ -88,8 +95,8 @@ def test_bad_arguments_give_one_error_line_and_exit_code_2(files, monkeypatch, c
 
 
 def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch, capsys):
-    """diffusers' hub errors, wrapped in a ModelLoadError (`--base` a file from_single_file cannot place), have
-    several lines; the CLI prints them joined, so that every error is one line."""
+    """diffusers' hub errors, wrapped in a ModelLoadError (`--base` a file from_single_file cannot place),
+    have several lines; the CLI prints them joined, so that every error is one line."""
     from lora_lab import cli
     from lora_lab.models import ModelLoadError
 
@@ -100,7 +107,8 @@ def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch,
     monkeypatch.setattr(cli, "load_lora", fails)
     assert main(["inspect", str(files / "a.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and "ConnectError An error happened" in err
+    assert (err.count("\n") == 1 and err.startswith("lora-lab: error: ")
+            and "ConnectError An error happened" in err)
 
 def test_exit_code_of_the_real_process(files):
     r = subprocess.run([sys.executable, "-m", "lora_lab.cli", "inspect", str(files / "nope.safetensors")],
@@ -108,7 +116,7 @@ def test_exit_code_of_the_real_process(files):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("lora-lab: error:")
 
 
-# ----------------------------------------------------------------------------- never the input, OS errors (issue 12)
+# ---------------------------------------------------------------------- never the input, OS errors (issue 12)
 
 
 def _run(argv) -> tuple[int, str]:
@@ -154,13 +162,16 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
 
 
 @pytest.mark.parametrize(("flag", "value", "said"), [
-    ("--steps", "0", "--steps 0: must be an integer >= 1"), ("--steps", "-1", "--steps -1: must be an integer >= 1"),
-    ("--guidance", "nan", "--guidance nan: must be a finite number"), ("--guidance", "inf", "--guidance inf: must"),
-    ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"), ("--device", "tpu", "must be auto, cpu, cuda"),
+    ("--steps", "0", "--steps 0: must be an integer >= 1"),
+    ("--steps", "-1", "--steps -1: must be an integer >= 1"),
+    ("--guidance", "nan", "--guidance nan: must be a finite number"),
+    ("--guidance", "inf", "--guidance inf: must"),
+    ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"),
+    ("--device", "tpu", "must be auto, cpu, cuda"),
 ])
 def test_sample_flags_out_of_range_are_one_error_line(files, capsys, flag, value, said):
-    """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1 and a
-    NaN guidance wrote a PNG."""
+    """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1
+    and a NaN guidance wrote a PNG."""
     out = files / "s.png"
     rc = main(["sample", "--model", "sd15", "--prompt", "x", "--output", str(out), flag, value])
     err = capsys.readouterr().err
@@ -178,7 +189,8 @@ def test_non_finite_strength_is_one_error_line(files, capsys, strength):
 
 
 def _read_only_folder(tmp_path):
-    """A folder this process cannot write to: a chmod 555 folder, or (as root, whom chmod does not stop) /sys."""
+    """A folder this process cannot write to: a chmod 555 folder, or (as root, whom chmod does not stop)
+    /sys."""
     if os.geteuid() != 0:
         folder = tmp_path / "ro"
         folder.mkdir()
@@ -190,7 +202,9 @@ def _read_only_folder(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["read_only_folder", "disk_full", "output_is_a_folder", "parent_is_a_file"])
-def test_os_errors_are_one_line_naming_the_path_and_leave_the_disk_as_it_was(files, capsys, monkeypatch, case):
+def test_os_errors_are_one_line_naming_the_path_and_leave_the_disk_as_it_was(
+    files, capsys, monkeypatch, case
+):
     src = files / "a.safetensors"
     old = files / "old.safetensors"
     old.write_bytes(b"the previous output")
@@ -241,7 +255,8 @@ def test_temp_files_of_a_killed_write_are_removed_at_the_next_write(files, monke
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(("fsync", stat.S_ISDIR(os.fstat(fd).st_mode))),
                                                   real_fsync(fd))[-1])
-    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append(("replace", False)), real_replace(a, b))[-1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append(("replace", False)),
+                                                     real_replace(a, b))[-1])
     assert main(["convert", str(files / "a.safetensors"), str(folder / "a.safetensors"), "--to", "peft"]) == 0
     monkeypatch.undo()
     assert sorted(p.name for p in folder.iterdir()) == sorted(["a.safetensors", live.name, foreign.name])

@@ -30,13 +30,15 @@ def dataset(digits_folder) -> Path:
 @pytest.mark.parametrize("model", ["sd3"])
 def test_two_processes_match_one_with_the_same_global_batch(dataset, tmp_path, model):
     # A random tiny base (data/base/sd3 is trained: Adam's normalized first steps amplify the summation-order
-    # differences of its larger activations to ~2e-5, measured): this test is about the data-parallel mechanics.
+    # differences of its larger activations to ~2e-5, measured): this test is about the data-parallel
+    # mechanics.
     from lora_lab.models import build_pipeline
 
     base = tmp_path / "random_base"
     build_pipeline(model, seed=SEED).save_pretrained(base)
     args = ["--model", model, "--dataset", str(dataset), "--steps", str(STEPS), "--rank", "4", "--lr", "3e-3",
-            "--seed", str(SEED), "--sample-steps", "0", "--no-progress", "--save-every", "2", "--base", str(base)]
+            "--seed", str(SEED), "--sample-steps", "0", "--no-progress", "--save-every", "2",
+            "--base", str(base)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -44,8 +46,9 @@ def test_two_processes_match_one_with_the_same_global_batch(dataset, tmp_path, m
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    single = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path / "one"), steps=STEPS, base=str(base),
-                               rank=4, lr=3e-3, seed=SEED, sample_steps=0, progress=False, batch_size=2))
+    single = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path / "one"), steps=STEPS,
+                               base=str(base), rank=4, lr=3e-3, seed=SEED, sample_steps=0, progress=False,
+                               batch_size=2))
     ddp = load_file(str(tmp_path / "ddp" / "lora.safetensors"))
     one = load_file(str(single.outputs["lora_kohya"]))
     assert ddp.keys() == one.keys()

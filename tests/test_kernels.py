@@ -163,7 +163,8 @@ def test_kernel_import_without_interpreter_on_cpu_says_how_to_fix():
         "import lora_lab.kernels as k; assert k.resolve_backend('auto', 'cpu') == 'torch'\n"
         "import lora_lab.kernels.lora"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode != 0
     assert "KernelBackendError" in proc.stderr and "Set TRITON_INTERPRET=1 before" in proc.stderr, proc.stderr
 
@@ -176,9 +177,11 @@ def test_interpreter_switched_on_after_triton_language_was_imported_says_so():
         "import os; os.environ['TRITON_INTERPRET'] = '1'\n"
         "import lora_lab.kernels.lora"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode != 0
-    assert "KernelBackendError" in proc.stderr and "triton.language was imported before" in proc.stderr, proc.stderr
+    assert ("KernelBackendError" in proc.stderr
+            and "triton.language was imported before" in proc.stderr), proc.stderr
 
 
 # ----------------------------------------------------------------------------- the adapter layers
@@ -191,7 +194,8 @@ def adapted_model(dtype: torch.dtype, use_dora: bool, backend: str):
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(
-        torch.nn.Linear(41, 341), torch.nn.GELU(), Linear.frozen(torch.randn(9, 341) / 341**0.5, torch.randn(9))
+        torch.nn.Linear(41, 341), torch.nn.GELU(),
+        Linear.frozen(torch.randn(9, 341) / 341**0.5, torch.randn(9))
     ).to(DEVICE, dtype)
     add_lora(model, LoRAConfig(rank=4, alpha=6.0, use_dora=use_dora, targets=["0", "2"], backend=backend))
     with torch.no_grad():
@@ -300,7 +304,8 @@ def test_adam8bit_step_on_a_transposed_parameter():
     assert not kernel[0].is_contiguous()
     adam8bit_step(kernel[0], grad, kernel[1], kernel[2], kernel[3], kernel[4], 1, hp)
     reference_adam8bit_step(torch_[0], grad, torch_[1], torch_[2], torch_[3], torch_[4], 1, hp)
-    torch.testing.assert_close(kernel[0], torch_[0], rtol=0, atol=4 * torch.finfo(torch.float32).eps * p0.abs().max().item())
+    torch.testing.assert_close(kernel[0], torch_[0], rtol=0,
+                               atol=4 * torch.finfo(torch.float32).eps * p0.abs().max().item())
     assert torch.equal(kernel[1], torch_[1]) and torch.equal(kernel[3], torch_[3])
 
 
@@ -312,7 +317,8 @@ def test_adam8bit_step_rejects_bad_state():
     p = torch.zeros(300, device=DEVICE)
     codes = torch.zeros(300, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(KernelInputError, match="absmax must be fp32 with 2 blocks"):
-        adam8bit_step(p, p.clone(), codes, torch.zeros(1, device=DEVICE), codes.clone(), torch.zeros(2, device=DEVICE), 1, hp)
+        adam8bit_step(p, p.clone(), codes, torch.zeros(1, device=DEVICE), codes.clone(),
+                      torch.zeros(2, device=DEVICE), 1, hp)
 
 
 # ----------------------------------------------------------------------------- notebook
@@ -347,7 +353,8 @@ def test_optimizers_same_with_triton_and_torch_backend(cls_name):
         results[backend] = (params, opt.state[params[0]])
     (pk, sk), (pt, st) = results["triton"], results["torch"]
     for a, e in zip(pk, pt):
-        torch.testing.assert_close(a, e, rtol=0, atol=4 * torch.finfo(torch.float32).eps * e.abs().max().item())
+        torch.testing.assert_close(a, e, rtol=0,
+                                   atol=4 * torch.finfo(torch.float32).eps * e.abs().max().item())
     for key in ("exp_avg", "exp_avg_sq"):
         assert (sk[key].int() - st[key].int()).abs().max() <= 1
         assert (sk[key] != st[key]).float().mean() <= 1e-3

@@ -39,7 +39,8 @@ SHAPES = {
     "conv3x3_s2_p1": (lambda: nn.Conv2d(CIN, COUT, 3, stride=2, padding=1), (2, CIN, HW, HW)),
     "conv1x1": (lambda: nn.Conv2d(CIN, COUT, 1), (2, CIN, HW, HW)),
 }
-VARIANTS = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True}, "rsdora": {"use_rslora": True, "use_dora": True}}
+VARIANTS = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},
+            "rsdora": {"use_rslora": True, "use_dora": True}}
 
 
 def _base(shape: str) -> tuple[nn.Module, torch.Size]:
@@ -73,7 +74,8 @@ class Holder(nn.Module):
 
 def _peft_layer(base: nn.Module, down, up, mag, use_rslora: bool, use_dora: bool):
     peft = pytest.importorskip("peft")
-    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["layer"], use_rslora=use_rslora, use_dora=use_dora)
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["layer"], use_rslora=use_rslora,
+                          use_dora=use_dora)
     model = peft.get_peft_model(Holder(copy.deepcopy(base)), cfg)
     layer = model.base_model.model.layer
     with torch.no_grad():
@@ -101,9 +103,11 @@ def test_forward_and_grads_match_peft(shape, variant):
     opts = VARIANTS[variant]
     base, x_shape = _base(shape)
     down, up, mag = _adapter_weights(base, opts.get("use_dora", False))
-    peft_model, peft_layer = _peft_layer(base, down, up, mag, opts.get("use_rslora", False), opts.get("use_dora", False))
+    peft_model, peft_layer = _peft_layer(base, down, up, mag, opts.get("use_rslora", False),
+                                         opts.get("use_dora", False))
     cls = LoRAConv2d if isinstance(base, nn.Conv2d) else LoRALinear
-    ours = cls.from_weights(copy.deepcopy(base), down, up, ALPHA, magnitude=mag, use_rslora=opts.get("use_rslora", False))
+    ours = cls.from_weights(copy.deepcopy(base), down, up, ALPHA, magnitude=mag,
+                            use_rslora=opts.get("use_rslora", False))
     x, target = torch.randn(x_shape), None
     y_ref = peft_model(x)
     target = torch.randn_like(y_ref)
@@ -154,7 +158,8 @@ def test_dora_with_dropout_matches_peft(shape):
     y_peft, gx_peft = _run(peft_model, x, target)
     torch.testing.assert_close(y, y_peft, **TOL)
     torch.testing.assert_close(gx, gx_peft, **TOL)
-    torch.testing.assert_close(ours.magnitude.grad, layer.lora_magnitude_vector["default"].weight.grad.reshape(-1), **TOL)
+    torch.testing.assert_close(ours.magnitude.grad,
+                               layer.lora_magnitude_vector["default"].weight.grad.reshape(-1), **TOL)
     torch.testing.assert_close(ours.up.grad, layer.lora_B["default"].weight.grad, **TOL)
 
 
@@ -163,7 +168,9 @@ def test_training_steps_match_peft(use_dora):
     """20 Adam steps on a small MLP, lora_lab vs PEFT from the same start: same adapter weights after."""
     peft = pytest.importorskip("peft")
     net = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Linear(16, 5))
-    theirs = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0", "2"], use_dora=use_dora))
+    theirs = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(r=RANK, lora_alpha=ALPHA,
+                                                                     target_modules=["0", "2"],
+                                                                     use_dora=use_dora))
     ours = copy.deepcopy(net)
     add_lora(ours, LoRAConfig(rank=RANK, alpha=ALPHA, targets=["0", "2"], use_dora=use_dora))
     pairs = [(m, theirs.base_model.model[int(n)]) for n, m in lora_modules(ours)]
@@ -190,7 +197,8 @@ def test_training_steps_match_peft(use_dora):
 
 
 def _formula_weight(w, b, down, up, mag, scale):
-    """W' written out: W + s B A, or for DoRA m (W + s B A) / ||W + s B A|| (norm per output unit, detached)."""
+    """W' written out: W + s B A, or for DoRA m (W + s B A) / ||W + s B A|| (norm per output unit,
+    detached)."""
     out = w.shape[0]
     v = w + scale * (up.reshape(out, -1) @ down.reshape(RANK, -1)).reshape(w.shape)
     if mag is None:
@@ -200,7 +208,8 @@ def _formula_weight(w, b, down, up, mag, scale):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("conv", [None, {"stride": 2, "padding": 1}, {"stride": 1, "padding": 2, "dilation": 2}])
+@pytest.mark.parametrize("conv", [None, {"stride": 2, "padding": 1},
+                                  {"stride": 1, "padding": 2, "dilation": 2}])
 def test_forward_and_grads_match_formula(conv, variant):
     opts = VARIANTS[variant]
     if conv is None:
@@ -302,8 +311,10 @@ def test_pissa_init(shape):
     torch.testing.assert_close(layer.delta_weight().reshape(top.shape), top.detach(), **TOL)
     x = torch.randn(x_shape)
     torch.testing.assert_close(layer(x), base(x), **TOL)
-    shared = w0.clone()  # a frozen lora_lab.Linear holds the caller's tensor: PiSSA replaces it, never writes into it
-    LoRALinear(lora_lab.Linear.frozen(shared.reshape(COUT, -1) if w0.dim() == 4 else shared), LoRAConfig(rank=RANK, init="pissa"))
+    # a frozen lora_lab.Linear holds the caller's tensor: PiSSA replaces it, never writes into it
+    shared = w0.clone()
+    LoRALinear(lora_lab.Linear.frozen(shared.reshape(COUT, -1) if w0.dim() == 4 else shared),
+               LoRAConfig(rank=RANK, init="pissa"))
     assert shared.equal(w0)
     if shape == "linear":  # PEFT's PiSSA gives the same A, B and residual
         peft = pytest.importorskip("peft")
@@ -325,7 +336,8 @@ def test_dora_magnitude_starts_at_weight_norm():
 
 
 def _new_tensors(fn, *args) -> list[int]:
-    """numel of every tensor that the ops inside fn(*args) return in fresh storage (views and in-place ops excluded)."""
+    """numel of every tensor that the ops inside fn(*args) return in fresh storage (views and in-place ops
+    excluded)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -334,9 +346,11 @@ def _new_tensors(fn, *args) -> list[int]:
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)}
             sizes.extend(
-                t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+                t.numel() for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
             )
             return out
 
@@ -355,7 +369,8 @@ def test_dora_formula_on_plain_tensors(conv):
     down, up = torch.randn(RANK, IN, *k) * 0.2, torch.randn(OUT, RANK, *[1] * len(k)) * 0.2
     m, s, t = torch.rand(OUT) + 0.5, ALPHA / RANK, 0.7
     v = w.flatten(1) + s * up.flatten(1) @ down.flatten(1)  # W + s B A, (out, in * kh * kw)
-    expected = (w.flatten(1) + t * (m[:, None] * v / v.norm(dim=1, keepdim=True) - w.flatten(1))).reshape(w.shape)
+    expected = (w.flatten(1)
+                + t * (m[:, None] * v / v.norm(dim=1, keepdim=True) - w.flatten(1))).reshape(w.shape)
     merged = dora.merged_weight(w, down, up, m, s, t)
     torch.testing.assert_close(merged, expected, **TOL)
     torch.testing.assert_close(dora.weight_change(w, down, up, m, s, t), expected - w, **TOL)
@@ -373,7 +388,8 @@ def test_dora_norm_makes_one_weight_sized_temporary(dtype):
     assert big == [w.numel()]
     expected = (w.float() + 1.5 * up @ down).norm(dim=1)
     torch.testing.assert_close(weight_norm(w, down, up, 1.5), expected, **TOL)
-    # the straightforward way (as PEFT writes it) makes two (fp32) or three (bf16) and would fail the check above
+    # the straightforward way (as PEFT writes it) makes two (fp32) or three (bf16) and would fail the check
+    # above
     naive = [n for n in _new_tensors(lambda: (w.float() + 1.5 * (up @ down)).norm(dim=1)) if n >= w.numel()]
     assert len(naive) >= 2
 
@@ -431,9 +447,12 @@ class Tiny(nn.Module):
 
 
 def test_targets_regex_and_names():
-    assert add_lora(Tiny(), LoRAConfig(targets=r"blocks\.0\.attn\.(q|k)")) == ["blocks.0.attn.q", "blocks.0.attn.k"]
-    assert add_lora(Tiny(), LoRAConfig(targets=["q", "blocks.0.proj"])) == ["blocks.0.attn.q", "blocks.0.proj"]
-    assert sorted(add_lora(Tiny(), LoRAConfig())) == ["blocks.0.attn.k", "blocks.0.attn.q", "blocks.0.proj", "conv", "head"]
+    assert (add_lora(Tiny(), LoRAConfig(targets=r"blocks\.0\.attn\.(q|k)"))
+            == ["blocks.0.attn.q", "blocks.0.attn.k"])
+    assert (add_lora(Tiny(), LoRAConfig(targets=["q", "blocks.0.proj"]))
+            == ["blocks.0.attn.q", "blocks.0.proj"])
+    assert (sorted(add_lora(Tiny(), LoRAConfig()))
+            == ["blocks.0.attn.k", "blocks.0.attn.q", "blocks.0.proj", "conv", "head"])
     assert "conv" not in add_lora(Tiny(), LoRAConfig(conv=False))
     m = Tiny()
     add_lora(m, LoRAConfig(targets=["proj", "conv"]))
@@ -502,7 +521,8 @@ def test_train_adapters_fits_a_target_and_leaves_the_base_as_it_was():
     for _, a in lora_modules(m):
         assert a.up.abs().sum() > 0  # B left zero: the adapters moved
     remove_lora(m, merge=False)  # the plain modules back: every weight as it was before training
-    assert all(torch.equal(t, m.state_dict()[n]) for n, t in frozen.items()) and m.state_dict().keys() == frozen.keys()
+    assert (all(torch.equal(t, m.state_dict()[n]) for n, t in frozen.items())
+            and m.state_dict().keys() == frozen.keys())
     with pytest.raises(LoRATargetError, match="no adapters"):
         train_adapters(Tiny(), lambda: torch.zeros(()), steps=1, lr=1e-2)
     with pytest.raises(LoRAConfigError, match="steps"):
@@ -523,7 +543,7 @@ def test_gradient_reaches_adapters_in_frozen_model():
     assert m.norm.weight.grad is None
 
 
-# ----------------------------------------------------------------------------- merge, disable, strength, remove
+# ------------------------------------------------------------------------- merge, disable, strength, remove
 
 
 @pytest.mark.parametrize("variant", ["lora", "dora"])
@@ -603,7 +623,9 @@ def test_strength_multiplier(variant):
     assert m.layer.scale == pytest.approx(0.3 * ALPHA / RANK)
     torch.testing.assert_close(m(x), y0 + 0.3 * (y1 - y0), **TOL)
     w = m.layer.merged_weight()
-    torch.testing.assert_close(w, base.weight + 0.3 * (_formula_weight(base.weight, None, down, up, mag, ALPHA / RANK) - base.weight), **TOL)
+    torch.testing.assert_close(
+        w, base.weight + 0.3 * (_formula_weight(base.weight, None, down, up, mag, ALPHA / RANK)
+                                - base.weight), **TOL)
     with pytest.raises(LoRAConfigError):
         set_lora_strength(m, float("inf"))
 
@@ -613,16 +635,19 @@ def test_lora_state_dict():
     add_lora(m, LoRAConfig(rank=2, alpha=3.0, targets=["q", "conv"], use_dora=True, use_rslora=True))
     sd = lora_state_dict(m)
     assert sorted(sd) == sorted(
-        f"{n}.{k}" for n in ("blocks.0.attn.q", "conv") for k in ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
+        f"{n}.{k}" for n in ("blocks.0.attn.q", "conv")
+        for k in ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
     )
     assert sd["blocks.0.attn.q.lora_down.weight"].shape == (2, 8)
     assert sd["blocks.0.attn.q.lora_up.weight"].shape == (8, 2)
-    assert sd["conv.lora_down.weight"].shape == (2, 2, 3, 3) and sd["conv.lora_up.weight"].shape == (2, 2, 1, 1)
+    assert (sd["conv.lora_down.weight"].shape == (2, 2, 3, 3)
+            and sd["conv.lora_up.weight"].shape == (2, 2, 1, 1))
     assert sd["blocks.0.attn.q.dora_scale"].shape == (8, 1) and sd["conv.dora_scale"].shape == (2, 1, 1, 1)
     a = sd["conv.alpha"]
     assert a.dim() == 0 and a.dtype == torch.float32
     assert a.item() / 2 == pytest.approx(m.conv.lora_scale)  # alpha / rank is the scale, rsLoRA included
-    assert all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in sd.values())
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad
+               for t in sd.values())
     sd["conv.lora_down.weight"].add_(1.0)  # a copy: the model's adapter is not touched
     assert not torch.equal(sd["conv.lora_down.weight"], m.conv.down.detach())
 
@@ -632,7 +657,8 @@ def test_from_weights_checks_shapes():
     with pytest.raises(LoRAConfigError, match="up"):
         LoRALinear.from_weights(base, torch.randn(RANK, IN), torch.randn(OUT + 1, RANK), ALPHA)
     with pytest.raises(LoRAConfigError, match="magnitude"):
-        LoRALinear.from_weights(base, torch.randn(RANK, IN), torch.randn(OUT, RANK), ALPHA, magnitude=torch.ones(3))
+        LoRALinear.from_weights(base, torch.randn(RANK, IN), torch.randn(OUT, RANK), ALPHA,
+                                magnitude=torch.ones(3))
     with pytest.raises(LoRATargetError):
         LoRALinear(nn.Conv2d(2, 2, 1), LoRAConfig())
 

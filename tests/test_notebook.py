@@ -1,4 +1,5 @@
-"""lora_lab.notebook (parameter checks, records, the runner), the foundation notebooks, and every notebook's shape."""
+"""lora_lab.notebook (parameter checks, records, the runner), the foundation notebooks, and every
+notebook's shape."""
 
 import json
 import math
@@ -16,7 +17,8 @@ DEFAULTS = {"EPOCHS": 3, "LR": 1e-3, "NAME": "a", "SIZES": (1, 2), "FLAG": True}
 
 
 def test_literal_assignments_only_accepts_upper_case_literals():
-    assert _literal_assignments("A = 1  # comment\nB_2 = 'x'\nC = (1, 2.5)") == {"A": 1, "B_2": "x", "C": (1, 2.5)}
+    assert (_literal_assignments("A = 1  # comment\nB_2 = 'x'\nC = (1, 2.5)")
+            == {"A": 1, "B_2": "x", "C": (1, 2.5)})
     assert _literal_assignments("a = 1") is None
     assert _literal_assignments("A = f(1)") is None
     assert _literal_assignments("import os") is None
@@ -24,7 +26,8 @@ def test_literal_assignments_only_accepts_upper_case_literals():
 
 
 def test_check_parameters_rejects_unknown_names_and_type_changes():
-    check_parameters(DEFAULTS, {"EPOCHS": 5, "LR": 1, "SIZES": [3], "FLAG": False})  # int for float, list for tuple
+    # int for float, list for tuple
+    check_parameters(DEFAULTS, {"EPOCHS": 5, "LR": 1, "SIZES": [3], "FLAG": False})
     with pytest.raises(NotebookParameterError, match="EPOCH.*takes"):
         check_parameters(DEFAULTS, {"EPOCH": 5})
     with pytest.raises(NotebookParameterError, match="EPOCHS: '5' is a str"):
@@ -54,7 +57,8 @@ def test_check_parameters_any_case_nested_types_and_nonfinite():
 def test_parameters_from_history_reads_papermill_values_and_comments():
     cell = "LIMIT = 1.0  # float; inf = no limit\nLR = 0.1  # float > 0"
     injected = "# Parameters\nLIMIT = float(\"inf\")\nLR = float('nan')\n"
-    assert _parameters_from_history(["", cell, injected])[1] == {"LIMIT": math.inf, "LR": pytest.approx(math.nan, nan_ok=True)}
+    assert (_parameters_from_history(["", cell, injected])[1]
+            == {"LIMIT": math.inf, "LR": pytest.approx(math.nan, nan_ok=True)})
     ns = {"In": ["", cell, "# Parameters\nLIMIT = float('inf')\n"], "LIMIT": math.inf, "LR": 0.1}
     assert Record.start("x", ns).parameters["LIMIT"] == math.inf  # its comment names inf
     ns = {"In": ["", cell, injected], "LIMIT": math.inf, "LR": math.nan}
@@ -64,12 +68,14 @@ def test_parameters_from_history_reads_papermill_values_and_comments():
     ns = {"In": ["", "LR = float('nan')  # float > 0"], "LR": math.nan}
     with pytest.raises(NotebookParameterError, match="LR=nan"):
         Record.start("x", ns)
-    with pytest.raises(NotebookParameterError, match=r"injected parameter LR: cannot read 'LR = os\.getcwd\(\)'"):
+    with pytest.raises(NotebookParameterError,
+                       match=r"injected parameter LR: cannot read 'LR = os\.getcwd\(\)'"):
         _parameters_from_history(["", cell, "# Parameters\nLR = os.getcwd()\n"])
 
 
 def test_runner_cli_values_are_literals_else_strings():
-    assert [_cli_value(v) for v in ("3", "0.5", "True", "[1, 2]", "sdxl", "'x'")] == [3, 0.5, True, [1, 2], "sdxl", "x"]
+    assert ([_cli_value(v) for v in ("3", "0.5", "True", "[1, 2]", "sdxl", "'x'")]
+            == [3, 0.5, True, [1, 2], "sdxl", "x"])
     assert math.isinf(_cli_value("float('inf')")) and _cli_value("os.getcwd()") == "os.getcwd()"
 
 
@@ -125,7 +131,8 @@ def _tiny_notebook(path, claim_src):
         nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nfrom lora_lab.notebook import Record"),
         params,
         nbformat.v4.new_code_cell("nb = Record.start('tiny', globals())"),
-        nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\nnb.figure(fig, 'line')"),
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\n"
+                                  "nb.figure(fig, 'line')"),
         nbformat.v4.new_code_cell(f"nb.number('n', N)\nnb.claim('claim', {claim_src})\nnb.finish()"),
     ]
     nbformat.write(nb, path)
@@ -151,7 +158,8 @@ def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     assert not data["passed"] and "ClaimFailed" in data["error"]
     for bad, name in (({"M": 3}, "M"), ({"n": 3}, "n"), ({"X": float("inf")}, "X"), ({"X": "a"}, "X")):
         data = run_notebook(good, out, parameters=bad)
-        assert not data["passed"] and "NotebookParameterError" in data["error"] and name in data["error"], data
+        assert (not data["passed"] and "NotebookParameterError" in data["error"]
+                and name in data["error"]), data
     assert data["notebook"] == "tiny"  # the failure report still names the notebook
 
 
@@ -164,13 +172,17 @@ def test_every_notebook_is_thin_clean_and_parameterized():
         assert all(not c.outputs and c.execution_count is None for c in code), f"{path.name} has outputs"
         params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
         assert len(params) == 1, f"{path.name}: needs exactly one cell tagged 'parameters'"
-        assert _literal_assignments(params[0].source), f"{path.name}: parameters cell must be UPPER_CASE literals"
+        assert _literal_assignments(params[0].source), (
+            f"{path.name}: parameters cell must be UPPER_CASE literals"
+        )
         assert all("#" in line for line in params[0].source.splitlines() if "=" in line), (
             f"{path.name}: each parameter needs a comment naming its allowed values"
         )
         assert nb.metadata["kernelspec"]["name"] == "lora-lab"
         intro = nb.cells[0]
-        assert intro.cell_type == "markdown" and intro.source.startswith("# "), f"{path.name}: opens with a title"
+        assert intro.cell_type == "markdown" and intro.source.startswith("# "), (
+            f"{path.name}: opens with a title"
+        )
         assert "parameters" in intro.source and "lora_lab.notebook" in intro.source, (
             f"{path.name}: the opening cell says how to change the parameters"
         )

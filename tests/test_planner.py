@@ -17,12 +17,15 @@ from lora_lab.planning.fakedevice import DeviceRules
 TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 
-@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
+@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"),
+                                              ("sdxl", True, "adamw8bit", "bf16")])
 def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
-    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8, gradient_checkpointing=ckpt,
-                                                 optimizer=opt, mixed_precision=mp))
-    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8, gradient_checkpointing=ckpt,
-                       optimizer=opt, mixed_precision=mp, dataset_size=measured["dataset_size"])
+    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8,
+                                                 gradient_checkpointing=ckpt, optimizer=opt,
+                                                 mixed_precision=mp))
+    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
+                       gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
+                       dataset_size=measured["dataset_size"])
     assert plan.peak == pytest.approx(measured["peak"], rel=TOLERANCE)
     assert plan.parts["optimizer state"] == measured["optimizer_state"]  # exact, optimizer_state_bytes
     assert sum(plan.parts.values()) == plan.peak
@@ -30,7 +33,8 @@ def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, m
 
 
 def test_saved_activations_equal_saved_activation_bytes():
-    """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real tensors."""
+    """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real
+    tensors."""
     from lora_lab.diffusion import objective_for
     from lora_lab.diffusion.step import denoising_loss
     from lora_lab.diffusion.trainer import add_adapter
@@ -44,7 +48,8 @@ def test_saved_activations_equal_saved_activation_bytes():
     x0, noise = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
     cond = {"prompt_embeds": torch.randn(1, 16, 64), "pooled_prompt_embeds": torch.randn(1, 32)}
     t = torch.tensor([500])
-    measured = saved_activation_bytes(lambda: denoising_loss(config, model_kind("sdxl"), pipe, objective_for("sdxl"), x0, noise, t, cond))
+    measured = saved_activation_bytes(lambda: denoising_loss(config, model_kind("sdxl"), pipe,
+                                                             objective_for("sdxl"), x0, noise, t, cond))
     plan = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, mixed_precision="no")
     assert plan.saved_activations == measured
 
@@ -81,7 +86,8 @@ def _saved_by_attention(backend: str, dtype=torch.bfloat16) -> int:
 def test_attention_backends_save_what_they_keep():
     L, D, H = 256, 64, 2
     flash = _saved_by_attention("flash")
-    # flash keeps q, k, v (inputs, not new) and the output (bf16) and the log-sum-exp (fp32, B x H x L), rng state
+    # flash keeps q, k, v (inputs, not new) and the output (bf16) and the log-sum-exp (fp32, B x H x L),
+    # rng state
     assert flash >= H * L * D * 2 + H * L * 4
     assert flash < H * L * D * 2 + H * L * 4 + 64
     math_ = _saved_by_attention("math")
@@ -95,14 +101,17 @@ def test_fit_tries_fast_options_first(monkeypatch):
 
     def fake_plan(model, *, batch_size, grad_accum, gradient_checkpointing, optimizer, **kw):
         calls.append((gradient_checkpointing, optimizer, batch_size))
-        peak = 10 * batch_size + (0 if gradient_checkpointing else 20) + (0 if optimizer == "adamw8bit" else 1)
-        options = {"batch_size": batch_size, "grad_accum": grad_accum, "gradient_checkpointing": gradient_checkpointing,
-                   "optimizer": optimizer}
-        return planner.MemoryPlan(model, "tiny", options, "flash", {"activations": peak}, peak, 0, 0, "backward")
+        peak = (10 * batch_size + (0 if gradient_checkpointing else 20)
+                + (0 if optimizer == "adamw8bit" else 1))
+        options = {"batch_size": batch_size, "grad_accum": grad_accum,
+                   "gradient_checkpointing": gradient_checkpointing, "optimizer": optimizer}
+        return planner.MemoryPlan(model, "tiny", options, "flash", {"activations": peak}, peak, 0, 0,
+                                  "backward")
 
     monkeypatch.setattr(planner, "plan_memory", fake_plan)
     r = fit_vram(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
-    assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2, "grad_accum": 2}
+    assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2,
+                          "grad_accum": 2}
     assert calls == [(False, "adamw", 1), (False, "adamw", 4), (False, "adamw", 2)]
     calls.clear()
     r = fit_vram(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does
@@ -132,9 +141,11 @@ def test_fit_reuses_the_plans_it_is_given(monkeypatch):
     r = fit_vram(max(p.peak for p in plans), "sd15", plans=plans, **kw)  # the first option fits
     assert r.chosen is plans[0] and r.tried == [plans[0]] and len(calls) == 4
     smallest = min(plans, key=lambda p: p.peak)
-    r = fit_vram(smallest.peak, "sd15", plans=plans, **kw)  # only the smallest fits: every option tried, none re-planned
+    # only the smallest fits: every option tried, none re-planned
+    r = fit_vram(smallest.peak, "sd15", plans=plans, **kw)
     assert r.chosen is smallest and r.tried == plans and len(calls) == 4
-    r = fit_vram(max(p.peak for p in plans), "sd15", plans=plans, **{**kw, "rank": 2})  # other options: planned
+    # other options: planned
+    r = fit_vram(max(p.peak for p in plans), "sd15", plans=plans, **{**kw, "rank": 2})
     assert r.chosen not in plans and len(calls) == 5
 
 
@@ -146,7 +157,8 @@ def test_cli_plan_vram_plans_each_option_once(monkeypatch, capsys):
 
     def fake_step(comps, kind, config, options, tracker, vae_scale, text_shapes):
         calls.append((options["gradient_checkpointing"], options["optimizer"]))
-        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30  # only checkpointing fits 24 GiB
+        # only checkpointing fits 24 GiB
+        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30
         return {"activations": tracker.peak}, "backward", 0, 0
 
     monkeypatch.setattr(planner, "planned_step", fake_step)
@@ -199,7 +211,8 @@ def test_notebook_08_memory_plan(run_notebook):
 def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     from lora_lab.cli import main
 
-    assert main(["train", "--model", "sd3", "--output", str(tmp_path / "out"), "--steps", "1", "--vram", "1MiB"]) == 2
+    assert main(["train", "--model", "sd3", "--output", str(tmp_path / "out"), "--steps", "1",
+                 "--vram", "1MiB"]) == 2
     err = capsys.readouterr().err
     assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and "of which" in err
     assert not (tmp_path / "out").exists()  # refused before training started
@@ -231,7 +244,8 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
     from lora_lab.quant import quantize_base
 
     kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 8, "mixed_precision": "no"}
-    measured = measure_training_step(TrainConfig(model="sdxl", output=str(tmp_path), rank=8, base_quantization="int8"))
+    measured = measure_training_step(TrainConfig(model="sdxl", output=str(tmp_path), rank=8,
+                                                 base_quantization="int8"))
     plans = {q: plan_memory("sdxl", base_quantization=q, dataset_size=measured["dataset_size"], **kw)
              for q in (None, "int8", "nf4")}
     assert plans["int8"].peak == pytest.approx(measured["peak"], rel=TOLERANCE)
@@ -245,25 +259,28 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
 
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "flux"])
 def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
-    """The planner's default: CUDA rules, bf16 autocast, fake tensors. Selective and budgets record the blocks'
-    ops there too (prim.device questions, casts cached by autocast, Flux's rotary embeddings in a tuple argument
-    each broke them before), and a budget keeps what it planned."""
+    """The planner's default: CUDA rules, bf16 autocast, fake tensors. Selective and budgets record the
+    blocks' ops there too (prim.device questions, casts cached by autocast, Flux's rotary embeddings in a
+    tuple argument each broke them before), and a budget keeps what it planned."""
     saved = {}
     for policy in ("none", "full", "selective", "budget:0.3"):
-        options = {} if policy == "none" else {"gradient_checkpointing": True, "checkpoint_options": {"policy": policy}}
+        options = ({} if policy == "none"
+                   else {"gradient_checkpointing": True, "checkpoint_options": {"policy": policy}})
         saved[policy] = plan_memory(kind, size="tiny", **options).saved_activations
     assert saved["full"] < saved["budget:0.3"] < saved["selective"] < saved["none"]
     assert saved["budget:0.3"] <= 0.3 * saved["none"] * 1.02
 
 
 def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(monkeypatch, capsys):
-    """plan_memory(gradient_checkpointing="selective") plans selective (the trainer's spelling), not whole blocks;
-    `lora-lab plan --gradient-checkpointing POLICY` plans its checkpointed options with that policy."""
+    """plan_memory(gradient_checkpointing="selective") plans selective (the trainer's spelling), not whole
+    blocks; `lora-lab plan --gradient-checkpointing POLICY` plans its checkpointed options with that
+    policy."""
     from lora_lab.cli import main
 
     full = plan_memory("sd3", size="tiny", gradient_checkpointing=True)
     selective = plan_memory("sd3", size="tiny", gradient_checkpointing="selective")
-    same = plan_memory("sd3", size="tiny", gradient_checkpointing=True, checkpoint_options={"policy": "selective"})
+    same = plan_memory("sd3", size="tiny", gradient_checkpointing=True,
+                       checkpoint_options={"policy": "selective"})
     assert selective.saved_activations == same.saved_activations > full.saved_activations
     assert "checkpointing selective" in selective.table()
     assert plan_memory("sd3", size="tiny", gradient_checkpointing="full").options == full.options

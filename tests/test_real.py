@@ -37,8 +37,10 @@ def test_exact_counts_pinned():
         counts = {(name, c): _count(m) for name in REAL_MODELS for c, m in build_real(name).items()}
     assert counts[("sdxl", "unet")] == 2_567_463_684
     assert counts[("sd35-medium", "transformer")] // 1_000_000 == 2243
-    assert counts[("flux-dev", "text_encoder_2")] == counts[("sd35-large", "text_encoder_3")]  # the same T5-XXL
-    assert counts[("sd35-large", "vae")] == counts[("flux-dev", "vae")]  # both 16-channel VAEs without quant convs
+    # the same T5-XXL
+    assert counts[("flux-dev", "text_encoder_2")] == counts[("sd35-large", "text_encoder_3")]
+    # both 16-channel VAEs without quant convs
+    assert counts[("sd35-large", "vae")] == counts[("flux-dev", "vae")]
 
 
 def test_every_model_has_a_denoiser_vae_and_text_encoders():

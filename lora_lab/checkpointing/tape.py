@@ -1,4 +1,5 @@
-"""A block call's ops as a program (a tape) that the recomputation runs directly: no Python block code, no dispatch mode.
+"""A block call's ops as a program (a tape) that the recomputation runs directly: no Python block code, no
+dispatch mode.
 
 `_Record` (ops.py) writes the tape while it records a block call: every op with its arguments,
 each tensor argument named by where it comes from (a block input, an earlier op's output, or one of
@@ -52,8 +53,8 @@ def is_metadata(func) -> bool:
 
 
 def _autocast_source(t: torch.Tensor) -> torch.Tensor | None:
-    """The parameter `t` is autocast's cached lower-precision copy of (autocast casts a leaf that requires grad
-    once per autocast region, so a later block reads a copy made before it was called), or None."""
+    """The parameter `t` is autocast's cached lower-precision copy of (autocast casts a leaf that requires
+    grad once per autocast region, so a later block reads a copy made before it was called), or None."""
     fn = t.grad_fn
     if type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
         return None
@@ -62,8 +63,8 @@ def _autocast_source(t: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Ref:
-    """A tensor argument of a taped op: kind "in" (block input i), "op" (output j of step i), "ext" (a parameter
-    or buffer) or "cast" (parameter t cast to dtype j: autocast's cached copy)."""
+    """A tensor argument of a taped op: kind "in" (block input i), "op" (output j of step i), "ext" (a
+    parameter or buffer) or "cast" (parameter t cast to dtype j: autocast's cached copy)."""
 
     __slots__ = ("i", "j", "kind", "t")
 
@@ -83,7 +84,8 @@ class _Step:
 
 
 class TapeWriter:
-    """Fed by `_Record` op by op while a block call runs; `tape()` gives the `_Tape`, or None if the call cannot have one."""
+    """Fed by `_Record` op by op while a block call runs; `tape()` gives the `_Tape`, or None if the call
+    cannot have one."""
 
     def __init__(self, inputs: list[torch.Tensor], owned: set[int]):
         self.src: dict[int, _Ref] = {id(t): _Ref("in", i) for i, t in enumerate(inputs)}
@@ -123,22 +125,26 @@ class TapeWriter:
                     self.ok = False
                     out.append(x)
             return out
-        if not isinstance(a, _PLAIN) and not (isinstance(a, (list, tuple)) and all(isinstance(x, _PLAIN) for x in a)):
+        if not isinstance(a, _PLAIN) and not (isinstance(a, (list, tuple))
+                                              and all(isinstance(x, _PLAIN) for x in a)):
             self.ok = False  # something the tape cannot copy safely
         return a
 
     def op(self, func, args: tuple, kwargs: dict, out, reads: set[int], writes: set[int]) -> None:
-        """One op as `_Record` saw it: reads / writes, the storages of its tensor arguments / of those it changes in place."""
+        """One op as `_Record` saw it: reads / writes, the storages of its tensor arguments / of those it
+        changes in place."""
         if not self.ok:
             return
-        if is_metadata(func):  # a step that never runs (no tensor out), so that steps keep `_Record`'s numbers
+        if is_metadata(func):
+            # a step that never runs (no tensor out), so that steps keep `_Record`'s numbers
             self.steps.append(_Step(func, (), {}, [], False, set(), set()))
             return
         refs: list[_Ref] = []
         targs = tuple(self._arg(a, refs) for a in args)
         tkwargs = {k: self._arg(v, refs) for k, v in kwargs.items()}
         leaves = tree_leaves(out)
-        if not any(isinstance(t, torch.Tensor) for t in leaves):  # a value read into Python: the rest may depend on it
+        # a value read into Python: the rest may depend on it
+        if not any(isinstance(t, torch.Tensor) for t in leaves):
             self.ok = False
             return
         k = len(self.steps)
@@ -155,13 +161,15 @@ class TapeWriter:
             self.saved_storages.add(_storage(t))
 
     def tape(self, kept_steps: dict[int, int], n_saved: int) -> _Tape | None:
-        """kept_steps: counted op index -> step; the tape runs what the saved tensors need, the kept steps excepted."""
+        """kept_steps: counted op index -> step; the tape runs what the saved tensors need, the kept steps
+        excepted."""
         self.hold, self.src = [], {}
         if not self.ok or len(self.saved) != n_saved:
             return None
         kept = set(kept_steps.values())
         need = {r.i for r in self.saved if r.kind == "op"}  # steps whose outputs are needed
-        need_storage = set(self.saved_storages)  # storages read later: an in-place write into one must run too
+        # storages read later: an in-place write into one must run too
+        need_storage = set(self.saved_storages)
         run = []
         for k in reversed(range(len(self.steps))):
             s = self.steps[k]
@@ -175,9 +183,9 @@ class TapeWriter:
 
 
 class _Tape:
-    """The ops to run (step number -> step), compiled for speed: a step's arguments as a list with the places of
-    its tensors, each a (kind, i, j, t) tuple; kinds: _OP output j of step i, _IN block input i, _EXT parameter t,
-    _CAST parameter t cast to dtype j."""
+    """The ops to run (step number -> step), compiled for speed: a step's arguments as a list with the places
+    of its tensors, each a (kind, i, j, t) tuple; kinds: _OP output j of step i, _IN block input i, _EXT
+    parameter t, _CAST parameter t cast to dtype j."""
 
     def __init__(self, steps: list[_Step], run: list[int], saved: list[_Ref], kept_steps: dict[int, int]):
         self.kept_steps = kept_steps  # counted op index -> step
@@ -185,7 +193,8 @@ class _Tape:
         self.saved = [_code(r) for r in saved]
 
     def run(self, inputs: list[torch.Tensor], kept: dict) -> list[torch.Tensor]:
-        """The saved tensors of the recorded call, from its inputs and the kept op outputs (index -> leaves)."""
+        """The saved tensors of the recorded call, from its inputs and the kept op outputs
+        (index -> leaves)."""
         env: dict[int, list] = {self.kept_steps[i]: leaves for i, leaves in kept.items()}
         casts: dict[int, torch.Tensor] = {}
 
@@ -230,8 +239,8 @@ def _code(r: _Ref) -> tuple:
 
 
 def _compile(s: _Step) -> tuple:
-    """(func, args with None where tensors go, [(place, code)], [(place, [code or value])], kwargs without tensors,
-    [(name, code or [code or value])])."""
+    """(func, args with None where tensors go, [(place, code)], [(place, [code or value])], kwargs without
+    tensors, [(name, code or [code or value])])."""
     args, slots, nested = [], [], []
     for i, a in enumerate(s.args):
         if isinstance(a, _Ref):
@@ -272,7 +281,8 @@ def reads_and_writes(func, args: tuple, kwargs: dict) -> tuple[set[int], set[int
 def _entries(values) -> tuple:
     """A container's entries in a stamp: plain values by value, tensors (parameters, buffers) by identity and
     requires_grad (which decides what autograd saves), anything else by identity."""
-    return tuple([x if type(x) in _PLAIN_TYPES else (id(x), x.requires_grad) if isinstance(x, torch.Tensor) else id(x)
+    return tuple([x if type(x) in _PLAIN_TYPES
+                  else (id(x), x.requires_grad) if isinstance(x, torch.Tensor) else id(x)
                   for x in values])
 
 
@@ -286,7 +296,8 @@ def _stamp(modules: list[nn.Module]) -> tuple:
                 add(v)
             elif t is dict or t is OrderedDict:
                 add(_entries(v.values()) if v else ())  # (an empty one too: entries keep their places)
-            elif t is list or t is tuple:  # a list of scales changed in place keeps its identity: its values count
+            elif t is list or t is tuple:
+                # a list of scales changed in place keeps its identity: its values count
                 add((t, *_entries(v)))
             else:
                 add(id(v))

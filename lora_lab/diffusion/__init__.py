@@ -21,11 +21,11 @@ from .trainer import TrainConfig, TrainConfigError, TrainResult, train
 __all__ = [
     "DDPM", "BucketBatchSampler", "DatasetError", "FlowMatching", "ImageCaptionDataset", "NonFiniteLossError",
     "ObjectiveError", "ResumeError",
-    "TrainConfig", "TrainConfigError", "TrainResult", "aspect_buckets", "collate", "diffusion_loss", "image_grid",
-    "loras_applied", "objective_for", "sample", "train",
+    "TrainConfig", "TrainConfigError", "TrainResult", "aspect_buckets", "collate", "diffusion_loss",
+    "image_grid", "loras_applied", "objective_for", "sample", "train",
 ]
 
 # lora_lab 0.1 exported the model builders from here too; they are lora_lab.models' now.
 __getattr__ = old_name(__name__, {name: f"lora_lab.models:{name}" for name in (
-    "KINDS", "ModelLoadError", "kind_of", "build_components", "build_pipeline", "build_tokenizer", "decode_latents",
-    "denoiser", "encode_images", "encode_prompts", "predict", "shipped_base")})
+    "KINDS", "ModelLoadError", "kind_of", "build_components", "build_pipeline", "build_tokenizer",
+    "decode_latents", "denoiser", "encode_images", "encode_prompts", "predict", "shipped_base")})

@@ -1,5 +1,5 @@
-"""The settings of one diffusion LoRA training run: `TrainConfig`, its validation (and what only the base model
-can tell), the layers an adapter targets, and the lr schedule."""
+"""The settings of one diffusion LoRA training run: `TrainConfig`, its validation (and what only the base
+model can tell), the layers an adapter targets, and the lr schedule."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
 # Attention projections of every diffusers attention block: self- and cross-attention (UNets), and the
 # text stream's projections of SD3's and Flux's joint attention. Suffixes of module names (LoRAConfig).
-ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                     "to_add_out")
 # The UNets' ResNet convolutions (LoCon), with --conv.
 CONV_TARGETS = ("conv1", "conv2")
 
@@ -43,31 +44,39 @@ class TrainConfig:
 
     model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux"})
     dataset: str | None = field(
-        default=None, metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"}
+        default=None,
+        metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"},
     )
     output: str = field(default="lora_output", metadata={"help": "output folder"})
     base: str | None = field(
-        default=None, metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"}
+        default=None,
+        metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"},
     )
-    resolution: int | None = field(default=None, metadata={"help": "image side in pixels (default: the base's)"})
+    resolution: int | None = field(
+        default=None, metadata={"help": "image side in pixels (default: the base's)"}
+    )
     skip_bad_images: bool = field(
-        default=False, metadata={"help": "skip unreadable images and images without a caption, with a warning"}
+        default=False,
+        metadata={"help": "skip unreadable images and images without a caption, with a warning"},
     )
     buckets: bool = field(
-        default=False, metadata={"help": "aspect-ratio buckets: each image keeps its shape at about resolution^2 "
-                                 "pixels (kohya-style), batches come from one bucket; off: every image is cropped square"}
+        default=False,
+        metadata={"help": "aspect-ratio buckets: each image keeps its shape at about resolution^2 pixels "
+                  "(kohya-style), batches come from one bucket; off: every image is cropped square"},
     )
     reg_dataset: str | None = field(
-        default=None, metadata={"help": "folder of regularization images in the base's own style, with captions: "
-                                "prior preservation (DreamBooth; kohya's reg images), their loss added to each step"}
+        default=None,
+        metadata={"help": "folder of regularization images in the base's own style, with captions: "
+                  "prior preservation (DreamBooth; kohya's reg images), their loss added to each step"},
     )
     prior_loss_weight: float = field(
         default=1.0, metadata={"help": "weight of the regularization images' loss (with --reg-dataset)"}
     )
     caption_dropout: float = field(
-        default=0.0, metadata={"help": "probability that an example is trained with the pipeline's unconditional "
-                               "input (SDXL: zeros, others: the empty prompt) instead of its caption, so "
-                               "classifier-free guidance's negative branch learns the new data too"}
+        default=0.0,
+        metadata={"help": "probability that an example is trained with the pipeline's unconditional "
+                  "input (SDXL: zeros, others: the empty prompt) instead of its caption, so "
+                  "classifier-free guidance's negative branch learns the new data too"},
     )
     # the adapter
     rank: int = field(default=16, metadata={"help": "LoRA rank r"})
@@ -85,7 +94,8 @@ class TrainConfig:
     schedule: str = field(default="constant", metadata={"help": "after warm-up: constant | linear | cosine"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from lr/warmup to lr"})
     optimizer: str = field(
-        default="adamw", metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"}
+        default="adamw",
+        metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"},
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
@@ -95,21 +105,31 @@ class TrainConfig:
                   "can change an image's overall brightness (kohya's --noise_offset)"},
     )
     # memory features
-    mixed_precision: str = field(default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"})
+    mixed_precision: str = field(
+        default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"}
+    )
     gradient_checkpointing: bool | str = field(
         default=False,
-        metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at most "
-                  "the fraction F of the activation bytes) | none; true = full"},
+        metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at "
+                  "most the fraction F of the activation bytes) | none; true = full"},
     )
     # bookkeeping
-    seed: int = field(default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"})
-    save_every: int = field(default=0, metadata={"help": "write a checkpoint every N steps (0: only at the end)"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"}
+    )
+    save_every: int = field(
+        default=0, metadata={"help": "write a checkpoint every N steps (0: only at the end)"}
+    )
     keep_checkpoints: int = field(default=2, metadata={"help": "how many recent checkpoints to keep"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in the output folder"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the latest checkpoint in the output folder"}
+    )
     sample_prompts: list[str] | None = field(
         default=None, metadata={"help": "prompts of the with/without sample grid (default: from the dataset)"}
     )
-    sample_steps: int = field(default=20, metadata={"help": "denoising steps of the sample grid (0: no grid)"})
+    sample_steps: int = field(
+        default=20, metadata={"help": "denoising steps of the sample grid (0: no grid)"}
+    )
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     progress: bool = field(default=True, metadata={"help": "show a tqdm progress bar"})
 
@@ -140,7 +160,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "sample_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
-        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+        # what torch.manual_seed takes
+        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             bad("seed", "must be an integer in [-2**63, 2**64)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             bad("lr", "must be a finite number > 0")
@@ -189,7 +210,8 @@ class TrainConfig:
         return float(self.rank if self.alpha is None else self.alpha)
 
     def adapter_targets(self) -> list[str]:
-        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the convs."""
+        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the
+        convs."""
         return list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
 
     def dataset_dir(self) -> Path:
@@ -236,7 +258,8 @@ def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution
     the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
     model = denoiser(pipe)
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
-              if name and matches_targets(name, config.adapter_targets()) and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+              if name and matches_targets(name, config.adapter_targets())
+              and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
     if widths and config.rank > min(widths)[0]:
         width, name = min(widths)
         raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
@@ -245,9 +268,11 @@ def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution
     # latents reach the denoiser in patches: packed n x n (Flux), or cut by its patch embedding (SD3)
     patch = kind.latent_packing * int(getattr(model.config, "patch_size", None) or 1)
     if resolution % (vae_factor * patch):
-        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {kind.name} base needs a multiple of "
-                               f"{vae_factor * patch} (VAE downsampling {vae_factor} x patch size {patch})")
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {kind.name} base needs a multiple "
+                               f"of {vae_factor * patch} "
+                               f"(VAE downsampling {vae_factor} x patch size {patch})")
     max_patches = getattr(model.config, "pos_embed_max_size", None)
     if max_patches and resolution > max_patches * patch * vae_factor:
         raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {kind.name} base's "
-                               f"position embedding takes ({max_patches * patch * vae_factor} pixels at most)")
+                               f"position embedding takes "
+                               f"({max_patches * patch * vae_factor} pixels at most)")

@@ -43,7 +43,8 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
     finally:
         for key in applied.weights:
             path = key[: -len(".weight")]
-            swap_module(model, path, model.get_submodule(path).base)  # LoRALinear / LoRAConv2d / LoRAStack .base
+            # LoRALinear / LoRAConv2d / LoRAStack .base
+            swap_module(model, path, model.get_submodule(path).base)
 
 
 @torch.no_grad()
@@ -59,7 +60,8 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     kind = model_kind(kind_of(pipe))
-    height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
+    # 16 for the tiny bases, the model's native size for real ones
+    height = height or default_resolution(pipe)
     width = width or default_resolution(pipe)
     embeds = encode_prompts(pipe, prompts)
     embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
@@ -89,5 +91,6 @@ def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
     grid = torch.full((c, rows * (h + pad) + pad, cols * (w + pad) + pad), 0.5)
     for i, img in enumerate(images):
         r, k = divmod(i, cols)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + k * (w + pad): pad + k * (w + pad) + w] = img
+        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h,
+             pad + k * (w + pad): pad + k * (w + pad) + w] = img
     return to_pil(grid)

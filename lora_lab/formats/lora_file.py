@@ -1,10 +1,12 @@
-"""A LoRA in memory: `LoraWeights` (one module's down, up, alpha, DoRA m), `LoraFile` (modules by path), checks.
+"""A LoRA in memory: `LoraWeights` (one module's down, up, alpha, DoRA m),
+`LoraFile` (modules by path), checks.
 
 In memory a LoRA is a set of modules, each named by its path in a diffusers pipeline
 (`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`, `text_encoder.text_model.…`,
 `transformer.transformer_blocks.0.attn.to_q`), each holding
 
-    down (r, in) | (r, in, kh, kw)    up (out, r) | (out, r, 1, 1)    alpha    DoRA m (out, 1) | (out, 1, 1, 1)
+    down (r, in) | (r, in, kh, kw)    up (out, r) | (out, r, 1, 1)
+    alpha                             DoRA m (out, 1) | (out, 1, 1, 1)
 
 and meaning  W -> W + (alpha / r) * up @ down  (conv: up.flatten(1) @ down.flatten(1), reshaped as W),
 or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (the norm per output row).
@@ -64,15 +66,18 @@ class LoraWeights:
             if role != "dora_scale" and not isinstance(t, torch.Tensor):
                 raise LoraFormatError(f"{where}: {role} is a {type(t).__name__}, not a tensor")
             if t is not None and t.dtype not in WEIGHT_DTYPES:
-                raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, bfloat16, "
-                                      "float32 or float64")
+                raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, "
+                                      "bfloat16, float32 or float64")
         alpha = self.alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-            raise LoraFormatError(f"{where}: alpha is {alpha}: it must be a finite number > 0 (sd-scripts reads "
-                                  "alpha 0 as alpha = rank, ComfyUI as scale 0: write alpha = rank instead)")
+        if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha)
+                or alpha <= 0):
+            raise LoraFormatError(f"{where}: alpha is {alpha}: it must be a finite number > 0 "
+                                  "(sd-scripts reads alpha 0 as alpha = rank, ComfyUI as scale 0: "
+                                  "write alpha = rank instead)")
         if down.dim() not in (2, 4) or up.dim() != down.dim():
             raise LoraFormatError(
-                f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) or 4-D (conv)"
+                f"{where}: down {tuple(down.shape)} and up {tuple(up.shape)} must both be 2-D (linear) "
+                "or 4-D (conv)"
             )
         if down.shape[0] == 0:
             raise LoraFormatError(f"{where}: rank 0 (down {tuple(down.shape)}): a LoRA needs rank >= 1")
@@ -84,12 +89,14 @@ class LoraWeights:
         if up.dim() == 4 and tuple(up.shape[2:]) != (1, 1):
             raise LoraFormatError(f"{where}: a conv up weight must be 1x1, got {tuple(up.shape)}")
         if dora is not None and dora.numel() != up.shape[0]:
-            raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} outputs of up")
+            raise LoraFormatError(f"{where}: dora_scale {tuple(dora.shape)} does not have the {up.shape[0]} "
+                                  "outputs of up")
         if values:
             self.check_finite(where)
 
     def check_finite(self, where: str) -> None:
-        """LoraFormatError if a weight holds NaN or Inf (this reads the values; a loaded file's are memory-mapped)."""
+        """LoraFormatError if a weight holds NaN or Inf (this reads the values; a loaded file's are
+        memory-mapped)."""
         for role, t in (("down", self.down), ("up", self.up), ("dora_scale", self.dora_scale)):
             if t is None:
                 continue

@@ -1,4 +1,5 @@
-"""Which of a LoRA's modules adapt which weights of one model (by pipeline path, LDM/sgm name or kohya spelling)."""
+"""Which of a LoRA's modules adapt which weights of one model (by pipeline path, LDM/sgm name or kohya
+spelling)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def match_modules(
     layout = unet_layout(keys)  # a UNet's own structure: how its LDM/sgm names number the blocks
 
     def find(name: str, m: LoraWeights) -> str | None:
-        if layout is not None and (tail := _ldm_tail(m.key)) is not None:  # as diffusers, by the UNet's structure
+        # as diffusers, by the UNet's structure
+        if layout is not None and (tail := _ldm_tail(m.key)) is not None:
             path = _ldm_unet_path(tail, layout.layers_per_block)
             return f"{path}.weight" if path is not None and f"{path}.weight" in keys else None
         for path in _live_paths(name.split(".", 1)[1]):
@@ -69,7 +71,8 @@ def match_modules(
                 f"but the model's {key!r} is {shapes[key]}"
             )
         if key in out:
-            raise LoraFormatError(f"{where}: modules {out[key].key or key!r} and {m.key or name!r} both adapt {key!r}")
+            raise LoraFormatError(f"{where}: modules {out[key].key or key!r} and {m.key or name!r} "
+                                  f"both adapt {key!r}")
         out[key] = m
     if unmatched:
         _unmatched(where, unmatched, strict, component, comps)
@@ -78,7 +81,8 @@ def match_modules(
 
 def _fits(weight: tuple[int, ...], delta: tuple[int, ...]) -> bool:
     """The delta fits the weight: the same shape, or a linear (out, in) and a 1x1 conv (out, in, 1, 1)."""
-    return weight == delta or (weight[:2] == delta[:2] and weight[2:] in ((), (1, 1)) and delta[2:] in ((), (1, 1)))
+    return weight == delta or (weight[:2] == delta[:2] and weight[2:] in ((), (1, 1))
+                               and delta[2:] in ((), (1, 1)))
 
 
 def _unmatched(where, unmatched, strict, component, comps):

@@ -29,7 +29,8 @@ from .names import (
     diffusers_name,
 )
 
-_KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha", ".dora_scale": "dora"}
+_KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha",
+                   ".dora_scale": "dora"}
 _PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_magnitude_vector": "dora"}
 
 
@@ -79,19 +80,23 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
             alpha = float(down.shape[0])
         m = _checked_module(where, down, up, alpha, dora, key, values=False)
         # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
-        named = {canonical_name(key): m} if fmt == "peft" else _flux_bfl(where, key, m) or {diffusers_name(key, base, layout): m}
+        named = ({canonical_name(key): m} if fmt == "peft"
+                 else _flux_bfl(where, key, m) or {diffusers_name(key, base, layout): m})
         for name, mod in named.items():
             comp, _, sub = name.partition(".")
             if not sub or "" in sub.split("."):  # `unet.lora_A.weight`, `lora_unet_.lora_down.weight`, `a__b`
-                raise LoraFormatError(f"{path}: key {key!r} names no module of {comp!r} (module path {sub!r})")
+                raise LoraFormatError(f"{path}: key {key!r} names no module of {comp!r} "
+                                      f"(module path {sub!r})")
             if name in modules:  # e.g. lora_te_X and lora_te1_X, or a name with and without text_model
-                raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module {name!r}")
+                raise LoraFormatError(f"{path}: keys {modules[name].key!r} and {key!r} are both module "
+                                      f"{name!r}")
             modules[name] = mod
     return LoraFile(modules=dict(sorted(modules.items())), format=fmt, metadata=metadata, path=path)
 
 
 def _layout_from_metadata(path, metadata: Mapping[str, str]) -> UnetLayout | None:
-    """The UNet structure lora_lab wrote a file's LDM/sgm names with (metadata `UNET_LAYOUT_KEY`), if it says."""
+    """The UNet structure lora_lab wrote a file's LDM/sgm names with (metadata `UNET_LAYOUT_KEY`),
+    if it says."""
     raw = metadata.get(UNET_LAYOUT_KEY)
     return None if raw is None else UnetLayout.from_json(f"{path}: metadata {UNET_LAYOUT_KEY!r}", raw)
 
@@ -112,7 +117,8 @@ def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
         return "peft"
     odd = next((k for k in tensors if k not in kohya and k not in peft), None)
     if odd is None:
-        raise LoraFormatError(f"{path}: mixes kohya names ({kohya[0]!r}, ...) and PEFT names ({peft[0]!r}, ...)")
+        raise LoraFormatError(f"{path}: mixes kohya names ({kohya[0]!r}, ...) and PEFT names "
+                              f"({peft[0]!r}, ...)")
     raise LoraFormatError(
         f"{path}: key {odd!r} is neither a kohya name ({', '.join(_KOHYA_PREFIXES)}...) nor a PEFT/diffusers "
         f"name ({', '.join(c + '.' for c in COMPONENTS)}...)"
@@ -123,8 +129,8 @@ _PATTERN_NAME = re.compile(r"[\w.\-]+")  # a module name, the only kind of alpha
 
 
 def _peft_alphas(path: Path, metadata: Mapping[str, str]):
-    """(module, rank) -> alpha of a PEFT file, from diffusers' `lora_adapter_metadata` (PEFT LoraConfig kwargs per
-    component: alpha_pattern, else lora_alpha; rsLoRA folded in as alpha * sqrt(r), so that alpha / r is
+    """(module, rank) -> alpha of a PEFT file, from diffusers' `lora_adapter_metadata` (PEFT LoraConfig kwargs
+    per component: alpha_pattern, else lora_alpha; rsLoRA folded in as alpha * sqrt(r), so that alpha / r is
     PEFT's alpha / sqrt(r)). None where the metadata says nothing: diffusers then takes alpha = rank.
 
     Pattern keys are read as module names (`re.escape`d or not) matched by suffix, which is PEFT's rule
@@ -144,13 +150,15 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
     def patterns(key: str) -> dict[str, float]:
         table = meta.get(key) or {}
         if not isinstance(table, dict):
-            raise LoraFormatError(f"{where} key {key!r}: must be an object {{module name: value}}, got {table!r:.80}")
+            raise LoraFormatError(f"{where} key {key!r}: must be an object {{module name: value}}, "
+                                  f"got {table!r:.80}")
         out = {}
         for pattern, v in table.items():
             name = re.sub(r"\\(.)", r"\1", pattern)  # undo re.escape
             if not _PATTERN_NAME.fullmatch(name):
                 raise LoraFormatError(f"{where} key {key!r}: pattern {pattern!r:.80} is not a module name "
-                                      "(lora_lab matches module names by suffix, as PEFT does, and reads no regex)")
+                                      "(lora_lab matches module names by suffix, as PEFT does, "
+                                      "and reads no regex)")
             out[name] = number(f"{key}[{pattern!r}]", v)
         return out
 
@@ -160,7 +168,8 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
             continue
         rslora = meta.get(f"{comp}.use_rslora", False)
         if not isinstance(rslora, bool):
-            raise LoraFormatError(f"{where} key {comp + '.use_rslora'!r}: must be true or false, got {rslora!r}")
+            raise LoraFormatError(f"{where} key {comp + '.use_rslora'!r}: must be true or false, "
+                                  f"got {rslora!r}")
         tables[comp] = (number(f"{comp}.lora_alpha", meta[f"{comp}.lora_alpha"]),
                         patterns(f"{comp}.alpha_pattern"), rslora)
 
@@ -201,7 +210,8 @@ def _flux_bfl(where: str, key: str, m: LoraWeights) -> dict[str, LoraWeights] | 
         up, dora = _swap_halves(up), None if dora is None else _swap_halves(dora)
     ups = torch.split(up, rows)
     doras = torch.split(dora, rows) if dora is not None else [None] * len(rows)
-    return {f"transformer.{prefix}{t}": LoraWeights(m.down, u.contiguous(), m.alpha, None if d is None else d.contiguous(), key)
+    return {f"transformer.{prefix}{t}": LoraWeights(m.down, u.contiguous(), m.alpha,
+                                                    None if d is None else d.contiguous(), key)
             for t, u, d in zip(targets, ups, doras)}
 
 
@@ -213,7 +223,8 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
 def _group_by_suffix(
     tensors: Mapping[str, torch.Tensor], suffixes: Mapping[str, str]
 ) -> tuple[dict[str, dict[str, torch.Tensor]], str | None]:
-    """{module: {role: tensor}} by the first matching key suffix, and the first key matching none (or None)."""
+    """{module: {role: tensor}} by the first matching key suffix, and the first key matching none (or
+    None)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         suffix = next((sfx for sfx in suffixes if key.endswith(sfx)), None)

@@ -65,8 +65,9 @@ _VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_ch
 _UNET = {"sample_size": RESOLUTION // 2, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
          "block_out_channels": [32, 64], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
          "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 32}
-_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-         "prediction_type": "epsilon", "timestep_spacing": "trailing", "steps_offset": 1}
+_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+         "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "timestep_spacing": "trailing",
+         "steps_offset": 1}
 
 CONFIGS: dict[str, dict[str, dict]] = {
     "sd15": {
@@ -78,9 +79,10 @@ CONFIGS: dict[str, dict[str, dict]] = {
     "sdxl": {
         # cross_attention_dim = 32 + 32 (both encoders' hidden states side by side);
         # projection_class_embeddings_input_dim = 6 time ids * 8 + 32 (text_encoder_2's pooled projection).
-        "unet": {**_UNET, "cross_attention_dim": 64, "attention_head_dim": [2, 4], "use_linear_projection": True,
-                 "transformer_layers_per_block": [1, 2], "addition_embed_type": "text_time",
-                 "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 80},
+        "unet": {**_UNET, "cross_attention_dim": 64, "attention_head_dim": [2, 4],
+                 "use_linear_projection": True, "transformer_layers_per_block": [1, 2],
+                 "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
+                 "projection_class_embeddings_input_dim": 80},
         "vae": _VAE,
         "text_encoder": _CLIP,
         "text_encoder_2": _CLIP,
@@ -89,9 +91,10 @@ CONFIGS: dict[str, dict[str, dict]] = {
     "sd3": {
         # joint_attention_dim = T5 d_model (CLIP states, 32 + 32, are zero-padded to it);
         # pooled_projection_dim = 32 + 32 (both CLIP projections).
-        "transformer": {"sample_size": RESOLUTION // 2, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
-                        "attention_head_dim": 8, "num_attention_heads": 4, "caption_projection_dim": 32,
-                        "joint_attention_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": 16},
+        "transformer": {"sample_size": RESOLUTION // 2, "patch_size": 2, "in_channels": 4, "out_channels": 4,
+                        "num_layers": 2, "attention_head_dim": 8, "num_attention_heads": 4,
+                        "caption_projection_dim": 32, "joint_attention_dim": 64, "pooled_projection_dim": 64,
+                        "pos_embed_max_size": 16},
         "vae": _VAE,
         "text_encoder": _CLIP,
         "text_encoder_2": _CLIP,
@@ -201,8 +204,10 @@ def build_components(kind: str, seed: int = 0) -> dict:
             out[enc.tokenizer] = t5_tok
         else:
             projection = enc.arch == "clip_projection"
-            out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component], p=projection: _clip_text_model(c, clip_tok, p))
-            out[enc.tokenizer] = clip_tok if i == 0 else copy.deepcopy(clip_tok)  # the second CLIP tokenizer a copy
+            out[enc.component] = seeded(
+                enc.seed, lambda c=cfg[enc.component], p=projection: _clip_text_model(c, clip_tok, p))
+            # the second CLIP tokenizer a copy
+            out[enc.tokenizer] = clip_tok if i == 0 else copy.deepcopy(clip_tok)
     out.update(spec.pipeline_extras)
     return out
 
@@ -221,7 +226,8 @@ def shipped_base(kind: str) -> Path | None:
     return path if (path / "model_index.json").is_file() else None
 
 
-def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dtype: torch.dtype | None = None):
+def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0,
+                   dtype: torch.dtype | None = None):
     """The real diffusers pipeline of `kind`.
 
     base=None: tiny components with random weights from `seed` (see `build_components`).
@@ -258,10 +264,12 @@ def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dty
 
 
 def default_resolution(pipe) -> int:
-    """The base's native image side: the tiny models' RESOLUTION, else latent sample size x VAE downsampling."""
+    """The base's native image side: the tiny models' RESOLUTION,
+    else latent sample size x VAE downsampling."""
     if pipe.vae_scale_factor < 8:  # the tiny VAE (2x); real SD/SDXL/SD3/Flux VAEs downsample 8x
         return RESOLUTION
-    return int(getattr(denoiser(pipe).config, "sample_size", None) or 128) * pipe.vae_scale_factor  # Flux: 1024
+    return (int(getattr(denoiser(pipe).config, "sample_size", None) or 128)
+            * pipe.vae_scale_factor)  # Flux: 1024
 
 
 def denoiser(pipe) -> torch.nn.Module:
@@ -304,14 +312,16 @@ def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
 
 
 def predict(kind: str | ModelKind, model: torch.nn.Module, latents: torch.Tensor, t: torch.Tensor,
-            embeds: dict[str, torch.Tensor], guidance: float = 1.0, vae_scale_factor: int = 2) -> torch.Tensor:
+            embeds: dict[str, torch.Tensor], guidance: float = 1.0,
+            vae_scale_factor: int = 2) -> torch.Tensor:
     """One denoiser call for every kind, with the inputs each pipeline gives it; returns (B, C, h, w).
 
     latents (B, 4, h, w) in `encode_images` units. t (B,): the DDPM step index (sd15, sdxl) or the
     flow-matching sigma in [0, 1] (sd3, flux). embeds: `encode_prompts` output for the batch.
     The output is what the model predicts: epsilon or v (sd15/sdxl), the velocity noise - x0 (sd3/flux).
-    sdxl: embeds["time_ids"] (B, 6) if given, else `inputs.sdxl_time_ids` for an image of the latents' size times
-    `vae_scale_factor` (2 for the tiny VAE, 8 for real SDXL: `pipe.vae_scale_factor`), as the pipeline does.
+    sdxl: embeds["time_ids"] (B, 6) if given, else `inputs.sdxl_time_ids` for an image of the latents' size
+    times `vae_scale_factor` (2 for the tiny VAE, 8 for real SDXL: `pipe.vae_scale_factor`), as the pipeline
+    does.
     """
     spec = model_kind(kind)
     dtype = next(model.parameters()).dtype

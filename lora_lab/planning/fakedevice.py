@@ -1,4 +1,5 @@
-"""A device without memory for planning: fake tensors, with the planned GPU's attention kernels and autocast rules.
+"""A device without memory for planning: fake tensors, with the planned GPU's attention kernels and
+autocast rules.
 
     with fake_device(), DeviceRules("auto", "cuda", cuda_autocast=True): ...   # tensors: shapes, no data
     to_fake(module)                                                         # a meta module's weights -> fake
@@ -45,16 +46,16 @@ def _attention_choice(backend: str, device: str, q: torch.Tensor, mask) -> str:
 
 # CUDA autocast's float32 list (torch.amp docs, "CUDA Ops that can autocast to float32"): under CUDA autocast
 # these run on fp32 copies of their inputs, so autograd keeps fp32 tensors for them. CPU autocast leaves
-# them in the input's dtype; `DeviceRules(cuda_autocast=True)` applies CUDA's rule on the CPU. The lower-precision
-# lists agree for every op these models use (linear, conv, matmul, bmm, baddbmm, addmm).
+# them in the input's dtype; `DeviceRules(cuda_autocast=True)` applies CUDA's rule on the CPU. The
+# lower-precision lists agree for every op these models use (linear, conv, matmul, bmm, baddbmm, addmm).
 CUDA_FP32_OPS = frozenset({
     "__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits",
-    "cosh", "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist",
-    "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log",
-    "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss",
-    "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod",
-    "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus",
-    "sum", "renorm", "tan", "triplet_margin_loss",
+    "cosh", "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum",
+    "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm",
+    "log", "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss",
+    "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist",
+    "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss",
+    "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss",
 })
 
 
@@ -73,7 +74,8 @@ class DeviceRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(func, args, kwargs)
-        if self.cuda_autocast and getattr(func, "__name__", "") in CUDA_FP32_OPS and torch.is_autocast_enabled("cpu"):
+        if (self.cuda_autocast and getattr(func, "__name__", "") in CUDA_FP32_OPS
+                and torch.is_autocast_enabled("cpu")):
             args = tuple(_up(a) for a in args)
             kwargs = {k: _up(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
@@ -82,7 +84,8 @@ class DeviceRules(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         opts = {**dict(zip(names, args)), **kwargs}
         q, k, v = opts["query"], opts["key"], opts["value"]
-        mask, p, causal, scale = opts.get("attn_mask"), opts.get("dropout_p", 0.0), opts.get("is_causal", False), opts.get("scale")
+        mask, p, causal, scale = (opts.get("attn_mask"), opts.get("dropout_p", 0.0),
+                                  opts.get("is_causal", False), opts.get("scale"))
         choice = _attention_choice(self.backend, self.device, q, mask)
         if choice == "flash" and mask is not None:
             choice = "efficient"  # flash takes no mask; PyTorch falls back the same way
@@ -90,7 +93,8 @@ class DeviceRules(TorchFunctionMode):
         if choice == "native":
             return func(*args, **kwargs)
         if choice == "flash":
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, p, causal, False, scale=scale)[0]
         if choice == "efficient":
             need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -126,7 +130,8 @@ def warm_caches() -> None:
 
 
 def to_fake(module: torch.nn.Module) -> None:
-    """Replace a meta module's weights and buffers by fake CPU tensors of the same shapes and dtypes (in place)."""
+    """Replace a meta module's weights and buffers by fake CPU tensors of the same shapes and dtypes
+    (in place)."""
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None:
