@@ -75,7 +75,8 @@ def run(p: dict, model: str, dataset: Path | None, out: Path) -> dict:
     row = {"seconds": seconds}
     for key, suffix in (("styled", ", inverted"), ("plain", "")):
         prompts = [f"a digit {DIGIT_NAMES[d]}{suffix}" for d in range(10)]
-        images = torch.cat([sample(result.pipe, prompts, seed=s, steps=p["SAMPLE_STEPS"]) for s in seeds]) * 2 - 1
+        images = torch.cat([sample(result.pipe, prompts, seed=s, steps=p["SAMPLE_STEPS"])
+                            for s in seeds]) * 2 - 1
         row[key] = (inverted.rate(images), digits.accuracy(images, labels))
     return row
 
@@ -99,17 +100,20 @@ def main() -> None:
             ("captions without the digit", base, subset_folder(tmp, None, lambda t: "a digit, inverted\n")),
         ]
         n = steps_of(base, args.model)
-        rows.append((f"{n // 2} steps, not {n}", {**base, "STEPS": base["STEPS"] // 2, "UNET_STEPS": base["UNET_STEPS"] // 2},
+        rows.append((f"{n // 2} steps, not {n}",
+                     {**base, "STEPS": base["STEPS"] // 2, "UNET_STEPS": base["UNET_STEPS"] // 2},
                      None))
         if args.model in UNETS and base["CONV"]:
             rows.append(("no LoCon (attention projections only)", {**base, "CONV": False}, None))
         print(f"{args.model}, {10 * base['EVAL_SEEDS']} samples per prompt set, strength 1:")
-        print("| changed | inverted rate | digit accuracy | plain prompt: inverted rate, digit accuracy | train s |")
+        print("| changed | inverted rate | digit accuracy | plain prompt: inverted rate, digit accuracy "
+              "| train s |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for i, (name, p, dataset) in enumerate(rows):
             r = run(p, args.model, dataset, tmp / f"run{i}")
             (inv, acc), (pinv, pacc) = r["styled"], r["plain"]
-            print(f"| {name} | {inv:.2f} | {acc:.2f} | {pinv:.2f}, {pacc:.2f} | {r['seconds']:.0f} |", flush=True)
+            print(f"| {name} | {inv:.2f} | {acc:.2f} | {pinv:.2f}, {pacc:.2f} | {r['seconds']:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

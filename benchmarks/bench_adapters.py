@@ -90,8 +90,10 @@ def floor(features: int, tokens: int, rank: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7, help="least timed repetitions per variant (after one warm-up)")
-    ap.add_argument("--budget", type=float, default=10.0, help="seconds per variant that decide the repetitions")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="least timed repetitions per variant (after one warm-up)")
+    ap.add_argument("--budget", type=float, default=10.0,
+                    help="seconds per variant that decide the repetitions")
     ap.add_argument("--quick", action="store_true", help="small shapes, to check the script runs")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for this run (default 1)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     clock = "wall" if args.device == "cuda" else "CPU"  # on a GPU the host's CPU time means nothing
-    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, fp32, interleaved reps (at least {args.reps})")
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, fp32, "
+          f"interleaved reps (at least {args.reps})")
     rows = []
     for features, tokens, rank in shapes:
         layers = build(features, rank, args.device)
@@ -124,22 +127,28 @@ def main(argv=None) -> int:
     print("| shape (out x in), tokens, rank | reps | lora_lab LoRA | PEFT LoRA | lora_lab DoRA | PEFT DoRA |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for f, t, r, m, w, n in rows:
-        cells = " | ".join(f"{m[k]:.2f} ms ({w[k]:.1f})" for k in ("lora_lab LoRA", "PEFT LoRA", "lora_lab DoRA", "PEFT DoRA"))
+        cells = " | ".join(f"{m[k]:.2f} ms ({w[k]:.1f})"
+                           for k in ("lora_lab LoRA", "PEFT LoRA", "lora_lab DoRA", "PEFT DoRA"))
         print(f"| {f}x{f}, {t}, {r} | {n} | {cells} |")
     print(f"\nratios of the {clock}-time medians\n")
-    print("| shape (out x in), tokens, rank | LoRA ours/PEFT | DoRA ours/PEFT | DoRA/LoRA ours | DoRA/LoRA PEFT | DoRA/LoRA floor |")
+    print("| shape (out x in), tokens, rank | LoRA ours/PEFT | DoRA ours/PEFT | DoRA/LoRA ours "
+          "| DoRA/LoRA PEFT | DoRA/LoRA floor |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for f, t, r, m, *_ in rows:
         print(
-            f"| {f}x{f}, {t}, {r} | {m['lora_lab LoRA'] / m['PEFT LoRA']:.2f} | {m['lora_lab DoRA'] / m['PEFT DoRA']:.2f} "
-            f"| {m['lora_lab DoRA'] / m['lora_lab LoRA']:.2f} | {m['PEFT DoRA'] / m['PEFT LoRA']:.2f} | {floor(f, t, r):.3f} |"
+            f"| {f}x{f}, {t}, {r} | {m['lora_lab LoRA'] / m['PEFT LoRA']:.2f} "
+            f"| {m['lora_lab DoRA'] / m['PEFT DoRA']:.2f} "
+            f"| {m['lora_lab DoRA'] / m['lora_lab LoRA']:.2f} | {m['PEFT DoRA'] / m['PEFT LoRA']:.2f} "
+            f"| {floor(f, t, r):.3f} |"
         )
     print()
     for f, t, r, m, *_ in rows:
-        checks = [(f"LoRA no slower than PEFT's LoRA ({f}x{f}, {t} tokens)", m["lora_lab LoRA"] / m["PEFT LoRA"], 1.0)]
+        checks = [(f"LoRA no slower than PEFT's LoRA ({f}x{f}, {t} tokens)",
+                   m["lora_lab LoRA"] / m["PEFT LoRA"], 1.0)]
         if t in TARGET_DORA_OVER_LORA:
             lim = TARGET_DORA_OVER_LORA[t]
-            checks.append((f"DoRA <= {lim}x lora_lab LoRA ({f}x{f}, {t} tokens)", m["lora_lab DoRA"] / m["lora_lab LoRA"], lim))
+            checks.append((f"DoRA <= {lim}x lora_lab LoRA ({f}x{f}, {t} tokens)",
+                           m["lora_lab DoRA"] / m["lora_lab LoRA"], lim))
         for name, ratio, lim in checks:
             print(f"target: {name}: {ratio:.2f} -> {'met' if ratio <= lim else 'NOT met'}")
     return 0

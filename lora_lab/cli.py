@@ -49,7 +49,8 @@ def _lora_spec(text: str) -> tuple[Path, float]:
     try:
         value = float(strength)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FILE:STRENGTH with a number after the colon") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FILE:STRENGTH with a number after the "
+                                         "colon") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r}: the strength must be a finite number, got {strength}")
     return Path(path), value
@@ -87,11 +88,13 @@ def _convert(args) -> int:
 def _merge(args) -> int:
     _check_output(args.out, [args.base, *(path for path, _ in args.lora)], args.overwrite)
     merged = merge_loras(args.base, args.lora, component=args.component, strict=not args.no_strict)
-    if not merged.patched:  # e.g. --component text_encoder for a UNet-only LoRA: a copy of BASE would be a silent no-op
+    # e.g. --component text_encoder for a UNet-only LoRA: a copy of BASE would be a silent no-op
+    if not merged.patched:
         raise LoraLabError(f"{args.base}: the --lora file(s) change none of its weights"
                            f"{f' (component {args.component})' if args.component else ''}; nothing written")
     save_merged(merged, args.out)
-    print(f"wrote {args.out}: {len(merged.patched)} of {len(merged)} weights changed by {len(args.lora)} LoRA file(s)")
+    print(f"wrote {args.out}: {len(merged.patched)} of {len(merged)} weights changed by "
+          f"{len(args.lora)} LoRA file(s)")
     return 0
 
 
@@ -110,14 +113,17 @@ def add_lora_file_parsers(sub) -> None:
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("merge", help="merge LoRA files at strengths into a base weights file")
-    p.add_argument("base", type=Path, help="safetensors weights of one component (a UNet, a transformer, ...)")
+    p.add_argument("base", type=Path,
+                   help="safetensors weights of one component (a UNet, a transformer, ...)")
     p.add_argument("out", type=Path, help="where to write the merged weights (safetensors, base dtype)")
     p.add_argument("--lora", action="append", required=True, type=_lora_spec, metavar="FILE:STRENGTH",
                    help="a LoRA file and its strength (default 1); repeat to stack")
     p.add_argument("--component", choices=COMPONENTS,
                    help="which component BASE is (default: the one the LoRA modules match)")
-    p.add_argument("--no-strict", action="store_true", help="skip LoRA modules that match no weight (with a warning)")
-    p.add_argument("--overwrite", action="store_true", help="allow OUT to be BASE or a --lora file (replaced atomically)")
+    p.add_argument("--no-strict", action="store_true",
+                   help="skip LoRA modules that match no weight (with a warning)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow OUT to be BASE or a --lora file (replaced atomically)")
     p.set_defaults(func=_merge)
 
 
@@ -157,15 +163,17 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
         elif f.name == "gradient_checkpointing":  # a flag alone means "full"
             p.add_argument(flag, nargs="?", const="full", default=f.default, metavar="POLICY", help=helptext)
-            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False, help=argparse.SUPPRESS)
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                           help=argparse.SUPPRESS)
         elif f.name == "sample_prompts":
             p.add_argument(flag, nargs="+", default=None, metavar="PROMPT", help=helptext)
         else:
-            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+            # int | None -> int
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             p.add_argument(flag, type=base, default=f.default, help=helptext)
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
-                   help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, optimizer and "
-                   "micro-batch (--batch-size is then the effective batch)")
+                   help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, "
+                   "optimizer and micro-batch (--batch-size is then the effective batch)")
     p.set_defaults(func=_run_train)
     return p
 
@@ -186,42 +194,54 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
-    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a card's memory."""
+    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a card's
+    memory."""
     p = sub.add_parser(
         "plan",
-        help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options that fit",
-        description="Runs one training step of the real model on fake tensors (no weights, no GPU) and counts "
-        "the bytes live at the peak. Example: lora-lab plan --model sdxl --resolution 1024 --rank 16 --vram 24GiB",
+        help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options "
+        "that fit",
+        description="Runs one training step of the real model on fake tensors (no weights, no GPU) "
+        "and counts the bytes live at the peak. Example: lora-lab plan --model sdxl --resolution 1024 "
+        "--rank 16 --vram 24GiB",
     )
     p.add_argument("--model", required=True, choices=list(REAL_MODELS), help="the real model")
-    p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: 1024; sd15: 512)")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="image side in pixels (default: 1024; sd15: 512)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: 16)")
     p.add_argument("--batch-size", type=int, default=1, help="effective batch (default: 1)")
     p.add_argument("--dora", action="store_true", help="DoRA adapters")
     p.add_argument("--conv", action="store_true", help="also LoCon on the UNet's ResNet convs")
-    p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"], help="autocast (default: bf16)")
-    p.add_argument("--base-dtype", default="bf16", choices=list(DTYPES), help="frozen weights' dtype (default: bf16)")
+    p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"],
+                   help="autocast (default: bf16)")
+    p.add_argument("--base-dtype", default="bf16", choices=list(DTYPES),
+                   help="frozen weights' dtype (default: bf16)")
     p.add_argument("--resident", default="all", choices=list(RESIDENT),
-                   help="all: VAE and text encoders stay on the GPU (as lora_lab's trainer); denoiser: offloaded")
-    p.add_argument("--attention", default="auto", choices=list(ATTENTION), help="attention kernel (default: auto)")
+                   help="all: VAE and text encoders stay on the GPU (as lora_lab's trainer); "
+                   "denoiser: offloaded")
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION),
+                   help="attention kernel (default: auto)")
     p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
                    help="the denoiser's frozen Linear weights stored quantized (default: none)")
     p.add_argument("--gradient-checkpointing", default="full", metavar="POLICY", type=_checkpoint_policy,
-                   help="the policy of the options with checkpointing: full | selective | every_k | budget:F (default: full)")
-    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size, help="the card's memory, e.g. 24GiB: mark what fits, choose the fastest")
+                   help="the policy of the options with checkpointing: full | selective | every_k | budget:F "
+                   "(default: full)")
+    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
+                   help="the card's memory, e.g. 24GiB: mark what fits, choose the fastest")
     p.set_defaults(func=_run_plan)
     return p
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
-              "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype, "resident": args.resident,
-              "attention": args.attention, "base_quantization": args.base_quantization}
+              "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype,
+              "resident": args.resident, "attention": args.attention,
+              "base_quantization": args.base_quantization}
     plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size,
                          gradient_checkpointing=ck and args.gradient_checkpointing, optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
-    print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} autocast, "
-          f"base {args.base_quantization or args.base_dtype}, attention {plans[0].attention} (predictions, not measurements)")
+    print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} "
+          f"autocast, base {args.base_quantization or args.base_dtype}, attention {plans[0].attention} "
+          "(predictions, not measurements)")
     print(options_table(plans, args.vram))
     if args.vram is not None:
         try:
@@ -247,7 +267,8 @@ def add_sample_parser(sub) -> argparse.ArgumentParser:
         "given LoRA files (FILE:STRENGTH, kohya/ComfyUI or diffusers format) applied at run time.",
     )
     p.add_argument("--model", required=True, choices=KINDS, help="model kind")
-    p.add_argument("--base", default=None, help="local diffusers folder or single file (default: tiny base in data/)")
+    p.add_argument("--base", default=None,
+                   help="local diffusers folder or single file (default: tiny base in data/)")
     p.add_argument("--lora", action="append", default=[], type=_lora_spec, metavar="FILE[:STRENGTH]",
                    help="a LoRA file and its strength (repeat to stack several)")
     p.add_argument("--prompt", required=True, help="the prompt")
@@ -272,7 +293,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
         raise LoraLabError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64)")
     resolve_device(args.device)  # before the pipeline is built
-    _check_output(Path(args.output), [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
+    _check_output(Path(args.output),
+                  [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
                   args.overwrite)
     out = sample_with_without(
         model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
@@ -299,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(message: str) -> str:
-    """An error message on one line: a wrapped third-party message (diffusers' hub errors have several) joined."""
+    """An error message on one line: a wrapped third-party message (diffusers' hub errors have several)
+    joined."""
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 

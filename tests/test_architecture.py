@@ -52,7 +52,8 @@ def test_each_folders_imports_are_what_the_page_says():
         if units == {"__init__"}:
             continue  # the top-level surface imports what a user meets
         actual = set().union(*(imports[u] for u in units)) - units - {"__init__"}
-        assert set(code_names(listed)) == actual, f"{sorted(units)} import {sorted(actual)}, the page says {listed}"
+        assert set(code_names(listed)) == actual, (f"{sorted(units)} import {sorted(actual)}, "
+                                                   f"the page says {listed}")
     assert listed_units == set(imports), f"folders without a row: {sorted(set(imports) - listed_units)}"
 
 

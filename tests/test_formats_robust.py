@@ -1,4 +1,5 @@
-"""Adversarial LoRA files and merge inputs: each finding of issue 12 (items 1-4, 11) as a test, and a seeded fuzz test.
+"""Adversarial LoRA files and merge inputs: each finding of issue 12 (items 1-4, 11) as a test, and a seeded
+fuzz test.
 
 Every bad input must give the project's `LoraFormatError` naming the file and the key (or module), in bounded
 time and memory; nothing may escape as a RecursionError, TypeError, StopIteration, ZeroDivisionError, or hang.
@@ -47,7 +48,8 @@ def small_lora(seed: int = 0, dora: bool = True) -> LoraFile:
     g = torch.Generator().manual_seed(seed)
     lin = LoraWeights(torch.randn(4, 64, generator=g) * 0.1, torch.randn(64, 4, generator=g) * 0.1, alpha=2.0,
                      dora_scale=torch.rand(64, 1, generator=g) + 0.5 if dora else None)
-    conv = LoraWeights(torch.randn(2, 32, 3, 3, generator=g) * 0.1, torch.randn(32, 2, 1, 1, generator=g) * 0.1, alpha=2.0)
+    conv = LoraWeights(torch.randn(2, 32, 3, 3, generator=g) * 0.1,
+                       torch.randn(32, 2, 1, 1, generator=g) * 0.1, alpha=2.0)
     return LoraFile({Q: lin, CONV: conv})
 
 
@@ -76,16 +78,25 @@ def header_of(path) -> tuple[dict, bytes]:
 F32 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
 HEADERS = {  # case -> (header, data, what the error must say after the file name)
     "deep_nesting": (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", "nested too deeply"),
-    "huge_int": ({"k.alpha": {**F32, "data_offsets": [0, 10**40]}}, b"\0" * 16, "key 'k.alpha': data_offsets"),
-    "huge_int_4300_digits": (b'{"k.alpha":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}',
+    "huge_int": ({"k.alpha": {**F32, "data_offsets": [0, 10**40]}}, b"\0" * 16,
+                 "key 'k.alpha': data_offsets"),
+    "huge_int_4300_digits": (b'{"k.alpha":{"dtype":"F32","shape":[' + b"9" * 5000
+                             + b'],"data_offsets":[0,4]}}',
                              b"\0" * 4, "key 'k.alpha': shape"),
-    "offsets_null": ({"k.alpha": {**F32, "data_offsets": None}}, b"\0" * 16, "key 'k.alpha': data_offsets None"),
-    "offsets_string": ({"k.alpha": {**F32, "data_offsets": "0,16"}}, b"\0" * 16, "key 'k.alpha': data_offsets"),
-    "offsets_one_number": ({"k.alpha": {**F32, "data_offsets": [16]}}, b"\0" * 16, "key 'k.alpha': data_offsets"),
-    "offsets_object": ({"k.alpha": {**F32, "data_offsets": {"a": 0}}}, b"\0" * 16, "key 'k.alpha': data_offsets"),
-    "offsets_reversed": ({"k.alpha": {**F32, "data_offsets": [16, 0]}}, b"\0" * 16, "key 'k.alpha': data_offsets"),
-    "offsets_wrong_size": ({"k.alpha": {**F32, "data_offsets": [0, 12]}}, b"\0" * 16, "key 'k.alpha': .*needs 16"),
-    "offsets_overlap": ({"a.alpha": F32, "b.alpha": F32}, b"\0" * 32, "key 'b.alpha': data_offsets begin at 0"),
+    "offsets_null": ({"k.alpha": {**F32, "data_offsets": None}}, b"\0" * 16,
+                     "key 'k.alpha': data_offsets None"),
+    "offsets_string": ({"k.alpha": {**F32, "data_offsets": "0,16"}}, b"\0" * 16,
+                       "key 'k.alpha': data_offsets"),
+    "offsets_one_number": ({"k.alpha": {**F32, "data_offsets": [16]}}, b"\0" * 16,
+                           "key 'k.alpha': data_offsets"),
+    "offsets_object": ({"k.alpha": {**F32, "data_offsets": {"a": 0}}}, b"\0" * 16,
+                       "key 'k.alpha': data_offsets"),
+    "offsets_reversed": ({"k.alpha": {**F32, "data_offsets": [16, 0]}}, b"\0" * 16,
+                         "key 'k.alpha': data_offsets"),
+    "offsets_wrong_size": ({"k.alpha": {**F32, "data_offsets": [0, 12]}}, b"\0" * 16,
+                           "key 'k.alpha': .*needs 16"),
+    "offsets_overlap": ({"a.alpha": F32, "b.alpha": F32}, b"\0" * 32,
+                        "key 'b.alpha': data_offsets begin at 0"),
     "trailing_bytes": ({"k.alpha": F32}, b"\0" * 20, "4 bytes after the last tensor"),
     "shape_negative": ({"k.alpha": {**F32, "shape": [-2, -2]}}, b"\0" * 16, "key 'k.alpha': shape"),
     "shape_bool": ({"k.alpha": {**F32, "shape": [True, 4]}}, b"\0" * 16, "key 'k.alpha': shape"),
@@ -97,7 +108,8 @@ HEADERS = {  # case -> (header, data, what the error must say after the file nam
     "metadata_list": ({"__metadata__": [1], "k.alpha": F32}, b"\0" * 16, "key '__metadata__'"),
     "metadata_zero": ({"__metadata__": 0, "k.alpha": F32}, b"\0" * 16, "key '__metadata__'"),
     "repeated_key": ((b'{"k.alpha":{"dtype":"F32","shape":[],"data_offsets":[0,4]},'
-                      b'"k.alpha":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}'), b"\0" * 4, "'k.alpha' appears twice"),
+                      b'"k.alpha":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}'), b"\0" * 4,
+                     "'k.alpha' appears twice"),
     "header_not_object": (b"[1, 2, 3]", b"", "not a JSON object"),
     "header_not_utf8": (b'{"\xff\xfe": 1}', b"", "not valid JSON"),
 }
@@ -123,7 +135,8 @@ def test_a_file_mixing_kohya_and_peft_names(tmp_path):
     header, data = header_of(path)
     header["unet.conv_in.lora_A.weight"] = header.pop(f"{KQ}.lora_down.weight")
     mixed = raw_file(tmp_path / "mixed.safetensors", header, data)
-    with pytest.raises(LoraFormatError, match=r"mixed.safetensors: mixes kohya names .* and PEFT names \('unet.conv_in"):
+    with pytest.raises(LoraFormatError,
+                       match=r"mixed.safetensors: mixes kohya names .* and PEFT names \('unet.conv_in"):
         load_lora(mixed)
 
 
@@ -131,7 +144,8 @@ def peft_file(tmp_path, name: str, adapter) -> str:
     """small_lora as a PEFT file whose lora_adapter_metadata is `adapter` (a JSON value, or raw text)."""
     path = save_lora(tmp_path / f"{name}.peft.safetensors", small_lora(dora=False), format="peft")
     header, data = header_of(path)
-    header["__metadata__"]["lora_adapter_metadata"] = adapter if isinstance(adapter, str) else json.dumps(adapter)
+    header["__metadata__"]["lora_adapter_metadata"] = (adapter if isinstance(adapter, str)
+                                                       else json.dumps(adapter))
     return raw_file(tmp_path / f"{name}.safetensors", header, data)
 
 
@@ -144,9 +158,12 @@ PEFT_META = {  # case -> (adapter metadata, what the error must say)
     "alpha_negative": ({"unet.lora_alpha": -2.0}, "key 'unet.lora_alpha'.*got -2.0"),
     "alpha_bool": ({"unet.lora_alpha": True}, "key 'unet.lora_alpha'.*got True"),
     "alpha_huge_int": ('{"unet.lora_alpha": ' + "9" * 5000 + "}", "key 'unet.lora_alpha'.*got '999"),
-    "alpha_pattern_list": ({"unet.lora_alpha": 2, "unet.alpha_pattern": ["to_q"]}, "key 'unet.alpha_pattern': must be an object"),
-    "alpha_pattern_nan": ('{"unet.lora_alpha": 2, "unet.alpha_pattern": {"to_q": NaN}}', "alpha_pattern\\['to_q'\\].*got nan"),
-    "rslora_string": ({"unet.lora_alpha": 2, "unet.use_rslora": "yes"}, "key 'unet.use_rslora': must be true or false"),
+    "alpha_pattern_list": ({"unet.lora_alpha": 2, "unet.alpha_pattern": ["to_q"]},
+                           "key 'unet.alpha_pattern': must be an object"),
+    "alpha_pattern_nan": ('{"unet.lora_alpha": 2, "unet.alpha_pattern": {"to_q": NaN}}',
+                          "alpha_pattern\\['to_q'\\].*got nan"),
+    "rslora_string": ({"unet.lora_alpha": 2, "unet.use_rslora": "yes"},
+                      "key 'unet.use_rslora': must be true or false"),
     "deep": ('{"a":' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     "not_json": ("{unet.lora_alpha: 2", "not valid JSON"),
 }
@@ -156,7 +173,8 @@ PEFT_META = {  # case -> (adapter metadata, what the error must say)
 def test_malformed_peft_adapter_metadata_names_the_file_and_the_key(tmp_path, case):
     adapter, said = PEFT_META[case]
     path = peft_file(tmp_path, case, adapter)
-    with time_limit(5), pytest.raises(LoraFormatError, match=f"{case}.safetensors: metadata 'lora_adapter_metadata'.*{said}"):
+    with time_limit(5), pytest.raises(LoraFormatError,
+                                      match=f"{case}.safetensors: metadata 'lora_adapter_metadata'.*{said}"):
         load_lora(path)
 
 
@@ -164,7 +182,8 @@ def test_rslora_without_r_uses_the_tensors_rank(tmp_path):
     """`r` missing (or wrong) does not matter: rsLoRA's sqrt(r) is the rank of the weights in the file."""
     path = peft_file(tmp_path, "rs", {"unet.lora_alpha": 3.0, "unet.use_rslora": True, "unet.r": -1})
     lf = load_lora(path)
-    assert lf.modules[Q].scale == pytest.approx(3.0 / math.sqrt(4)) and lf.modules[CONV].scale == pytest.approx(3.0 / math.sqrt(2))
+    assert (lf.modules[Q].scale == pytest.approx(3.0 / math.sqrt(4))
+            and lf.modules[CONV].scale == pytest.approx(3.0 / math.sqrt(2)))
 
 
 def test_float8_weights_are_refused_by_name(tmp_path):
@@ -173,11 +192,12 @@ def test_float8_weights_are_refused_by_name(tmp_path):
     path = tmp_path / "fp8.safetensors"
     save_file({f"{KQ}.lora_down.weight": torch.ones(4, 64).to(torch.float8_e4m3fn),
                f"{KQ}.lora_up.weight": torch.ones(64, 4).to(torch.float8_e4m3fn)}, str(path))
-    with pytest.raises(LoraFormatError, match=f"fp8.safetensors: module '{KQ}': down has dtype torch.float8_e4m3fn"):
+    with pytest.raises(LoraFormatError,
+                       match=f"fp8.safetensors: module '{KQ}': down has dtype torch.float8_e4m3fn"):
         load_lora(path)
 
 
-# ----------------------------------------------------------------------------- item 2: no pattern can hang the reader
+# --------------------------------------------------------------------- item 2: no pattern can hang the reader
 
 
 def test_pattern_keys_match_module_names_by_suffix(tmp_path):
@@ -193,9 +213,11 @@ def test_pattern_keys_match_module_names_by_suffix(tmp_path):
 
 @pytest.mark.parametrize("pattern", ["(.*)*b", "(a+)+$", "(x|x)*y", "^unet.*"])
 def test_a_regex_pattern_is_refused_at_once(tmp_path, pattern):
-    """`(.*)*b` against a long name backtracks for ever in `re`; lora_lab reads no regex, so it cannot hang."""
+    """`(.*)*b` against a long name backtracks for ever in `re`; lora_lab reads no regex, so it cannot
+    hang."""
     path = peft_file(tmp_path, "evil", {"unet.lora_alpha": 1.0, "unet.alpha_pattern": {pattern: 2.0}})
-    with time_limit(2), pytest.raises(LoraFormatError, match="evil.safetensors: .*alpha_pattern.*is not a module name"):
+    with time_limit(2), pytest.raises(LoraFormatError,
+                                      match="evil.safetensors: .*alpha_pattern.*is not a module name"):
         load_lora(path)
 
 
@@ -237,7 +259,8 @@ def test_non_finite_strength_is_refused_by_merge_and_apply(tmp_path, strength):
 
 @pytest.mark.parametrize("case", ["nan", "inf"])
 def test_non_finite_weights_never_reach_a_merged_file(tmp_path, case):
-    """Values are read where they are used: inspecting the file works, merging, applying or converting it does not."""
+    """Values are read where they are used: inspecting the file works, merging, applying or converting it does
+    not."""
     path = save_lora(tmp_path / "ok.safetensors", small_lora())
     header, data = header_of(path)
     values = bytearray(data)
@@ -258,7 +281,8 @@ def test_a_merge_that_overflows_is_refused_and_writes_nothing(tmp_path):
     path = save_lora(tmp_path / "big.safetensors", small_lora(dora=False))
     base = {k: v.half() for k, v in base_state().items()}
     merged = merge_loras(base, [(path, 1e30)])
-    with pytest.raises(LoraFormatError, match="big.safetensors: module .* at strength 1e\\+30 the change to .* is not finite|overflows"):
+    with pytest.raises(LoraFormatError, match="big.safetensors: module .* at strength 1e\\+30 "
+                                              "the change to .* is not finite|overflows"):
         save_merged(merged, tmp_path / "merged.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
 
@@ -269,29 +293,35 @@ def test_a_merge_that_overflows_is_refused_and_writes_nothing(tmp_path):
 def flux_file(path, name: str, out: int, inp: int = 8):
     from safetensors.torch import save_file
 
-    save_file({f"lora_unet_{name}.lora_down.weight": torch.ones(2, inp), f"lora_unet_{name}.lora_up.weight": torch.ones(out, 2),
-               f"lora_unet_{name}.alpha": torch.tensor(2.0)}, str(path), metadata={"ss_base_model_version": "flux1"})
+    save_file({f"lora_unet_{name}.lora_down.weight": torch.ones(2, inp),
+               f"lora_unet_{name}.lora_up.weight": torch.ones(out, 2),
+               f"lora_unet_{name}.alpha": torch.tensor(2.0)}, str(path),
+              metadata={"ss_base_model_version": "flux1"})
     return path
 
 
-@pytest.mark.parametrize(("name", "out"), [("final_layer_adaLN_modulation_1", 9), ("double_blocks_0_img_attn_qkv", 10),
+@pytest.mark.parametrize(("name", "out"), [("final_layer_adaLN_modulation_1", 9),
+                                           ("double_blocks_0_img_attn_qkv", 10),
                                            ("single_blocks_0_linear1", 15)])
 def test_fused_rows_that_do_not_divide_evenly_are_an_error(tmp_path, name, out):
     path = flux_file(tmp_path / "odd.safetensors", name, out)
-    with pytest.raises(LoraFormatError, match=f"odd.safetensors: module 'lora_unet_{name}': .*{out} outputs does not split"):
+    with pytest.raises(LoraFormatError, match=f"odd.safetensors: module 'lora_unet_{name}': "
+                                              f".*{out} outputs does not split"):
         load_lora(path)
 
 
 def test_two_keys_for_one_module_are_an_error(tmp_path):
-    """The same conv under its diffusers name and its LDM name (kohya's SDXL layout): an error, not one dropped."""
+    """The same conv under its diffusers name and its LDM name (kohya's SDXL layout): an error, not one
+    dropped."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(save_lora(tmp_path / "k.safetensors", small_lora(dora=False), base="sd15")))
     for suffix in (".lora_down.weight", ".lora_up.weight", ".alpha"):
-        tensors[f"lora_unet_input_blocks_1_0_in_layers_2{suffix}"] = tensors[f"lora_unet_down_blocks_0_resnets_0_conv1{suffix}"].clone()
+        tensors[f"lora_unet_input_blocks_1_0_in_layers_2{suffix}"] = tensors[
+            f"lora_unet_down_blocks_0_resnets_0_conv1{suffix}"].clone()
     save_file(tensors, str(tmp_path / "dup.safetensors"))
-    with pytest.raises(LoraFormatError, match="dup.safetensors: keys 'lora_unet_.*' and 'lora_unet_.*' are both module "
-                                              "'unet.down_blocks.0.resnets.0.conv1'"):
+    with pytest.raises(LoraFormatError, match="dup.safetensors: keys 'lora_unet_.*' and 'lora_unet_.*' "
+                                              "are both module 'unet.down_blocks.0.resnets.0.conv1'"):
         load_lora(tmp_path / "dup.safetensors")
 
 
@@ -299,11 +329,13 @@ def test_two_keys_for_one_module_are_an_error(tmp_path):
 @pytest.mark.parametrize("module", ["unet", "text_encoder", "unet.", "lora_unet_", "lora_te_text_model_",
                                     "lora_unet_down_blocks__1"])
 def test_a_key_that_names_no_module_is_an_error(tmp_path, module):
-    """A component with no module path (PEFT `unet.lora_A.weight` was an IndexError in convert and merge), a kohya
-    prefix with nothing after it, an empty path segment: LoraFormatError naming the key, in every command."""
+    """A component with no module path (PEFT `unet.lora_A.weight` was an IndexError in convert and merge), a
+    kohya prefix with nothing after it, an empty path segment: LoraFormatError naming the key, in every
+    command."""
     from safetensors.torch import save_file
 
-    a, b = (".lora_down.weight", ".lora_up.weight") if module.startswith("lora_") else (".lora_A.weight", ".lora_B.weight")
+    a, b = ((".lora_down.weight", ".lora_up.weight") if module.startswith("lora_")
+            else (".lora_A.weight", ".lora_B.weight"))
     save_file({module + a: torch.ones(2, 64), module + b: torch.ones(64, 2)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(LoraFormatError, match=f"x.safetensors: key '{module}' names no module of"):
         load_lora(tmp_path / "x.safetensors")
@@ -319,7 +351,8 @@ def anon_mib() -> float:
 
 
 class PeakAnon:
-    """Highest RssAnon (private, not file-backed memory) seen while the block runs, sampled every millisecond."""
+    """Highest RssAnon (private, not file-backed memory) seen while the block runs, sampled every
+    millisecond."""
 
     def __enter__(self):
         self.start = self.peak = anon_mib()
@@ -352,7 +385,8 @@ def big_lora(path, mib: int) -> LoraFile:
 
 
 def test_a_large_file_is_inspected_and_converted_in_bounded_memory(tmp_path):
-    """64 MiB file: load + summary reads the header only; convert streams one tensor at a time (each 4 MiB)."""
+    """64 MiB file: load + summary reads the header only; convert streams one tensor at a time
+    (each 4 MiB)."""
     path = big_lora(tmp_path / "big.safetensors", 64)
     assert path.stat().st_size > 64 * 2**20
     with PeakAnon() as inspect:
@@ -381,13 +415,15 @@ def nested_modules(weights: dict[str, torch.Tensor]) -> nn.Module:
             if not hasattr(node, p):
                 node.add_module(p, nn.Module())
             node = getattr(node, p)
-        layer = nn.Linear(w.shape[1], w.shape[0], bias=False) if w.dim() == 2 else nn.Conv2d(w.shape[1], w.shape[0], w.shape[2], bias=False)
+        layer = (nn.Linear(w.shape[1], w.shape[0], bias=False) if w.dim() == 2
+                 else nn.Conv2d(w.shape[1], w.shape[0], w.shape[2], bias=False))
         layer.weight.data.copy_(w)
         node.add_module(leaf, layer)
     return root
 
 
-ODD_VALUES = [None, "x", -1, 0, 2**70, 1e308, -1e308, True, [], {}, [0], [0, 1, 2], [1, 0], {"a": 1}, "NaN", [[[[1]]]]]
+ODD_VALUES = [None, "x", -1, 0, 2**70, 1e308, -1e308, True, [], {}, [0], [0, 1, 2], [1, 0], {"a": 1}, "NaN",
+              [[[[1]]]]]
 
 
 def mutate(rng: random.Random, raw: bytes) -> bytes:
@@ -395,7 +431,8 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     data = bytearray(raw[8 + n:])
-    kind = rng.choice(["flip", "flip_header", "truncate", "append", "length", "field", "metadata", "rename", "values"])
+    kind = rng.choice(["flip", "flip_header", "truncate", "append", "length", "field", "metadata", "rename",
+                       "values"])
     if kind in ("flip", "flip_header"):
         out = bytearray(raw)
         for _ in range(rng.randint(1, 4)):
@@ -411,7 +448,8 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
     keys = [k for k in header if k != "__metadata__"]
     if kind == "field":
         entry = header[rng.choice(keys)]
-        entry[rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(ODD_VALUES + ["F16", "BF16", "F8_E4M3", "I64"])
+        entry[rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(
+            ODD_VALUES + ["F16", "BF16", "F8_E4M3", "I64"])
     elif kind == "metadata":
         meta = header.setdefault("__metadata__", {})
         if "lora_adapter_metadata" in meta and rng.random() < 0.7:
@@ -424,8 +462,8 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
                 ["", "{", "[]", "sdxl", "flux1", '{"unet.lora_alpha": null}', "x" * 1000])
     elif kind == "rename":
         k = rng.choice(keys)
-        new = rng.choice([k.replace("lora_up", "lora_down"), k.replace("lora_", "lora_te1_"), k.upper(), "unet." + k,
-                          k.replace("to_q", "to_k"), k + ".alpha", k.replace("_", ".")])
+        new = rng.choice([k.replace("lora_up", "lora_down"), k.replace("lora_", "lora_te1_"), k.upper(),
+                          "unet." + k, k.replace("to_q", "to_k"), k + ".alpha", k.replace("_", ".")])
         header[new] = header.pop(k)
     else:  # values: NaN / Inf / huge numbers written over random tensor bytes
         entry = header[rng.choice(keys)]
@@ -438,7 +476,8 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
 
 
 def exercise(path, out_dir) -> str:
-    """Everything a user does with a file: load, inspect, convert both ways, merge (and save), apply both modes."""
+    """Everything a user does with a file: load, inspect, convert both ways, merge (and save), apply both
+    modes."""
     lf = load_lora(path)
     lf.summary()
     for fmt in ("kohya", "peft"):
@@ -452,17 +491,19 @@ def exercise(path, out_dir) -> str:
     return "ok"
 
 
-FUZZ_CASES = int(os.environ.get("LORA_LAB_FUZZ_CASES", "300"))  # more for a longer search: LORA_LAB_FUZZ_CASES=4000
+# more for a longer search: LORA_LAB_FUZZ_CASES=4000
+FUZZ_CASES = int(os.environ.get("LORA_LAB_FUZZ_CASES", "300"))
 
 
 def test_fuzz_mutated_lora_files_give_success_or_lora_format_error(tmp_path):
-    """Seeded mutants of a kohya (DoRA) and a PEFT file lora_lab wrote: each ends in success or LoraFormatError,
-    within 2 s; never another exception, a hang, or a merged weight that is not finite."""
+    """Seeded mutants of a kohya (DoRA) and a PEFT file lora_lab wrote: each ends in success or
+    LoraFormatError, within 2 s; never another exception, a hang, or a merged weight that is not finite."""
     import warnings
 
     rng = random.Random(12)
     originals = [save_lora(tmp_path / "orig_k.safetensors", small_lora(), base="sd15").read_bytes(),
-                 save_lora(tmp_path / "orig_p.safetensors", LoraFile({**small_lora(dora=False).modules}), format="peft").read_bytes()]
+                 save_lora(tmp_path / "orig_p.safetensors", LoraFile({**small_lora(dora=False).modules}),
+                           format="peft").read_bytes()]
     outcomes: dict[str, int] = {}
     for case in range(FUZZ_CASES):
         raw = mutate(rng, rng.choice(originals))

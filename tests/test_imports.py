@@ -50,7 +50,8 @@ def module_names(root: Path) -> dict[str, Path]:
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules its imports run (at the top or inside a function), from the source's ast.
+    """Module -> the package's modules its imports run (at the top or inside a function), from the source's
+    ast.
 
     `from .a import b` counts as an import of module `a.b` if there is one, else of `a` (whose names b are).
     Importing `p.q.m` first runs the `__init__` of `p` and `p.q`: the importer gets an edge to each of those
@@ -70,7 +71,8 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source
+                           for a in node.names]
             else:
                 continue
             for target in targets:
@@ -117,7 +119,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph(PACKAGE)
-    assert len(graph) > 30 and "lora_lab.formats.reading" in graph["lora_lab.formats.writing"]  # the graph is real
+    # the graph is real
+    assert len(graph) > 30 and "lora_lab.formats.reading" in graph["lora_lab.formats.writing"]
     cycles = find_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
@@ -137,14 +140,14 @@ def test_import_graph_sees_relative_and_lazy_imports(tmp_path):
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g  # lazy, still an edge\n")
     (pkg / "c.py").write_text("import pkg.a\nfrom . import sub\n")
     graph = import_graph(pkg)
-    assert graph == {"pkg": set(), "pkg.sub": set(), "pkg.a": {"pkg.sub", "pkg.sub.b"}, "pkg.sub.b": {"pkg.a"},
-                     "pkg.c": {"pkg.a", "pkg.sub"}}
+    assert graph == {"pkg": set(), "pkg.sub": set(), "pkg.a": {"pkg.sub", "pkg.sub.b"},
+                     "pkg.sub.b": {"pkg.a"}, "pkg.c": {"pkg.a", "pkg.sub"}}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
 
 
 def test_import_graph_counts_the_package_inits_an_import_runs(tmp_path):
-    # the cycle lora_lab 0.1 had: formats imported diffusion.kinds, which ran diffusion/__init__, which imported
-    # the trainer, which imported formats; no two modules import each other directly
+    # the cycle lora_lab 0.1 had: formats imported diffusion.kinds, which ran diffusion/__init__, which
+    # imported the trainer, which imported formats; no two modules import each other directly
     pkg = tmp_path / "pkg"
     for d in ("formats", "diffusion"):
         (pkg / d).mkdir(parents=True)
@@ -157,7 +160,8 @@ def test_import_graph_counts_the_package_inits_an_import_runs(tmp_path):
     graph = import_graph(pkg)
     assert "pkg.diffusion" in graph["pkg.formats.names"]  # the package __init__ on the way to diffusion.kinds
     assert "pkg" not in graph["pkg.formats.names"]  # its own package is already running
-    assert find_cycles(graph) == [["pkg.diffusion", "pkg.diffusion.train", "pkg.formats", "pkg.formats.names"]]
+    assert find_cycles(graph) == [["pkg.diffusion", "pkg.diffusion.train", "pkg.formats",
+                                   "pkg.formats.names"]]
     (pkg / "formats" / "names.py").write_text("N = 1\n")  # the cycle broken
     assert find_cycles(import_graph(pkg)) == []
 
@@ -177,7 +181,8 @@ needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child
 
 @needs_fork
 def test_every_module_imports_alone_in_a_fresh_interpreter():
-    failed, stderr = imports_alone(sorted(module_names(PACKAGE)), PACKAGE.parent, ("numpy", "safetensors", "torch"))
+    failed, stderr = imports_alone(sorted(module_names(PACKAGE)), PACKAGE.parent,
+                                   ("numpy", "safetensors", "torch"))
     assert not failed, f"modules that do not import alone: {failed}\n{stderr[-3000:]}"
 
 

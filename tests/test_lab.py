@@ -37,8 +37,9 @@ CHROMIUM = Path(os.environ.get("LORA_LAB_CHROMIUM", "/usr/bin/chromium"))
 REQUIRED = os.environ.get("LORA_LAB_REQUIRE_BROWSER") == "1"  # set by `make test-lab`: fail, not skip
 HOW = "install it with `apt-get install -y chromium` (Debian), or run `make test-lab` (installs it as root)"
 NOTEBOOK_NAMES = ["01_autograd", "03_lora_dora", "07_diffusion_lora"]
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
 RUN_TIMEOUT_S = 900  # one notebook's Run All (07 trains a LoRA: ~2-4 min on a busy 2-core machine)
 SAMPLE_WITHIN_S = 5.0
 
@@ -93,13 +94,15 @@ class LabServer:
             "JUPYTER_CONFIG_DIR": str(tmp / "config"),
         })
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+               f"--IdentityProvider.token={self.token}",
                f"--ServerApp.root_dir={NOTEBOOKS}", f"--FileCheckpoints.checkpoint_dir={tmp / 'checkpoints'}",
                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log = open(tmp / "jupyter.log", "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self._wait_ready()
 
     def url(self, path: str = "lab") -> str:
@@ -149,7 +152,8 @@ def lab(tmp_path_factory):
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _skip_or_fail("the JupyterLab browser test needs Playwright: pip install playwright (in the dev extra)")
+        _skip_or_fail("the JupyterLab browser test needs Playwright: pip install playwright "
+                      "(in the dev extra)")
     assert ensure_kernel() == KERNEL_NAME
     before = _tree_digest(NOTEBOOKS)
     server = LabServer(tmp_path_factory.mktemp("lab"))
@@ -185,7 +189,8 @@ def _kernel_ready(page, timeout_s: float = 90.0) -> str:
         status = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator")
         kernel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-KernelName")
         name = kernel.first.inner_text().strip() if kernel.count() else ""
-        if name and name != "No Kernel" and status.count() and status.first.get_attribute("data-status") == "idle":
+        if (name and name != "No Kernel" and status.count()
+                and status.first.get_attribute("data-status") == "idle"):
             return name
         time.sleep(0.5)
     pytest.fail(f"the kernel did not become idle (kernel shown: {name!r})")
@@ -206,7 +211,8 @@ _STATE_JS = """() => {
     prompts, status,
     mimes: outs.map(o => o.getAttribute('data-mime-type')),
     stderr: outs.filter(o => /stderr|error/.test(o.getAttribute('data-mime-type') || '')
-                       || o.classList.contains('jp-OutputArea-executeResult') && /Traceback/.test(o.textContent))
+                       || o.classList.contains('jp-OutputArea-executeResult')
+                          && /Traceback/.test(o.textContent))
                 .map(o => o.textContent.slice(0, 600)),
     images: nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="image/png"] img').length,
   };
@@ -214,7 +220,8 @@ _STATE_JS = """() => {
 
 
 def _run_and_wait(page, timeout_s: float) -> dict:
-    """Run all cells; wait until every code cell has run (or an error/stderr output appeared and the kernel is idle)."""
+    """Run all cells; wait until every code cell has run (or an error/stderr output appeared and the kernel is
+    idle)."""
     _run_all_from_menu(page)
     time.sleep(2.0)
     deadline = time.monotonic() + timeout_s
@@ -292,13 +299,15 @@ def test_notebook_runs_in_jupyterlab(lab, name):
 
         state = _run_and_wait(page, RUN_TIMEOUT_S)
         page.screenshot(path=str(shots / f"{name}.png"))
-        assert not state["stderr"], f"{name}: error or stderr output in the notebook:\n" + "\n---\n".join(state["stderr"])
+        assert not state["stderr"], (f"{name}: error or stderr output in the notebook:\n"
+                                     + "\n---\n".join(state["stderr"]))
         assert all(re.fullmatch(r"\[\d+\]:", p.strip()) for p in state["prompts"]), state["prompts"]
 
         record = json.loads((server.reports / f"{name}.json").read_text())
         assert record["passed"], record["claims"]
         assert state["images"] >= len(record["figures"]) >= 1, (
-            f"{name}: {state['images']} inline images for {len(record['figures'])} figures {record['figures']}")
+            f"{name}: {state['images']} inline images for {len(record['figures'])} figures "
+            f"{record['figures']}")
         first_figure = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) "
                                     ".jp-OutputArea-output[data-mime-type='image/png'] img").first
         first_figure.scroll_into_view_if_needed()

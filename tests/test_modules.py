@@ -44,9 +44,11 @@ def test_replace_weight_never_writes_into_the_old_tensor():
     shared = torch.ones(2, 3)
     frozen = Linear.frozen(shared)
     replace_weight(frozen, torch.zeros(2, 3))
-    assert frozen.is_frozen and torch.equal(shared, torch.ones(2, 3)) and torch.equal(frozen.weight, torch.zeros(2, 3))
+    assert (frozen.is_frozen and torch.equal(shared, torch.ones(2, 3))
+            and torch.equal(frozen.weight, torch.zeros(2, 3)))
     plain = nn.Linear(3, 2)
     param = plain.weight
     before = param.detach().clone()
     replace_weight(plain, torch.zeros(2, 3))
-    assert plain.weight is param and torch.equal(plain.weight, torch.zeros(2, 3)) and not torch.equal(before, plain.weight)
+    assert (plain.weight is param and torch.equal(plain.weight, torch.zeros(2, 3))
+            and not torch.equal(before, plain.weight))

@@ -1,4 +1,5 @@
-"""The install story: pyproject.toml and environment.yml agree; CI calls the README's command; the CLI starts."""
+"""The install story: pyproject.toml and environment.yml agree; CI calls the README's command; the CLI
+starts."""
 
 import re
 import subprocess
@@ -16,7 +17,8 @@ def _name(req: str) -> str:
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
+    reqs = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values()
+                                            for r in extra]
     from_pyproject = {_name(r) for r in reqs}
     from_env = set()
     for line in (ROOT / "environment.yml").read_text().splitlines():
@@ -25,7 +27,8 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
             from_env.add(_name(m.group(1)))
     from_env -= {"python", "pip", "conda-forge"}
     assert from_pyproject == from_env, (
-        f"only in pyproject: {sorted(from_pyproject - from_env)}; only in environment.yml: {sorted(from_env - from_pyproject)}"
+        f"only in pyproject: {sorted(from_pyproject - from_env)}; "
+        f"only in environment.yml: {sorted(from_env - from_pyproject)}"
     )
 
 
@@ -42,5 +45,6 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_cli_help_starts():
-    out = subprocess.run([sys.executable, "-m", "lora_lab.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "lora_lab.cli", "--help"], capture_output=True, text=True,
+                         check=True)
     assert "lora-lab" in out.stdout

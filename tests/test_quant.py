@@ -26,7 +26,8 @@ from lora_lab.quant.weights import (
 )
 
 SHAPES = [(9, 41), (96, 200), (341, 64)]  # odd sizes: partial last blocks, an odd number of values
-BOUND = {"int8": 1.02, "int8-block": 1.02, "nf4": 0.53, "fp8": 1.01, "fp8-row": 1.01}  # bytes/param, the issue's
+# bytes/param, the issue's
+BOUND = {"int8": 1.02, "int8-block": 1.02, "nf4": 0.53, "fp8": 1.01, "fp8-row": 1.01}
 
 
 @pytest.fixture
@@ -55,7 +56,8 @@ def _rel(a, b):
 def test_nf4_code_is_the_normal_quantiles_and_bitsandbytes():
     torch.testing.assert_close(reference_nf4_code(), torch.tensor(NF4_CODE), rtol=0, atol=3e-7)
     bnbf = pytest.importorskip("bitsandbytes.functional")
-    torch.testing.assert_close(bnbf.get_4bit_type("nf4", device="cpu"), torch.tensor(NF4_CODE), rtol=0, atol=0)
+    torch.testing.assert_close(bnbf.get_4bit_type("nf4", device="cpu"), torch.tensor(NF4_CODE),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -93,8 +95,9 @@ def test_int8_matches_reference_and_torchao_codes(shape, block, gen):
     codes, scale = reference_int8(w, block)
     assert torch.equal(q["qweight"], codes)
     torch.testing.assert_close(q["scale"], scale, rtol=1e-6, atol=0)
-    torch.testing.assert_close(dequantize_weight(q, fmt, tuple(w.shape), block), codes.float() * scale.repeat_interleave(
-        w.numel() // scale.numel()).view(w.shape))
+    torch.testing.assert_close(dequantize_weight(q, fmt, tuple(w.shape), block),
+                               codes.float() * scale.repeat_interleave(
+                                   w.numel() // scale.numel()).view(w.shape))
     tq = pytest.importorskip("torchao.quantization")
     from torchao.quantization.granularity import PerGroup
 
@@ -136,7 +139,7 @@ def test_zero_weight_round_trips_to_zero(fmt):
     assert torch.equal(dequantize_weight(quantize_weight(w, fmt), fmt, (4, 64)), w)
 
 
-# ----------------------------------------------------------------------------- error and bytes vs the references
+# -------------------------------------------------------------------------- error and bytes vs the references
 
 
 def test_output_error_no_worse_than_bitsandbytes_and_torchao(gen):
@@ -160,7 +163,8 @@ def test_output_error_no_worse_than_bitsandbytes_and_torchao(gen):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bytes_per_param_at_4096_on_meta(fmt):
-    """4096 x 4096 built on meta (no memory): the stored layout's bytes/param are within the issue's bounds."""
+    """4096 x 4096 built on meta (no memory): the stored layout's bytes/param are within the issue's
+    bounds."""
     layer = QuantLinear(torch.empty(4096, 4096, device="meta"), None, fmt)
     bpp = layer.weight_bytes() / 4096**2
     assert bpp <= BOUND[fmt]
@@ -230,7 +234,8 @@ def test_to_dtype_changes_compute_dtype_not_codes(gen):
     codes = layer.qweight.clone()
     layer.to(torch.bfloat16)
     assert layer.qweight.dtype == torch.float8_e4m3fn and torch.equal(layer.qweight.float(), codes.float())
-    assert layer.scale.dtype == torch.float32 and layer.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    assert (layer.scale.dtype == torch.float32 and layer.dtype == torch.bfloat16
+            and layer.bias.dtype == torch.bfloat16)
     assert layer(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
@@ -251,7 +256,8 @@ class _Net(nn.Module):
 def test_quantize_base_swaps_frozen_linears_and_reports_bytes():
     net = _Net().requires_grad_(False)
     report = quantize_base(net, "nf4")
-    assert report.names == ["fc1", "fc2"] and isinstance(net.fc1, QuantLinear) and isinstance(net.fc2, QuantLinear)
+    assert (report.names == ["fc1", "fc2"] and isinstance(net.fc1, QuantLinear)
+            and isinstance(net.fc2, QuantLinear))
     assert isinstance(net.conv, nn.Conv2d)
     assert report.params == 64 * 96 + 96 * 32 and report.bytes_before == report.params * 4
     assert report.bytes_after == net.fc1.weight_bytes() + net.fc2.weight_bytes()
@@ -282,12 +288,14 @@ def test_quantize_base_under_an_existing_adapter_keeps_it():
 
 
 def test_quantize_base_of_a_diffusers_unet_on_meta():
-    """The planner's use: a full-size-shaped model on meta quantizes with no memory; bytes come from shapes."""
+    """The planner's use: a full-size-shaped model on meta quantizes with no memory; bytes come from
+    shapes."""
     diffusers = pytest.importorskip("diffusers")
     with torch.device("meta"):
         unet = diffusers.UNet2DConditionModel(
             block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32, attention_head_dim=8,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
             sample_size=16, norm_num_groups=8)
     unet.requires_grad_(False)
     report = quantize_base(unet, "nf4")
@@ -328,7 +336,8 @@ def _pair(fmt, config, gen):
 @pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8-row"])
 @pytest.mark.parametrize("kind", ["lora", "rslora", "dora"])
 def test_adapter_on_quantized_base_equals_adapter_on_its_dequantized_twin(fmt, kind, gen):
-    config = LoRAConfig(rank=4, alpha=4, targets=["fc1", "fc2"], use_rslora=kind == "rslora", use_dora=kind == "dora")
+    config = LoRAConfig(rank=4, alpha=4, targets=["fc1", "fc2"], use_rslora=kind == "rslora",
+                        use_dora=kind == "dora")
     net, twin = _pair(fmt, config, gen)
     x = torch.randn(6, 64, generator=gen)
     y, y_ref = net(x), twin(x)
@@ -366,7 +375,8 @@ def test_merge_on_quantized_base_needs_requantize(gen):
 def test_lora_files_at_runtime_and_merged_on_a_quantized_sdxl_unet(tmp_path):
     """apply_loras / sample(loras=) on the shipped tiny SDXL with an NF4 UNet: two files (LoRA, and DoRA on
     linears and a conv) run on top of the dequantized base, equal to a float twin holding the dequantized
-    weights; merging refuses (nothing changed) unless requantize=True, which stays close to the float merge."""
+    weights; merging refuses (nothing changed) unless requantize=True, which stays close to the float
+    merge."""
     pytest.importorskip("diffusers")
     import copy
 
@@ -381,7 +391,8 @@ def test_lora_files_at_runtime_and_merged_on_a_quantized_sdxl_unet(tmp_path):
     files = []
     for i, dora in enumerate((False, True)):
         src = copy.deepcopy(twin.unet).requires_grad_(False)
-        add_lora(src, LoRAConfig(rank=4, targets=r".*(attn\d\.to_(q|v|out\.0)|resnets\.0\.conv1)", use_dora=dora))
+        add_lora(src, LoRAConfig(rank=4, targets=r".*(attn\d\.to_(q|v|out\.0)|resnets\.0\.conv1)",
+                                 use_dora=dora))
         with torch.no_grad():
             for _, a in _adapter_params(src):
                 a.add_(torch.randn(a.shape, generator=g) * 0.05)
@@ -404,15 +415,18 @@ def test_lora_files_at_runtime_and_merged_on_a_quantized_sdxl_unet(tmp_path):
     live, live_twin = apply_loras(ours, files, mode="runtime"), apply_loras(theirs, files, mode="runtime")
     assert live.weights == live_twin.weights and any(w.endswith("conv1.weight") for w in live.weights)
     assert all(isinstance(m.base, (QuantLinear, nn.Conv2d)) for _, m in lora_modules(ours))
-    assert (out(ours) - base).abs().max() > 0.05  # the files change the output, so the comparison means something
+    # the files change the output, so the comparison means something
+    assert (out(ours) - base).abs().max() > 0.05
     torch.testing.assert_close(out(ours), out(theirs), rtol=1e-5, atol=1e-5)
     live.set_strength(1, 0.3)
     live_twin.set_strength(1, 0.3)
     torch.testing.assert_close(out(ours), out(theirs), rtol=1e-5, atol=1e-5)
 
     images = sample(pipe, "a digit three", seed=0, steps=2, loras=files)
-    torch.testing.assert_close(images, sample(twin, "a digit three", seed=0, steps=2, loras=files), rtol=0, atol=1e-4)
-    assert not list(lora_modules(pipe.unet)) and len(quantized_layers(pipe.unet)) == n_quant  # put back as it was
+    torch.testing.assert_close(images, sample(twin, "a digit three", seed=0, steps=2, loras=files),
+                               rtol=0, atol=1e-4)
+    # put back as it was
+    assert not list(lora_modules(pipe.unet)) and len(quantized_layers(pipe.unet)) == n_quant
 
     stored = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
     with pytest.raises(QuantizationError, match="loses precision.*mode='runtime'.*requantize=True"):
@@ -434,13 +448,14 @@ def test_pissa_and_triton_refused_on_quantized_base():
         add_lora(net, LoRAConfig(rank=2, backend="triton"))
 
 
-# ----------------------------------------------------------------------------- training on the quantized tiny SDXL
+# ------------------------------------------------------------------------ training on the quantized tiny SDXL
 
 
 def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(tmp_path):
     """A few steps on the shipped tiny SDXL: NF4 and int8 bases give the fp32 base's losses to ~1%; the LoRA
     files have the same keys and shapes, and diffusers loads the NF4-trained file on the float base (fp32 and
-    bf16) with lora_lab's image. (The inverted-style rate after a full run: benchmarks/bench_quant.py --train.)"""
+    bf16) with lora_lab's image. (The inverted-style rate after a full run: benchmarks/bench_quant.py
+    --train.)"""
     pytest.importorskip("diffusers")
     from safetensors.torch import load_file
 
@@ -449,8 +464,8 @@ def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(t
 
     with pytest.raises(TrainConfigError, match="base_quantization"):
         TrainConfig(base_quantization="int4")
-    runs = {q: train(TrainConfig(model="sdxl", output=str(tmp_path / str(q)), steps=4, rank=4, lr=2e-2, batch_size=8,
-                                 seed=0, sample_steps=0, progress=False, base_quantization=q))
+    runs = {q: train(TrainConfig(model="sdxl", output=str(tmp_path / str(q)), steps=4, rank=4, lr=2e-2,
+                                 batch_size=8, seed=0, sample_steps=0, progress=False, base_quantization=q))
             for q in (None, "nf4", "int8")}
     ref = torch.tensor(runs[None].losses)
     for q in ("nf4", "int8"):
@@ -479,7 +494,8 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     assert cli_main(["train", "--base-quantization", "int4", "--output", out]) == 2
     assert "TrainConfig.base_quantization='int4'" in capsys.readouterr().err
     # a valid format passes the flag and its check; the run then stops at the (missing) dataset
-    assert cli_main(["train", "--base-quantization", "nf4", "--dataset", str(tmp_path / "none"), "--output", out]) == 2
+    assert cli_main(["train", "--base-quantization", "nf4", "--dataset", str(tmp_path / "none"),
+                     "--output", out]) == 2
     assert "TrainConfig.dataset=" in capsys.readouterr().err
     data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=2, BATCH_SIZE=4,
                         SAMPLE_STEPS=2, MAX_RATE_GAP=1.0)

@@ -38,8 +38,8 @@ def test_bad_option_is_a_clear_error(field, value):
 
 
 def test_cli_flags(folders):
-    args = build_parser().parse_args(["train", "--reg-dataset", str(folders["reg"]), "--prior-loss-weight", "0.5",
-                                      "--caption-dropout", "0.1", "--buckets"])
+    args = build_parser().parse_args(["train", "--reg-dataset", str(folders["reg"]),
+                                      "--prior-loss-weight", "0.5", "--caption-dropout", "0.1", "--buckets"])
     assert (args.reg_dataset, args.prior_loss_weight, args.caption_dropout, args.buckets) == \
         (str(folders["reg"]), 0.5, 0.1, True)
     assert build_parser().parse_args(["train"]).buckets is False
@@ -52,7 +52,8 @@ def test_bucket_batches_are_one_size_cover_the_epoch_and_repeat():
     for step in range(steps_per_epoch):
         idx = bucket_batch_indices(SEED, step, 2, sizes)
         assert len(idx) == 2 and len({sizes[i] for i in idx.tolist()}) == 1
-        torch.testing.assert_close(idx, bucket_batch_indices(SEED, step, 2, sizes))  # a function of (seed, step)
+        # a function of (seed, step)
+        torch.testing.assert_close(idx, bucket_batch_indices(SEED, step, 2, sizes))
         seen += idx.tolist()
     assert set(seen) == set(range(len(sizes)))  # every example in one epoch (a short batch is filled up)
 
@@ -84,9 +85,11 @@ def test_buckets_train_mixed_sizes_without_cropping_square(folders, tmp_path, mo
 def test_prior_preservation_adds_the_weighted_reg_loss(folders, tmp_path, monkeypatch):
     cfg = dict(model="sd3", dataset=str(folders["mixed"]), resolution=16, steps=3, **FAST)
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **cfg))
-    zero = train(TrainConfig(output=str(tmp_path / "zero"), reg_dataset=str(folders["reg"]), prior_loss_weight=0.0, **cfg))
+    zero = train(TrainConfig(output=str(tmp_path / "zero"), reg_dataset=str(folders["reg"]),
+                             prior_loss_weight=0.0, **cfg))
     shapes = _x0_shapes(monkeypatch)
-    one = train(TrainConfig(output=str(tmp_path / "one"), reg_dataset=str(folders["reg"]), prior_loss_weight=1.0, **cfg))
+    one = train(TrainConfig(output=str(tmp_path / "one"), reg_dataset=str(folders["reg"]),
+                            prior_loss_weight=1.0, **cfg))
     assert len(shapes) == 2 * 3  # one style and one regularization micro-batch per step
     a, b, c = (load_file(str(r.outputs["lora_diffusers"])) for r in (plain, zero, one))
     assert all(torch.equal(a[k], b[k]) for k in a)  # weight 0: exactly the run without regularization
@@ -99,5 +102,6 @@ def test_caption_dropout_swaps_in_the_empty_prompt():
     empty = {"prompt_embeds": torch.full((1, 2, 2), -1.0), "pooled_prompt_embeds": torch.zeros(1, 4)}
     ex = EncodedExamples([torch.zeros(4, 2, 2)] * 3, embeds, ["a", "b", "c"], [(4, 4)] * 3)
     out = ex.embeds_of(torch.tensor([2, 0]), torch.tensor([True, False]), empty, "cpu")
-    torch.testing.assert_close(out["prompt_embeds"], torch.stack([-torch.ones(2, 2), embeds["prompt_embeds"][0]]))
+    torch.testing.assert_close(out["prompt_embeds"],
+                               torch.stack([-torch.ones(2, 2), embeds["prompt_embeds"][0]]))
     torch.testing.assert_close(out["pooled_prompt_embeds"], torch.tensor([[0.0] * 4, [1.0] * 4]))

@@ -56,7 +56,8 @@ class _Op:
     costly: bool = False  # an op whose output "selective" keeps (a matmul, convolution or attention)
     softmax: bool = False
     writes: set[int] = field(default_factory=set)  # origins it changed in place
-    written_at: int | None = None  # where in its call an op first changed its output in place (-1: in another call)
+    written_at: int | None = None  # where in its call an op first changed its output in place (-1: in
+                                   # another call)
 
 
 @dataclass
@@ -66,9 +67,9 @@ class CheckpointingPlan:
     plain_bytes: bytes the unchecked forward saves; kept_bytes: what the plan keeps (<= budget * plain_bytes
     unless even whole-block checkpointing keeps more: then every block is checkpointed whole);
     recompute_cost / full_recompute_cost: counted cost recomputed in backward, against whole-block
-    checkpointing's; kept_ops: how many outputs of each op the blocks keep; unchecked: block calls run plainly;
-    selective_bytes / selective_cost: what "selective"'s choice would keep and recompute, counted the same way
-    (the plan's cost is at most selective's whenever selective's bytes fit the budget).
+    checkpointing's; kept_ops: how many outputs of each op the blocks keep; unchecked: block calls run
+    plainly; selective_bytes / selective_cost: what "selective"'s choice would keep and recompute, counted
+    the same way (the plan's cost is at most selective's whenever selective's bytes fit the budget).
     """
 
     budget: float
@@ -82,14 +83,18 @@ class CheckpointingPlan:
     n_calls: int
     selective_bytes: int = 0
     selective_cost: float = 0.0
-    decisions: list = field(default_factory=list, repr=False)  # per block call: None (unchecked) or op indices
+    decisions: list = field(default_factory=list, repr=False)  # per block call: None (unchecked) or op
+                                                               # indices
 
     def __str__(self) -> str:
-        ops = ", ".join(f"{n} x{c}" for n, c in sorted(self.kept_ops.items(), key=lambda kv: -kv[1])) or "none"
+        ops = ", ".join(f"{n} x{c}"
+                        for n, c in sorted(self.kept_ops.items(), key=lambda kv: -kv[1])) or "none"
         return (
             f"budget {self.budget:g}: keeps {self.kept_bytes:,} of {self.plain_bytes:,} bytes "
-            f"({self.kept_bytes / max(self.plain_bytes, 1):.3f}; whole-block keeps {self.full_bytes / max(self.plain_bytes, 1):.3f}); "
-            f"recomputes {self.recompute_cost / max(self.full_recompute_cost, 1):.0%} of whole-block's counted cost; "
+            f"({self.kept_bytes / max(self.plain_bytes, 1):.3f}; "
+            f"whole-block keeps {self.full_bytes / max(self.plain_bytes, 1):.3f}); "
+            f"recomputes {self.recompute_cost / max(self.full_recompute_cost, 1):.0%} of whole-block's "
+            "counted cost; "
             f"{self.unchecked} of {self.n_calls} block calls unchecked; keeps outputs of {ops} "
             f"(selective would keep {self.selective_bytes / max(self.plain_bytes, 1):.3f} and recompute "
             f"{self.selective_cost / max(self.full_recompute_cost, 1):.0%})"
@@ -112,7 +117,8 @@ def _cost(func, args, kwargs, out) -> float:
 
 
 class _Profile(TorchDispatchMode):
-    """The profiling forward of a budget: every new storage gets an origin; ops inside block calls are listed."""
+    """The profiling forward of a budget: every new storage gets an origin; ops inside block calls are
+    listed."""
 
     def __init__(self):
         super().__init__()
@@ -160,7 +166,8 @@ class _Profile(TorchDispatchMode):
                            key is not None and bool(made) and _replayable(func, args, kwargs), key,
                            {self.origin[s] for s in ins if s in self.origin},
                            torch.Tag.nondeterministic_seeded in func.tags, _is_costly(func, args, kwargs),
-                           func.overloadpacket in _SOFTMAX, {self.origin[s] for s in writes if s in self.origin}))
+                           func.overloadpacket in _SOFTMAX,
+                           {self.origin[s] for s in writes if s in self.origin}))
         return out
 
     def saved(self, into: set[int], ops: list[_Op] | None = None, stop: list[int] | None = None):
@@ -179,11 +186,13 @@ class _Profile(TorchDispatchMode):
         ops, stop = [], [0]
         self.calls.append(ops)
         self.counted.append(0)
-        self.inputs.append({o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for o in [self.origin_of(t)] if o is not None})
+        self.inputs.append({o for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                            for o in [self.origin_of(t)] if o is not None})
         self.inside.append(set())
         outer, self.call = self.call, len(self.calls) - 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.saved(self.inside[-1], ops, stop), _unpack_nothing):
+            with torch.autograd.graph.saved_tensors_hooks(self.saved(self.inside[-1], ops, stop),
+                                                          _unpack_nothing):
                 return fn(*args, **kwargs)
         finally:
             self.call = outer
@@ -192,29 +201,33 @@ class _Profile(TorchDispatchMode):
                 op.cost, op.replayable = 0.0, False
 
     def selective(self) -> list[set[int]]:
-        """What "selective" keeps in each block call (`_Record.plan` with only_saved): the saved outputs of the
-        costly ops, the scores matmuls of unfused attention left out, and the frontier of the unsaved ones."""
+        """What "selective" keeps in each block call (`_Record.plan` with only_saved): the saved outputs of
+        the costly ops, the scores matmuls of unfused attention left out, and the frontier of the unsaved
+        ones."""
         out = []
         for c, ops in enumerate(self.calls):
             scores = attention_scores((i, op.costly, op.softmax, op.ins, set(op.origins) | op.writes)
                                       for i, op in enumerate(ops))
-            # (as _Record: an output changed in place before the last save is not kept, one changed after it is)
+            # (as _Record: an output changed in place before the last save is not kept, one changed
+            # after it is)
             keepable = [op.replayable and bool(op.origins) and self.inside[c].issuperset(op.origins)
                         and (op.written_at is None or op.written_at >= self.stops[c]) for op in ops]
             picked = {i for i, op in enumerate(ops) if op.costly and op.replayable and i not in scores}
             d = {i for i in picked if keepable[i]}
-            out.append(d | selective_frontier((i, i in picked, op.ins, set(op.origins) | op.writes, keepable[i])
+            out.append(d | selective_frontier((i, i in picked, op.ins, set(op.origins) | op.writes,
+                                               keepable[i])
                                               for i, op in enumerate(ops) if i not in d))
         return out
 
     def plan(self, budget: float) -> CheckpointingPlan:
-        """What to keep within `budget` (a fraction of the bytes the unchecked forward saves): `plan_budget`."""
+        """What to keep within `budget` (a fraction of the bytes the unchecked forward saves):
+        `plan_budget`."""
         return plan_budget(self, budget)
 
 
 # ----------------------------------------------------------------------------- choosing what to keep
-# A choice is, per block call, None (the call runs unchecked: it keeps all it saves) or the set of the indices of
-# the ops (in prof.calls[c]) whose outputs it keeps; everything else it saves is recomputed in backward.
+# A choice is, per block call, None (the call runs unchecked: it keeps all it saves) or the set of the indices
+# of the ops (in prof.calls[c]) whose outputs it keeps; everything else it saves is recomputed in backward.
 
 
 def _size(prof: _Profile, origins) -> int:
@@ -290,7 +303,8 @@ def _keep_ops(prof: _Profile, choice: _Choice, items: list, cap: float) -> None:
 def _leave_unchecked(prof: _Profile, choice: _Choice, cap: float) -> None:
     """Run whole block calls unchecked, most recomputation saved per byte first, each that still fits."""
     d = choice.decisions
-    left = [sum(op.cost for i, op in enumerate(ops) if i not in (d[c] or ())) for c, ops in enumerate(prof.calls)]
+    left = [sum(op.cost for i, op in enumerate(ops) if i not in (d[c] or ()))
+            for c, ops in enumerate(prof.calls)]
     for c in sorted(range(len(d)), key=lambda c: -left[c] / (_size(prof, prof.inside[c] - choice.have) + 1)):
         more = _size(prof, prof.inside[c] - choice.have)
         if d[c] is not None and choice.total + more <= cap:
@@ -314,8 +328,10 @@ def _greedy(prof: _Profile, items: list, cap: float, blocks_first: bool, start: 
     return choice.decisions
 
 
-def _cheapest_drop(prof: _Profile, decisions: list, costs: list[float], c: int, base: set[int]) -> tuple[float, int]:
-    """The kept output of call c that is cheapest to drop: (added cost per byte freed, op index), or (inf, -1)."""
+def _cheapest_drop(prof: _Profile, decisions: list, costs: list[float], c: int,
+                   base: set[int]) -> tuple[float, int]:
+    """The kept output of call c that is cheapest to drop: (added cost per byte freed, op index),
+    or (inf, -1)."""
     drops = [((_block_cost(prof, c, decisions[c] - {i}) - costs[c]) / freed, i) for i in decisions[c]
              for freed in [_own(prof, prof.calls[c][i], base)] if freed]
     return min(drops, default=(float("inf"), -1))
@@ -351,20 +367,23 @@ def plan_budget(prof: _Profile, budget: float) -> CheckpointingPlan:
     cap = budget * plain
     base = _kept(prof, [set() for _ in range(n)])
     full_bytes = _size(prof, base)
-    full_cost = _cost_of(prof, [set() for _ in range(n)])  # every block recomputed whole (what it needs of it)
+    # every block recomputed whole (what it needs of it)
+    full_cost = _cost_of(prof, [set() for _ in range(n)])
     selective = prof.selective()
     decisions = [set() for _ in range(n)]
     if full_bytes <= cap:
         items, start = _candidates(prof, base), _trimmed(prof, selective, base, cap)
-        tries = [_greedy(prof, items, cap, blocks_first, s) for s in (None, start) for blocks_first in (True, False)]
+        tries = [_greedy(prof, items, cap, blocks_first, s) for s in (None, start)
+                 for blocks_first in (True, False)]
         decisions = min(tries, key=lambda d: _cost_of(prof, d))
     kept_ops = Counter(prof.calls[c][i].name for c, d in enumerate(decisions) if d is not None for i in d)
     return CheckpointingPlan(
-        budget=budget, plain_bytes=plain, kept_bytes=_size(prof, _kept(prof, decisions)), full_bytes=full_bytes,
-        recompute_cost=_cost_of(prof, decisions), full_recompute_cost=full_cost, kept_ops=dict(kept_ops),
-        unchecked=sum(d is None for d in decisions), n_calls=n,
+        budget=budget, plain_bytes=plain, kept_bytes=_size(prof, _kept(prof, decisions)),
+        full_bytes=full_bytes, recompute_cost=_cost_of(prof, decisions), full_recompute_cost=full_cost,
+        kept_ops=dict(kept_ops), unchecked=sum(d is None for d in decisions), n_calls=n,
         selective_bytes=_size(prof, _kept(prof, selective)), selective_cost=_cost_of(prof, selective),
-        decisions=[None if d is None else frozenset(prof.calls[c][i].key for i in d) for c, d in enumerate(decisions)],
+        decisions=[None if d is None else frozenset(prof.calls[c][i].key for i in d)
+                   for c, d in enumerate(decisions)],
     )
 
 
@@ -373,4 +392,5 @@ def _unpack_nothing(_):
     raise CheckpointingError("the profiling forward of a checkpoint budget cannot run backward")
 
 
-__getattr__ = old_name(__name__, {"CheckpointPlan": "lora_lab.checkpointing.budget:CheckpointingPlan"})  # lora_lab 0.1's names
+# lora_lab 0.1's names
+__getattr__ = old_name(__name__, {"CheckpointPlan": "lora_lab.checkpointing.budget:CheckpointingPlan"})

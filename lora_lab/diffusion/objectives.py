@@ -55,7 +55,8 @@ class DDPM:
 
     def __post_init__(self):
         if self.prediction_type not in ("epsilon", "v_prediction"):
-            raise ObjectiveError(f"prediction_type must be epsilon or v_prediction, got {self.prediction_type!r}")
+            raise ObjectiveError("prediction_type must be epsilon or v_prediction, "
+                                 f"got {self.prediction_type!r}")
         betas = torch.linspace(self.beta_start**0.5, self.beta_end**0.5, self.num_train_timesteps,
                                dtype=torch.float64) ** 2
         self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)  # (T,) fp64, abar_t
@@ -130,12 +131,14 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | Fl
         cfg = dict(pipe_or_kind.scheduler.config)
     if model_kind(kind).objective == "ddpm":
         if cfg.get("beta_schedule", "scaled_linear") != "scaled_linear":
-            raise ObjectiveError(f"only the scaled_linear beta schedule is supported, got {cfg['beta_schedule']!r}")
+            raise ObjectiveError("only the scaled_linear beta schedule is supported, "
+                                 f"got {cfg['beta_schedule']!r}")
         return DDPM(prediction_type=prediction_type or cfg.get("prediction_type", "epsilon"),
                     num_train_timesteps=cfg.get("num_train_timesteps", 1000),
                     beta_start=cfg.get("beta_start", 0.00085), beta_end=cfg.get("beta_end", 0.012))
     if prediction_type not in (None, "flow"):
-        raise ObjectiveError(f"{kind} is trained with flow matching; prediction_type {prediction_type!r} does not apply")
+        raise ObjectiveError(f"{kind} is trained with flow matching; prediction_type {prediction_type!r} "
+                             "does not apply")
     return FlowMatching(shift=float(cfg.get("shift", 1.0)))
 
 

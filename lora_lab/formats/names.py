@@ -1,4 +1,5 @@
-"""Key-name maps per model family: pipeline paths <-> kohya/ComfyUI names, SDXL's LDM/sgm names, Flux's BFL names.
+"""Key-name maps per model family: pipeline paths <-> kohya/ComfyUI names, SDXL's LDM/sgm names, Flux's
+BFL names.
 
 The kohya prefixes, the compound path segments, CLIP's `text_model.` level (`canonical_name`), the SDXL UNet's
 block numbering in sd-scripts' layout (`UnetLayout`), and the fused modules of Flux's original layout.
@@ -53,10 +54,12 @@ _COMPOUND_SEGMENTS = sorted(
 # `encoder.layers.0.self_attn.q_proj`); transformers 4 had them under `text_model.`, and
 # CLIPTextModelWithProjection keeps the level in both. The consumers of LoRA files all spell it:
 # kohya's sd-scripts (pinned to transformers 4) writes and reads `lora_te_text_model_encoder_layers_0_...`,
-# ComfyUI's key map (comfy/lora.py `model_lora_keys_clip`) knows only `lora_te_/lora_te1_/lora_te2_text_model_...`
-# and `text_encoder.text_model.encoder.layers...`, and PEFT files made with transformers 4 have it too.
+# ComfyUI's key map (comfy/lora.py `model_lora_keys_clip`) knows only
+# `lora_te_/lora_te1_/lora_te2_text_model_...` and `text_encoder.text_model.encoder.layers...`, and PEFT
+# files made with transformers 4 have it too.
 # So lora_lab's module names (in memory and in both file formats) always have it, whatever transformers is
-# installed: `canonical_name` puts it back, `_live_paths` gives both spellings when matching a model's weights.
+# installed: `canonical_name` puts it back, `_live_paths` gives both spellings when matching a model's
+# weights.
 # T5's encoder is `encoder.block.` (no such level in either version), so it is left alone.
 _TEXT_MODEL = "text_model."
 _CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.layers.", "final_layer_norm")
@@ -80,7 +83,8 @@ _FLUX_DOUBLE = {  # double_blocks_{i}_<name> -> transformer_blocks.{i}.<module>
     "txt_mlp_2": ("ff_context.net.2",),
     "txt_mod_lin": ("norm1_context.linear",),
 }
-_FLUX_SINGLE = {  # single_blocks_{i}_<name> -> single_transformer_blocks.{i}.<module>; linear1 = [q; k; v; mlp (4x)]
+_FLUX_SINGLE = {  # single_blocks_{i}_<name> -> single_transformer_blocks.{i}.<module>;
+    # linear1 = [q; k; v; mlp (4x)]
     "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
     "linear2": ("proj_out",),
     "modulation_lin": ("norm.linear",),
@@ -101,7 +105,8 @@ _FLUX_OTHER = {
 
 def canonical_name(module: str) -> str:
     """A pipeline path with a CLIP text encoder's `text_model.` level put back (transformers 5 drops it):
-    `text_encoder.encoder.layers.0.mlp.fc1` -> `text_encoder.text_model.encoder.layers.0.mlp.fc1`; others unchanged."""
+    `text_encoder.encoder.layers.0.mlp.fc1` -> `text_encoder.text_model.encoder.layers.0.mlp.fc1`; others
+    unchanged."""
     comp, _, path = module.partition(".")
     if comp.startswith("text_encoder") and path.startswith(_CLIP_TEXT_MODEL_CHILDREN):
         return f"{comp}.{_TEXT_MODEL}{path}"
@@ -119,8 +124,9 @@ def _live_paths(path: str) -> tuple[str, ...]:
 def _kohya_prefix(component: str, base: str | None) -> str:
     """kohya's prefix of a component. The first text encoder is `lora_te_` for SD1.5 (and an unknown base),
     `lora_te1_` where the model has several (SDXL, SD3, Flux: sd-scripts' sdxl/sd3/flux networks write te1 and
-    ComfyUI reads te1 for CLIP-L/-H everywhere); a T5 encoder is `lora_te3_`, Flux's (its text_encoder_2) too, as
-    sd-scripts' lora_flux.py writes it ("make ComfyUI compatible"; ComfyUI reads te2 and te3 for Flux's T5)."""
+    ComfyUI reads te1 for CLIP-L/-H everywhere); a T5 encoder is `lora_te3_`, Flux's (its text_encoder_2) too,
+    as sd-scripts' lora_flux.py writes it ("make ComfyUI compatible"; ComfyUI reads te2 and te3 for Flux's
+    T5)."""
     kind = REGISTRY.get(base)
     if component == "text_encoder":
         return "lora_te1_" if kind is not None and len(kind.text_encoders) > 1 else "lora_te_"
@@ -131,13 +137,14 @@ def _kohya_prefix(component: str, base: str | None) -> str:
 
 
 def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None = None) -> str:
-    """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` -> `lora_unet_down_blocks_0_resnets_0_conv1`.
+    """Pipeline path -> kohya/ComfyUI name: `unet.down_blocks.0.resnets.0.conv1` ->
+    `lora_unet_down_blocks_0_resnets_0_conv1`.
 
-    An SDXL UNet module (a base whose `ldm_names` is set) with the UNet's `layout` gets the LDM/sgm name sd-scripts' SDXL tools use
-    (`unet.down_blocks.1.attentions.0.proj_in` -> `lora_unet_input_blocks_4_1_proj_in`); without a layout, the
-    diffusers name (ComfyUI and diffusers read both, sd-scripts only the first). CLIP text encoders get their
-    `text_model_` level whatever transformers is installed (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`);
-    the prefixes are `_kohya_prefix`'s.
+    An SDXL UNet module (a base whose `ldm_names` is set) with the UNet's `layout` gets the LDM/sgm name
+    sd-scripts' SDXL tools use (`unet.down_blocks.1.attentions.0.proj_in` ->
+    `lora_unet_input_blocks_4_1_proj_in`); without a layout, the diffusers name (ComfyUI and diffusers read
+    both, sd-scripts only the first). CLIP text encoders get their `text_model_` level whatever transformers
+    is installed (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`); the prefixes are `_kohya_prefix`'s.
     """
     comp, _, path = canonical_name(module).partition(".")
     if comp not in COMPONENTS or not path:
@@ -150,8 +157,8 @@ def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None =
 def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | None = None) -> str:
     """kohya/ComfyUI name -> pipeline path (the inverse of `kohya_name`), by the segment list above.
 
-    `lora_unet_` is the base's denoiser (the UNet of sd15/sdxl, the transformer of sd3/flux); with no base, the
-    transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
+    `lora_unet_` is the base's denoiser (the UNet of sd15/sdxl, the transformer of sd3/flux); with no base,
+    the transformer unless the name starts with one of the UNet's top-level modules. UNet names in the
     original LDM/sgm layout (`lora_unet_input_blocks_4_1_...`, as kohya's SDXL LoRAs have them) are
     mapped to diffusers' blocks with `layout`'s layers_per_block (default `LDM_LAYERS_PER_BLOCK`, SD1.5's and
     SDXL's; `match_modules` maps them again with the target UNet's own structure).
@@ -172,7 +179,8 @@ def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | Non
         if ldm is not None:
             return f"unet.{ldm}"
     t5 = REGISTRY[base].t5_encoder if base in REGISTRY else None
-    if comp == "text_encoder_3" and t5 is not None:  # the base's T5, whichever component it is (Flux: text_encoder_2)
+    # the base's T5, whichever component it is (Flux: text_encoder_2)
+    if comp == "text_encoder_3" and t5 is not None:
         comp = t5.component
     segments = _segments(rest)
     if comp == "unet":
@@ -199,22 +207,27 @@ def _segments(name: str) -> list[str]:
 
 # The SDXL UNet in kohya files: LDM/sgm names. sd-scripts' SDXL UNet (library/sdxl_original_unet.py) has the
 # original LDM/sgm layout, and its SDXL tools (sdxl_train_network.py's output, --network_weights,
-# sdxl_merge_lora.py) name a LoRA module `lora_unet_` + that model's module path with "_" for "." (networks/lora.py
-# create_modules): `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`. A diffusers name
-# (`lora_unet_down_blocks_1_attentions_0_...`) is found by ComfyUI and diffusers, not by sd-scripts. So SDXL UNet
-# modules are written with these names whenever the UNet's structure is known (`UnetLayout`), and read in both
-# layouts. The block numbers depend on the structure, as in diffusers' `_maybe_map_sgm_blocks_to_diffusers` (which
-# uses the UNet config's layers_per_block): with L resnets per down block (L + 1 per up block),
-#   input_blocks.0.0 = conv_in; input_blocks.(1 + b (L+1) + k).0 / .1 = down_blocks.b.resnets.k / .attentions.k,
+# sdxl_merge_lora.py) name a LoRA module `lora_unet_` + that model's module path with "_" for "."
+# (networks/lora.py create_modules): `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`. A diffusers
+# name (`lora_unet_down_blocks_1_attentions_0_...`) is found by ComfyUI and diffusers, not by sd-scripts. So
+# SDXL UNet modules are written with these names whenever the UNet's structure is known (`UnetLayout`), and
+# read in both layouts. The block numbers depend on the structure, as in diffusers'
+# `_maybe_map_sgm_blocks_to_diffusers` (which uses the UNet config's layers_per_block): with L resnets per
+# down block (L + 1 per up block),
+#   input_blocks.0.0 = conv_in;
+#   input_blocks.(1 + b (L+1) + k).0 / .1 = down_blocks.b.resnets.k / .attentions.k,
 #   input_blocks.(1 + b (L+1) + L).0.op = down_blocks.b.downsamplers.0.conv (every down block but the last);
 #   middle_block.0 / .1 / .2 = mid_block.resnets.0 / .attentions.0 / .resnets.1;
-#   output_blocks.(b (L+1) + k).0 / .1 = up_blocks.b.resnets.k / .attentions.k, and the upsampler rides on the
-#   block's last item: output_blocks.(b (L+1) + L).2.conv, or .1.conv in an up block without attentions.
-# Inside a resnet the LDM names differ (_LDM_RESNET); inside an attention (Transformer2DModel) they are the same.
-LDM_LAYERS_PER_BLOCK = 2  # SD1.5's and SDXL's; what a file's LDM names are read with when no structure is known
+#   output_blocks.(b (L+1) + k).0 / .1 = up_blocks.b.resnets.k / .attentions.k, and the upsampler rides on
+#   the block's last item: output_blocks.(b (L+1) + L).2.conv, or .1.conv in an up block without attentions.
+# Inside a resnet the LDM names differ (_LDM_RESNET); inside an attention (Transformer2DModel) they are the
+# same.
+LDM_LAYERS_PER_BLOCK = 2  # SD1.5's and SDXL's; what a file's LDM names are read with when no structure is
+                          # known
 UNET_LAYOUT_KEY = "lora_lab.unet_layout"  # metadata: the structure lora_lab wrote a file's LDM names with
-_LDM_TOP_PATHS = {"input_blocks.0.0": "conv_in", "out.2": "conv_out", "time_embed.0": "time_embedding.linear_1",
-                  "time_embed.2": "time_embedding.linear_2", "label_emb.0.0": "add_embedding.linear_1",
+_LDM_TOP_PATHS = {"input_blocks.0.0": "conv_in", "out.2": "conv_out",
+                  "time_embed.0": "time_embedding.linear_1", "time_embed.2": "time_embedding.linear_2",
+                  "label_emb.0.0": "add_embedding.linear_1",
                   "label_emb.0.2": "add_embedding.linear_2"}  # LDM path -> diffusers path, outside the blocks
 _LDM_RESNET_PATHS = {"in_layers.2": "conv1", "out_layers.3": "conv2", "emb_layers.1": "time_emb_proj",
                      "skip_connection": "conv_shortcut"}  # inside a resnet
@@ -225,34 +238,40 @@ _LDM_NAME = re.compile(r"(input_blocks|middle_block|output_blocks|time_embed|lab
 
 @dataclass(frozen=True)
 class UnetLayout:
-    """What a diffusers UNet's LDM/sgm names depend on: L = layers_per_block (resnets per down block, L + 1 per up
-    block) and which up blocks have attentions (their upsampler is item 2 of the block's last LDM block, else 1)."""
+    """What a diffusers UNet's LDM/sgm names depend on: L = layers_per_block (resnets per down block, L + 1
+    per up block) and which up blocks have attentions (their upsampler is item 2 of the block's last LDM
+    block, else 1)."""
 
     layers_per_block: int
     up_attentions: tuple[bool, ...]  # per up block (SDXL base: True, True, False)
 
     def to_json(self) -> str:
-        return json.dumps({"layers_per_block": self.layers_per_block, "up_attentions": list(self.up_attentions)})
+        return json.dumps({"layers_per_block": self.layers_per_block,
+                           "up_attentions": list(self.up_attentions)})
 
     @classmethod
     def from_json(cls, where: str, raw: str) -> UnetLayout:
         v = parse_json(where, raw)
         lpb, up = (v.get("layers_per_block"), v.get("up_attentions")) if isinstance(v, dict) else (None, None)
-        if type(lpb) is not int or not 1 <= lpb <= 64 or not isinstance(up, list) or not all(type(a) is bool for a in up):
-            raise LoraFormatError(f"{where}: must be {{\"layers_per_block\": int 1..64, \"up_attentions\": [bool, ...]}}, "
-                                  f"got {raw!r:.80}")
+        if (type(lpb) is not int or not 1 <= lpb <= 64 or not isinstance(up, list)
+                or not all(type(a) is bool for a in up)):
+            raise LoraFormatError(f"{where}: must be {{\"layers_per_block\": int 1..64, "
+                                  f"\"up_attentions\": [bool, ...]}}, got {raw!r:.80}")
         return cls(lpb, tuple(up))
 
 
 def unet_layout(model_or_names) -> UnetLayout | None:
     """The `UnetLayout` of a diffusers UNet from its module tree (a model, or its module / state-dict names);
     None unless it has the LDM block structure sd-scripts' SDXL UNet has (every down block L resnets and a
-    downsampler but the last, every up block L + 1 and an upsampler but the last, a mid block with an attention)."""
-    names = [n for n, _ in model_or_names.named_modules()] if isinstance(model_or_names, nn.Module) else model_or_names
+    downsampler but the last, every up block L + 1 and an upsampler but the last, a mid block with an
+    attention)."""
+    names = ([n for n, _ in model_or_names.named_modules()] if isinstance(model_or_names, nn.Module)
+             else model_or_names)
     blocks: dict[tuple[str, int], dict[str, set[int]]] = {}
     mid = set()
     for n in names:
-        if hit := re.match(r"(down|up)_blocks\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)", n):
+        if hit := re.match(r"(down|up)_blocks\.(\d+)\."
+                           r"(resnets|attentions|downsamplers|upsamplers)\.(\d+)", n):
             blocks.setdefault((hit[1], int(hit[2])), {}).setdefault(hit[3], set()).add(int(hit[4]))
         elif hit := re.match(r"mid_block\.(resnets|attentions)\.(\d+)", n):
             mid.add(f"{hit[1]}.{hit[2]}")
@@ -274,13 +293,15 @@ def unet_layout(model_or_names) -> UnetLayout | None:
 
 
 def _ldm_path(path: str, layout: UnetLayout) -> str:
-    """A diffusers UNet module path -> its LDM/sgm path (sd-scripts' SDXL UNet): `down_blocks.1.attentions.0.proj_in`
-    -> `input_blocks.4.1.proj_in` (L = 2). LoraFormatError for a module that has no LDM name."""
+    """A diffusers UNet module path -> its LDM/sgm path (sd-scripts' SDXL UNet):
+    `down_blocks.1.attentions.0.proj_in` -> `input_blocks.4.1.proj_in` (L = 2). LoraFormatError for a module
+    that has no LDM name."""
     top = {v: k for k, v in _LDM_TOP_PATHS.items()}
     if path in top:
         return top[path]
     lpb, resnet = layout.layers_per_block, {v: k for k, v in _LDM_RESNET_PATHS.items()}
-    hit = re.fullmatch(r"(down_blocks|mid_block|up_blocks)\.(?:(\d+)\.)?(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)", path)
+    hit = re.fullmatch(r"(down_blocks|mid_block|up_blocks)\.(?:(\d+)\.)?"
+                       r"(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)", path)
     if hit is None or (hit[1] == "mid_block") != (hit[2] is None):
         raise LoraFormatError(f"unet.{path}: no LDM/sgm (kohya SDXL) name for this UNet module")
     block, kind, item, rest = int(hit[2] or 0), hit[3], int(hit[4]), hit[5]
@@ -300,8 +321,8 @@ def _ldm_path(path: str, layout: UnetLayout) -> str:
 
 
 def _ldm_unet_path(name: str, layers_per_block: int = LDM_LAYERS_PER_BLOCK) -> str | None:
-    """An LDM/sgm UNet module name (underscored, after `lora_unet_`) -> diffusers' path, or None if it is not one;
-    the inverse of `_ldm_path` (the upsampler's item, 1 or 2, needs no structure: `.conv` names it)."""
+    """An LDM/sgm UNet module name (underscored, after `lora_unet_`) -> diffusers' path, or None if it is not
+    one; the inverse of `_ldm_path` (the upsampler's item, 1 or 2, needs no structure: `.conv` names it)."""
     if name in _LDM_TOP:
         return _LDM_TOP[name]
     lpb = layers_per_block
@@ -333,7 +354,8 @@ def _ldm_unet_path(name: str, layers_per_block: int = LDM_LAYERS_PER_BLOCK) -> s
 
 
 def _ldm_tail(kohya: str) -> str | None:
-    """The LDM module name of a kohya key in the LDM/sgm layout (`lora_unet_input_blocks_4_1_...` -> `input_blocks_4_1_...`)."""
+    """The LDM module name of a kohya key in the LDM/sgm layout (`lora_unet_input_blocks_4_1_...` ->
+    `input_blocks_4_1_...`)."""
     tail = kohya.removeprefix("lora_unet_")
     return tail if tail != kohya and _LDM_NAME.match(tail) else None
 

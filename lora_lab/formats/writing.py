@@ -52,11 +52,12 @@ def save_lora(
     the SD3/Flux transformers. `base` ("sd15", "sdxl", "sd3", "flux") is guessed from the model when not
     given; it chooses `lora_te_` vs `lora_te1_` and goes into the metadata.
 
-    SDXL UNet modules get sd-scripts' LDM/sgm names (`lora_unet_input_blocks_4_1_...`, see `UnetLayout`) when the
-    UNet's structure is known: from the UNet model saved, else `unet` (the UNet, e.g. built on the meta device, or
-    its `UnetLayout`), else the file a LoraFile was loaded from (metadata `UNET_LAYOUT_KEY`). Otherwise (a bare
-    state dict or LoraFile) they keep their diffusers names, which ComfyUI and diffusers read and sd-scripts' SDXL
-    tools do not, with a warning: numbering the blocks for a guessed structure could name the wrong modules.
+    SDXL UNet modules get sd-scripts' LDM/sgm names (`lora_unet_input_blocks_4_1_...`, see `UnetLayout`) when
+    the UNet's structure is known: from the UNet model saved, else `unet` (the UNet, e.g. built on the meta
+    device, or its `UnetLayout`), else the file a LoraFile was loaded from (metadata `UNET_LAYOUT_KEY`).
+    Otherwise (a bare state dict or LoraFile) they keep their diffusers names, which ComfyUI and diffusers
+    read and sd-scripts' SDXL tools do not, with a warning: numbering the blocks for a guessed structure could
+    name the wrong modules.
     """
     if format not in FORMATS:
         raise LoraFormatError(f"format={format!r}: choose one of {FORMATS}")
@@ -69,15 +70,17 @@ def save_lora(
     if unet is not None:
         layout = unet if isinstance(unet, UnetLayout) else unet_layout(unet)
         if layout is None:
-            raise LoraFormatError(f"unet={type(unet).__name__}: not a UNet with the LDM block structure (see UnetLayout)")
+            raise LoraFormatError(f"unet={type(unet).__name__}: not a UNet with the LDM block structure "
+                                  "(see UnetLayout)")
     layout = layout or _layout_from_metadata(lf.path, lf.metadata)
     has_unet = any(n.startswith("unet.") for n in lf.modules)
     if base is None or not REGISTRY[base].ldm_names or not has_unet:
         layout = None
     elif layout is None and format == "kohya":
-        warnings.warn(f"{path}: the SDXL UNet's structure is not known, so its modules keep their diffusers names "
-                      "(ComfyUI and diffusers read them, kohya sd-scripts' SDXL tools do not): pass unet= (the UNet "
-                      "or its UnetLayout) for sd-scripts' LDM/sgm names", stacklevel=2)
+        warnings.warn(f"{path}: the SDXL UNet's structure is not known, so its modules keep their "
+                      "diffusers names (ComfyUI and diffusers read them, kohya sd-scripts' SDXL tools do "
+                      "not): pass unet= (the UNet or its UnetLayout) for sd-scripts' LDM/sgm names",
+                      stacklevel=2)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in lf.modules.items():
         _checked_module(f"{path}: module {name!r}", m.down, m.up, m.alpha, m.dora_scale, name)
@@ -97,8 +100,9 @@ def save_lora(
     alphas = sorted({m.alpha for m in lf.modules.values()})
     if format == "kohya" and len(alphas) > 1:
         warnings.warn(
-            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' kohya reader "
-            "(0.42) gives attention projections the most common alpha: save format='peft' for diffusers",
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' "
+            "kohya reader (0.42) gives attention projections the most common alpha: save format='peft' "
+            "for diffusers",
             stacklevel=2,
         )
     meta = _metadata(lf, format, base)
@@ -134,14 +138,16 @@ def _metadata(lf: LoraFile, format: str, base: str | None) -> dict[str, str]:
         "lora_lab.dora": str(any(m.dora_scale is not None for m in lf.modules.values())).lower(),
     }
     if format == "kohya":  # the names kohya's own tools and the web UIs show
-        meta.update({"ss_network_module": "networks.lora", "ss_network_dim": str(r), "ss_network_alpha": f"{a:g}"})
+        meta.update({"ss_network_module": "networks.lora", "ss_network_dim": str(r),
+                     "ss_network_alpha": f"{a:g}"})
         if base is not None and REGISTRY[base].kohya_version_written:
             meta["ss_base_model_version"] = REGISTRY[base].kohya_version_written
     else:  # PEFT LoraConfig kwargs per component, as diffusers' save_lora_weights writes them
         adapter = {}
         for comp in lf.components():
             # names as PEFT suffixes: without `text_model.`, they match CLIP's modules in transformers 4 and 5
-            mods = {_live_paths(n.split(".", 1)[1])[-1]: m for n, m in lf.modules.items() if n.startswith(comp + ".")}
+            mods = {_live_paths(n.split(".", 1)[1])[-1]: m for n, m in lf.modules.items()
+                    if n.startswith(comp + ".")}
             cr = Counter(m.rank for m in mods.values()).most_common(1)[0][0]
             ca = Counter(m.alpha for m in mods.values()).most_common(1)[0][0]
             adapter.update({
@@ -199,21 +205,25 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None, Un
         return LoraFile(modules=modules), base, layout
     if isinstance(lora, Mapping):
         return _modules_from_state(lora, component), None, None
-    raise TypeError(f"save_lora needs a LoraFile, a model, a dict of models or a state dict, got {type(lora).__name__}")
+    raise TypeError("save_lora needs a LoraFile, a model, a dict of models or a state dict, "
+                    f"got {type(lora).__name__}")
 
 
 def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None) -> LoraFile:
-    """A canonical state dict (`{name}.lora_down.weight`, `.lora_up.weight`, `.alpha`, `.dora_scale`) -> LoraFile."""
+    """A canonical state dict (`{name}.lora_down.weight`, `.lora_up.weight`, `.alpha`, `.dora_scale`) ->
+    LoraFile."""
     parts, bad = _group_by_suffix(state, _KOHYA_SUFFIXES)
     if bad is not None:
-        raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's ({list(_KOHYA_SUFFIXES)})")
+        raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's "
+                              f"({list(_KOHYA_SUFFIXES)})")
     modules = {}
     for key, p in parts.items():
         name = key
         if name.split(".", 1)[0] not in COMPONENTS:
             if component is None:
                 raise LoraFormatError(
-                    f"state dict module {name!r} does not start with a component {COMPONENTS}: pass component="
+                    f"state dict module {name!r} does not start with a component {COMPONENTS}: "
+                    "pass component="
                 )
             name = f"{component}.{name}"
         if "down" not in p or "up" not in p:
@@ -221,7 +231,8 @@ def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None
         alpha = float(p["alpha"].item()) if "alpha" in p else float(p["down"].shape[0])
         name = canonical_name(name)
         if name in modules:
-            raise LoraFormatError(f"state dict modules {modules[name].key!r} and {key!r} are both module {name!r}")
+            raise LoraFormatError(f"state dict modules {modules[name].key!r} and {key!r} are both "
+                                  f"module {name!r}")
         modules[name] = _checked_module(f"state dict module {name!r}", p["down"].detach().float(),
                                         p["up"].detach().float(), alpha,
                                         None if p.get("dora") is None else p["dora"].detach().float(), key)

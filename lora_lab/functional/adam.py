@@ -32,7 +32,8 @@ class AdamHyper:
     block_size: int = BLOCK_SIZE
 
 
-def adam_math_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, hp: AdamHyper) -> None:
+def adam_math_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+               hp: AdamHyper) -> None:
     """The Adam/AdamW update on fp32 tensors, in place on p, m and v (the same formula as torch.optim)."""
     if hp.weight_decay and not hp.decoupled:
         g = g.add(p, alpha=hp.weight_decay)

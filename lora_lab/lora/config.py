@@ -14,7 +14,8 @@ INITS = ("kaiming", "gaussian", "pissa")
 
 
 class LoRAConfigError(LoraLabError, ValueError):
-    """An invalid adapter setting (rank, alpha, dropout, targets, init) or adapter weights of the wrong shape."""
+    """An invalid adapter setting (rank, alpha, dropout, targets, init) or adapter weights of the wrong
+    shape."""
 
 
 class LoRATargetError(LoraLabError, ValueError):
@@ -32,12 +33,15 @@ class LoRAConfig:
     rank: int = 8  # r >= 1
     alpha: float = 8.0  # > 0; scale = alpha / rank (rsLoRA: alpha / sqrt(rank))
     dropout: float = 0.0  # 0 <= p < 1, on the adapter's input only
-    targets: str | Sequence[str] = r".*"  # str: re.fullmatch on the full module name; list: names or name suffixes
+    targets: str | Sequence[str] = r".*"  # str: re.fullmatch on the full module name; list: names or
+                                          # name suffixes
     use_rslora: bool = False  # scale alpha / sqrt(rank)
     use_dora: bool = False  # DoRA magnitude vector (functional/dora.py)
-    init: str = "kaiming"  # "kaiming" (A kaiming-uniform, B = 0) | "gaussian" (A ~ N(0, 1/r^2), B = 0) | "pissa"
+    init: str = "kaiming"  # "kaiming" (A kaiming-uniform, B = 0) | "gaussian" (A ~ N(0, 1/r^2), B = 0) |
+                           # "pissa"
     conv: bool = True  # also wrap matching nn.Conv2d (LoCon)
-    backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere) | "triton" | "torch"; Linear adapters only
+    backend: str = "auto"  # "auto" (Triton on CUDA, PyTorch elsewhere) | "triton" | "torch"; Linear
+                           # adapters only
 
     def __post_init__(self):
         def bad(msg: str):

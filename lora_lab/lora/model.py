@@ -50,27 +50,31 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     twice: list[str] = []
     for name, module in modules.items():
         if not name or not matches_targets(name, config.targets):
-            continue  # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
+            # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
+            continue
         parent = modules[parent_name(name)]
         if isinstance(module, LoRAModule) or (isinstance(parent, LoRAModule) and module is parent.base):
             twice.append(name)
         elif isinstance(module, kinds):
             found.append(name)
     if twice:
-        raise LoRATargetError(f"targets {config.targets!r} match module(s) that already have an adapter: {twice[:8]}")
+        raise LoRATargetError(f"targets {config.targets!r} match module(s) that already have an adapter: "
+                              f"{twice[:8]}")
     if not found:
         shown = [f"{n} ({type(m).__name__})" for n, m in modules.items() if n][:20]
         raise LoRATargetError(
             f"targets {config.targets!r} match no {'/'.join(k.__name__ for k in kinds)} module; "
             f"some of the model's modules: {shown}"
         )
-    kinds_found = [(name, LoRAConv2d if isinstance(modules[name], nn.Conv2d) else LoRALinear) for name in found]
+    kinds_found = [(name, LoRAConv2d if isinstance(modules[name], nn.Conv2d) else LoRALinear)
+                   for name in found]
     for name, cls in kinds_found:  # all checked before any is wrapped: an error leaves the model as it was
         try:
             cls.check_base(modules[name], config)
         except LoraLabError as e:
             raise type(e)(f"{name}: {e}") from None
-    for name, cls in kinds_found:  # wrap after the walk: replacing while iterating named_modules would skip some
+    # wrap after the walk: replacing while iterating named_modules would skip some
+    for name, cls in kinds_found:
         swap_module(model, name, cls(modules[name], config))
     trainable = {id(p) for _, m in lora_modules(model) for p in m.adapter_parameters()}
     for p in model.parameters():
@@ -87,7 +91,8 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
 
 
 def merge_lora(model: nn.Module, requantize: bool = False) -> None:
-    """Merge every adapter that is not merged yet into its base weight (quantized bases: see LoRAModule.merge)."""
+    """Merge every adapter that is not merged yet into its base weight (quantized bases: see
+    LoRAModule.merge)."""
     if not requantize:
         _refuse_quantized_merge(model)
     for _, m in lora_modules(model):
@@ -131,11 +136,13 @@ def remove_lora(model: nn.Module, merge: bool = True, requantize: bool = False) 
 
 @contextmanager
 def lora_disabled(model: nn.Module):
-    """Inside the block every adapter is off (the base model); each is restored afterwards, also on an exception."""
+    """Inside the block every adapter is off (the base model); each is restored afterwards, also on an
+    exception."""
     mods = [m for _, m in lora_modules(model)]
     merged = [n for n, m in lora_modules(model) if m.merged]
     if merged:
-        raise LoRAStateError(f"merged adapters are part of the base weights and cannot be switched off: {merged[:8]}")
+        raise LoRAStateError("merged adapters are part of the base weights and cannot be switched off: "
+                             f"{merged[:8]}")
     before = [m.enabled for m in mods]
     for m in mods:
         m.enabled = False
@@ -150,13 +157,15 @@ def set_lora_strength(model: nn.Module, strength: float) -> None:
     """Set the runtime strength t of every adapter in `model` (none is changed if one is merged)."""
     merged = [n for n, m in lora_modules(model) if m.merged]
     if merged:
-        raise LoRAStateError(f"cannot change the strength of merged adapters {merged[:8]}; unmerge_lora(model) first")
+        raise LoRAStateError(f"cannot change the strength of merged adapters {merged[:8]}; "
+                             "unmerge_lora(model) first")
     for _, m in lora_modules(model):
         m.strength = strength
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors, keyed by the wrapped module's path: lora_down/lora_up weights, alpha, dora_scale.
+    """Only the adapter tensors, keyed by the wrapped module's path: lora_down/lora_up weights, alpha,
+    dora_scale.
 
     fp32 CPU copies. The rank is lora_down's first dimension; `alpha` is stored so that alpha / rank is the
     adapter's scale (for rsLoRA that is alpha * sqrt(rank)), as kohya-style readers compute it.
@@ -178,7 +187,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_adapters(model: nn.Module, loss: Callable[[], torch.Tensor], steps: int, lr: float) -> list[float]:
-    """`steps` Adam steps (learning rate `lr`) on the adapters of `model` minimising `loss()`; the loss of each step.
+    """`steps` Adam steps (learning rate `lr`) on the adapters of `model` minimising `loss()`; the loss of
+    each step.
 
     The small loop for fitting adapters to a fixed target (as notebook 04 does); training a diffusion
     LoRA on image data is `lora_lab.diffusion.train`.
@@ -189,7 +199,8 @@ def train_adapters(model: nn.Module, loss: Callable[[], torch.Tensor], steps: in
         raise LoRAConfigError(f"train_adapters: lr must be a finite number > 0, got {lr!r}")
     params = [p for _, m in lora_modules(model) for p in m.adapter_parameters()]
     if not params:
-        raise LoRATargetError(f"{type(model).__name__} has no adapters to train: add_lora(model, config) first")
+        raise LoRATargetError(f"{type(model).__name__} has no adapters to train: "
+                              "add_lora(model, config) first")
     opt = torch.optim.Adam(params, lr=lr)
     losses = []
     for _ in range(steps):

@@ -1,7 +1,8 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
     REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev
-    REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public config.json files
+    REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
+                                           config.json files
     real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux
     build_real(name, components=None)   -> {component: module}, built in the current device context
                                            (under a FakeTensorMode or on "meta": no memory is allocated)
@@ -40,7 +41,8 @@ T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_
 
 # ----------------------------------------------------------------------------- VAEs
 
-_VAE_SD = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [128, 256, 512, 512],
+_VAE_SD = {"in_channels": 3, "out_channels": 3, "latent_channels": 4,
+           "block_out_channels": [128, 256, 512, 512],
            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
            "layers_per_block": 2, "norm_num_groups": 32}
 # stable-diffusion-v1-5/stable-diffusion-v1-5/vae/config.json
@@ -48,11 +50,11 @@ VAE_SD15 = {**_VAE_SD, "sample_size": 512, "scaling_factor": 0.18215}
 # stabilityai/stable-diffusion-xl-base-1.0/vae/config.json
 VAE_SDXL = {**_VAE_SD, "sample_size": 1024, "scaling_factor": 0.13025}
 # stabilityai/stable-diffusion-3.5-large/vae/config.json (the same VAE in 3.5 Medium)
-VAE_SD3 = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609,
-           "use_quant_conv": False, "use_post_quant_conv": False}
+VAE_SD3 = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 1.5305,
+           "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False}
 # black-forest-labs/FLUX.1-dev/vae/config.json
-VAE_FLUX = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-            "use_quant_conv": False, "use_post_quant_conv": False}
+VAE_FLUX = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611,
+            "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False}
 
 # ----------------------------------------------------------------------------- denoisers
 
@@ -69,7 +71,8 @@ UNET_SDXL = {"sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_pe
              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
              "transformer_layers_per_block": [1, 2, 10], "attention_head_dim": [5, 10, 20],
              "cross_attention_dim": 2048, "use_linear_projection": True, "addition_embed_type": "text_time",
-             "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32}
+             "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816,
+             "norm_num_groups": 32}
 # stabilityai/stable-diffusion-3.5-medium/transformer/config.json (MMDiT-X: dual attention in blocks 0-12)
 SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
@@ -81,7 +84,8 @@ SD35_LARGE = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_chann
               "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
               "qk_norm": "rms_norm"}
 # black-forest-labs/FLUX.1-dev/transformer/config.json
-FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
+            "num_single_layers": 38,
             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
@@ -89,7 +93,8 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
              "text_encoder": ("CLIPTextModel", CLIP_L)},
     "sdxl": {"unet": ("UNet2DConditionModel", UNET_SDXL), "vae": ("AutoencoderKL", VAE_SDXL),
-             "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG)},
+             "text_encoder": ("CLIPTextModel", CLIP_L),
+             "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG)},
     "sd35-medium": {"transformer": ("SD3Transformer2DModel", SD35_MEDIUM), "vae": ("AutoencoderKL", VAE_SD3),
                     "text_encoder": ("CLIPTextModelWithProjection", CLIP_L),
                     "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_BIGG),

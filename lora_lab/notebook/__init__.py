@@ -1,11 +1,13 @@
 """What the notebooks share: checked parameters, recorded claims, the batch runner, and the small real tasks
 they teach on.
 
-    record.py      Record (parameters checked, numbers, claims, figures -> reports/NAME.json), report_dir, batch_run
+    record.py      Record (parameters checked, numbers, claims, figures -> reports/NAME.json), report_dir,
+                   batch_run
     parameters.py  a notebook's `parameters` cell and papermill's injected cell read as literals, and checked
     runner.py      `python -m lora_lab.notebook`: every notebook through papermill into reports/
     digits.py      scikit-learn's digits as a small real task, and a plain classifier training loop
-    effect.py      what a sample shows, read by classifiers fitted on real digits (content kept, style learned)
+    effect.py      what a sample shows, read by classifiers fitted on real digits (content kept, style
+                   learned)
 
 digits.py and effect.py are imported by name (`from lora_lab.notebook.digits import load_digits`): they pull
 scikit-learn (and effect.py diffusers), which a notebook that only records claims does not need.
@@ -15,5 +17,5 @@ from .parameters import NotebookParameterError, check_parameters
 from .record import REPO, ClaimFailed, Record, batch_run, report_dir
 from .runner import run_notebook
 
-__all__ = ["REPO", "ClaimFailed", "NotebookParameterError", "Record", "batch_run", "check_parameters", "report_dir",
-           "run_notebook"]
+__all__ = ["REPO", "ClaimFailed", "NotebookParameterError", "Record", "batch_run", "check_parameters",
+           "report_dir", "run_notebook"]

@@ -1,7 +1,8 @@
 """Measuring what a sample shows, with simple classifiers fitted on real data (scikit-learn's digits).
 
 API:
-    digit_images(indices=None, size=RESOLUTION, inverted=False) -> (images (N, 3, size, size) in [-1, 1], labels (N,))
+    digit_images(indices=None, size=RESOLUTION, inverted=False)
+        -> (images (N, 3, size, size) in [-1, 1], labels (N,))
     DigitClassifier.fit(images, labels) / .predict(images) -> labels;  .accuracy(images, labels) -> float
         .confidence(images, labels) -> float: the mean probability the classifier gives the digit asked for
     InvertedClassifier.fit(normal, inverted) / .predict(images) -> bool (N,);  .rate(images) -> float
@@ -30,7 +31,8 @@ from .digits import digit_arrays
 # scikit-learn is imported where a classifier is fitted: it is optional (the notebooks extra).
 
 
-def digit_images(indices=None, size: int = RESOLUTION, inverted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def digit_images(indices=None, size: int = RESOLUTION,
+                 inverted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sklearn's digits as RGB images in [-1, 1] (white ink on black; `inverted`: black on white)."""
     x, y = digit_arrays()  # (N, 8, 8) ink in [0, 1], (N,)
     if indices is not None:

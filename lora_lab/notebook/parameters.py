@@ -16,14 +16,16 @@ from ..errors import LoraLabError
 
 
 class NotebookParameterError(LoraLabError):
-    """An injected parameter that the notebook does not define, of the wrong type, or NaN/Inf where not allowed."""
+    """An injected parameter that the notebook does not define, of the wrong type, or NaN/Inf where not
+    allowed."""
 
 
 _NONFINITE_NAMES = {"nan", "inf", "infinity"}
 
 
 def literal_value(node: ast.AST) -> Any:
-    """A literal, or float('nan') / float('inf') (as papermill writes them), also inside containers and signed."""
+    """A literal, or float('nan') / float('inf') (as papermill writes them), also inside containers and
+    signed."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" \
             and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant) \
             and str(node.args[0].value).strip().lower().lstrip("+-") in _NONFINITE_NAMES:
@@ -54,13 +56,15 @@ def _assignments(source: str) -> dict[str, tuple[Any, str]] | None:
     lines = source.splitlines()
     out = {}
     for stmt in tree.body:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)):
             return None
         try:
             value = literal_value(stmt.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
-        rest = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode(errors="replace")  # offsets: bytes
+        # offsets: bytes
+        rest = lines[stmt.end_lineno - 1].encode()[stmt.end_col_offset:].decode(errors="replace")
         out[stmt.targets[0].id] = (value, rest.partition("#")[2].strip())
     return out
 
@@ -93,7 +97,8 @@ def _kind_error(default: Any, value: Any) -> str | None:
     elif isinstance(default, (list, tuple)):
         ok = isinstance(value, (list, tuple))  # papermill turns tuples into lists
         kinds = {type(d) for d in default}
-        if ok and default and (len(kinds) == 1 or kinds == {int, float}):  # a homogeneous list: so are its items
+        # a homogeneous list: so are its items
+        if ok and default and (len(kinds) == 1 or kinds == {int, float}):
             model = float(default[0]) if float in kinds else default[0]
             for i, item in enumerate(value):
                 why = _kind_error(model, item)
@@ -131,7 +136,8 @@ def _takes_nonfinite(comment: str) -> bool:
     return re.search(r"\b(nan|inf|infinity)\b", comment, re.IGNORECASE) is not None
 
 
-def check_parameters(defaults: dict[str, Any], injected: dict[str, Any], nonfinite_ok: frozenset[str] = frozenset()) -> None:
+def check_parameters(defaults: dict[str, Any], injected: dict[str, Any],
+                     nonfinite_ok: frozenset[str] = frozenset()) -> None:
     """Raise NotebookParameterError naming the parameter for an unknown name (any case), a value of
     another type than its default, or NaN/Inf in a parameter not listed in `nonfinite_ok`."""
     unknown = sorted(set(injected) - set(defaults))

@@ -1,4 +1,5 @@
-"""Fitting a card's memory (VRAM): the fastest training configuration whose planned peak fits, and the table of options.
+"""Fitting a card's memory (VRAM): the fastest training configuration whose planned peak fits, and the table
+of options.
 
     fit_vram("24GiB", "sdxl", resolution=1024, batch_size=4) -> FitResult (chosen plan, why, every plan tried)
     options_table(plans, vram)                              -> one line per option: peak, largest part, fits
@@ -61,7 +62,8 @@ def _label(options: dict) -> str:
 def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str:
     """One line per plan: the option, its predicted peak, the part that dominates it, and whether it fits."""
     vram = parse_bytes(vram) if vram is not None else None
-    head = f"{'option':<44} {'predicted peak':>15}  {'largest part':<34}" + (f" fits {format_bytes(vram)}" if vram else "")
+    head = (f"{'option':<44} {'predicted peak':>15}  {'largest part':<34}"
+            + (f" fits {format_bytes(vram)}" if vram else ""))
     rows = [head]
     for p in plans:
         row = f"{_label(p.options):<44} {format_bytes(p.peak):>15}  {p.dominant():<34}"
@@ -71,8 +73,9 @@ def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str
     return "\n".join(rows)
 
 
-def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1, plans: list[MemoryPlan] | tuple = (),
-             checkpointing: bool | str = True, **plan_options) -> FitResult:
+def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
+             plans: list[MemoryPlan] | tuple = (), checkpointing: bool | str = True,
+             **plan_options) -> FitResult:
     """The fastest training configuration whose predicted peak fits `vram` (e.g. "24GiB"), a card's memory.
 
     Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
@@ -86,7 +89,8 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1, plans
     vram = parse_bytes(vram)
     if not (isinstance(batch_size, int) and batch_size >= 1):
         raise PlanError(f"fit_vram: batch_size must be an integer >= 1, got {batch_size!r}")
-    micro = [b for b in (2**i for i in range(batch_size.bit_length())) if batch_size % b == 0][::-1]  # largest first
+    micro = [b for b in (2**i for i in range(batch_size.bit_length()))
+             if batch_size % b == 0][::-1]  # largest first
     for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
         if key in plan_options:
             raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
@@ -94,7 +98,8 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1, plans
     for ckpt in CHECKPOINTING_ORDER:
         for opt in OPTIMIZER_ORDER:
             def plan(b, ckpt=ckpt, opt=opt):
-                kw = {"batch_size": b, "grad_accum": batch_size // b, "gradient_checkpointing": ckpt and checkpointing,
+                kw = {"batch_size": b, "grad_accum": batch_size // b,
+                      "gradient_checkpointing": ckpt and checkpointing,
                       "optimizer": opt,
                       **plan_options}
                 options = planner.plan_options(model, **kw) if plans else None
@@ -113,16 +118,19 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1, plans
     best = min(tried, key=lambda p: p.peak)
     raise PlanError(
         f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
-        f"({_label(best.options)}), of which {best.dominant()} is {format_bytes(best.parts[best.dominant()])}; "
+        f"({_label(best.options)}), of which {best.dominant()} is "
+        f"{format_bytes(best.parts[best.dominant()])}; "
         "lower the resolution or the rank, or use a larger GPU"
-        + ("" if checkpointing in (True, "full") else f", or a checkpointing policy that keeps less than {checkpointing} "
+        + ("" if checkpointing in (True, "full")
+           else f", or a checkpointing policy that keeps less than {checkpointing} "
            "(full, every_k, budget:F)"))
 
 
 def fit_config(config, vram: int | str):
-    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size and grad_accum
-    chosen by `fit_vram` for its base (the shipped tiny base, or --base, a local diffusers folder) on its device;
-    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why)."""
+    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size and
+    grad_accum chosen by `fit_vram` for its base (the shipped tiny base, or --base, a local diffusers folder)
+    on its device; config.batch_size * config.grad_accum is the effective batch kept.
+    Returns (config, why)."""
     base = config.base if config.base is not None else shipped_base(config.model)
     device = resolve_device(config.device).type
     resolution = config.resolution
@@ -133,10 +141,12 @@ def fit_config(config, vram: int | str):
         if resolution is None:
             sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
             sample = json.loads((Path(base) / sub / "config.json").read_text()).get("sample_size")
-            resolution = default_resolution(SimpleNamespace(vae_scale_factor=folder_vae_scale(Path(base)), unet=SimpleNamespace(
-                config=SimpleNamespace(sample_size=sample))))
+            resolution = default_resolution(SimpleNamespace(
+                vae_scale_factor=folder_vae_scale(Path(base)),
+                unet=SimpleNamespace(config=SimpleNamespace(sample_size=sample))))
     else:
-        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); single-file checkpoints are not planned")
+        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); "
+                        "single-file checkpoints are not planned")
     dataset_size = dataset_len(config, resolution) if device == "cpu" else 0
     result = fit_vram(vram, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
                  resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,

@@ -5,13 +5,15 @@
 Formats (`FORMATS`), all symmetric (no zero point), the scales in fp32:
 
     int8        per output row:  s_o = max_j |W_oj| / 127.5,  q = round(W / s_o) clamped to [-128, 127]
-                (torchao's symmetric int8 weight-only; bitsandbytes' LLM.int8 uses max / 127: a 0.4% coarser step)
+                (torchao's symmetric int8 weight-only; bitsandbytes' LLM.int8 uses max / 127: a 0.4% coarser
+                step)
     int8-block  the same per block of `block_size` (default 256) consecutive values of the row-major weight
     nf4         QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314): per block
                 of 64 values a = max |W|, code = the nearest of the 16 NF4 values to W / a, two codes a byte;
                 the absmax are double-quantized: a - mean(a) as 8-bit dynamic-map codes in blocks of 256
                 (lora_lab.blockwise), plus one fp32 absmax per 256 blocks and the fp32 mean
-    fp8         float8 e4m3 (max 448) with one fp32 scale for the whole tensor: q = fp8(W / s), s = max |W| / 448
+    fp8         float8 e4m3 (max 448) with one fp32 scale for the whole tensor: q = fp8(W / s),
+                s = max |W| / 448
     fp8-row     the same with one scale per output row
 
 Stored bytes per weight value: int8 1 + 4/in, int8-block 1 + 4/256, nf4 0.5 + 1/64 + 4/(64*256), fp8 1 (+4
@@ -39,7 +41,8 @@ from ..functional.blockwise import as_blocks, dequantize_blockwise, quantize_blo
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default
 NF4_ABSMAX_BLOCK = 256  # the double quantization's block (of NF4 absmax values), as QLoRA and bitsandbytes
-INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2: absmax maps to the edge of [-128, 127], as torchao's symmetric int8
+INT8_HALF_RANGE = 127.5  # (127 - (-128)) / 2: absmax maps to the edge of [-128, 127], as torchao's
+                         # symmetric int8
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
 # The 16 NF4 values (QLoRA, appendix E): quantiles of N(0, 1) normalised to [-1, 1], with an exact 0.
@@ -82,8 +85,10 @@ def _nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch
     one 8-byte word, so that dequantizing is one 1-D lookup a byte)."""
     code = torch.tensor(NF4_CODE, dtype=torch.float32)
     byte = torch.arange(256)
-    pairs = torch.stack([code[byte >> 4], code[byte & 15]], dim=1)  # (256, 2) high nibble first, as bitsandbytes
-    return code.to(device), ((code[1:] + code[:-1]) / 2).to(device), pairs.view(torch.int64).view(-1).to(device)
+    # (256, 2) high nibble first, as bitsandbytes
+    pairs = torch.stack([code[byte >> 4], code[byte & 15]], dim=1)
+    return (code.to(device), ((code[1:] + code[:-1]) / 2).to(device),
+            pairs.view(torch.int64).view(-1).to(device))
 
 
 def _absmax_scaled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +99,8 @@ def _absmax_scaled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return absmax, scaled.clamp_(-1.0, 1.0)
 
 
-def stored_layout(fmt: str, shape: tuple[int, int], block_size: int | None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def stored_layout(fmt: str, shape: tuple[int, int],
+                  block_size: int | None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of each stored tensor of a weight of `shape` in `fmt`."""
     out, inp = shape
     n = out * inp
@@ -109,7 +115,8 @@ def stored_layout(fmt: str, shape: tuple[int, int], block_size: int | None) -> d
             "absmax2": ((-(-nb // NF4_ABSMAX_BLOCK),), torch.float32),
             "offset": ((), torch.float32),
         }
-    return {"qweight": ((out, inp), torch.float8_e4m3fn), "scale": ((out if fmt == "fp8-row" else 1,), torch.float32)}
+    return {"qweight": ((out, inp), torch.float8_e4m3fn),
+            "scale": ((out if fmt == "fp8-row" else 1,), torch.float32)}
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) -> dict[str, torch.Tensor]:
@@ -121,9 +128,11 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     if w.dim() != 2:
         raise QuantizationError(f"quantize_weight needs a 2-D (out, in) weight, got shape {tuple(w.shape)}")
     if w.is_meta:
-        return {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in stored_layout(fmt, tuple(w.shape), block_size).items()}
+        return {k: torch.empty(s, dtype=dt, device="meta")
+                for k, (s, dt) in stored_layout(fmt, tuple(w.shape), block_size).items()}
     if not w.is_floating_point() or not bool(w.isfinite().all()):
-        raise QuantizationError(f"quantize_weight needs a finite floating-point weight (shape {tuple(w.shape)}, {w.dtype})")
+        raise QuantizationError("quantize_weight needs a finite floating-point weight "
+                                f"(shape {tuple(w.shape)}, {w.dtype})")
     w = w.detach()
     if fmt in ("int8", "int8-block"):
         rows = w.float() if fmt == "int8" else as_blocks(w.reshape(-1).float(), block_size)  # (rows, len)
@@ -138,16 +147,19 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         codes = F.pad(codes, (0, codes.numel() % 2), value=7)  # 7 is the code of 0.0
         offset = absmax.mean()
         qabsmax, absmax2 = quantize_blockwise(absmax - offset, signed=True, block_size=NF4_ABSMAX_BLOCK)
-        return {"qweight": (codes[0::2] << 4) | codes[1::2], "qabsmax": qabsmax, "absmax2": absmax2, "offset": offset}
+        return {"qweight": (codes[0::2] << 4) | codes[1::2], "qabsmax": qabsmax, "absmax2": absmax2,
+                "offset": offset}
     w32 = w.float()
     absmax = w32.abs().amax(dim=1, keepdim=True) if fmt == "fp8-row" else w32.abs().amax().reshape(1, 1)
     scale = absmax / FP8_MAX  # (out, 1) or (1, 1)
-    q = (w32 / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # round to nearest even
+    # round to nearest even
+    q = (w32 / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return {"qweight": q, "scale": scale.reshape(-1)}
 
 
 def dequantize_weight(
-    q: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int], block_size: int | None = None, dtype=torch.float32
+    q: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int], block_size: int | None = None,
+    dtype=torch.float32
 ) -> torch.Tensor:
     """The stored tensors of `quantize_weight` -> the (out, in) weight they stand for, in `dtype`."""
     block_size = check_format(fmt, block_size)
@@ -165,7 +177,8 @@ def dequantize_weight(
         values = pairs.index_select(0, qw.int()).view(torch.float32)  # (2 * bytes,) one lookup a byte
         return as_blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
     scale = q["scale"][:, None] if fmt == "fp8-row" else q["scale"]
-    values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())  # 2x faster than a cast on CPU
+    # 2x faster than a cast on CPU
+    values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())
     return values.view(shape).mul_(scale).to(dtype)
 
 
@@ -177,7 +190,8 @@ def _fp8_table(device: torch.device) -> torch.Tensor:
 
 def nf4_absmax(q: dict[str, torch.Tensor]) -> torch.Tensor:
     """The per-block absmax of an NF4 weight, from its double-quantized form (fp32)."""
-    return dequantize_blockwise(q["qabsmax"], q["absmax2"], signed=True, block_size=NF4_ABSMAX_BLOCK) + q["offset"]
+    return (dequantize_blockwise(q["qabsmax"], q["absmax2"], signed=True, block_size=NF4_ABSMAX_BLOCK)
+            + q["offset"])
 
 
 # ----------------------------------------------------------------------------- plain references
@@ -196,11 +210,13 @@ def reference_nf4_code() -> torch.Tensor:
 
 def reference_quantize_nearest(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Index of the nearest of `values` (ascending) for each element of x; a tie takes the lower index."""
-    return (x.reshape(-1, 1) - values.reshape(1, -1)).abs().argmin(dim=1).reshape(x.shape)  # (n, len(values)) distances
+    # (n, len(values)) distances
+    return (x.reshape(-1, 1) - values.reshape(1, -1)).abs().argmin(dim=1).reshape(x.shape)
 
 
 def reference_nf4(w: torch.Tensor, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpacked NF4 codes (one per value, uint8) and fp32 absmax per block, by brute force, before double quantization."""
+    """Unpacked NF4 codes (one per value, uint8) and fp32 absmax per block, by brute force, before double
+    quantization."""
     flat = w.detach().reshape(-1).float()
     codes, absmax = [], []
     for start in range(0, flat.numel(), block_size):
