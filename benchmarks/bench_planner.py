@@ -1,8 +1,10 @@
 """Memory planner: real-size predictions, the planner's own speed, and the tiny-model validation matrix.
 
     python benchmarks/bench_planner.py                 # real-size table (predictions) + planner speed
-    python benchmarks/bench_planner.py --validate      # tiny models on the CPU: predicted vs measured, 32 runs
-    python benchmarks/bench_planner.py --quantized     # real size with a quantized frozen denoiser (NF4, int8)
+    python benchmarks/bench_planner.py --validate      # tiny models on the CPU: predicted vs measured,
+                                                       # 32 runs
+    python benchmarks/bench_planner.py --quantized     # real size with a quantized frozen denoiser
+                                                       # (NF4, int8)
     python benchmarks/bench_planner.py --validate --quantized   # the same check with a quantized frozen base
     python benchmarks/bench_planner.py --speed         # only the planner's speed: 3 plans of SDXL 1024, fit
 
@@ -46,14 +48,18 @@ def real_table(rows, rank: int) -> None:
 
     quantized = len(rows[0]) == 5
     print(f"| model | resolution | {'base | ' if quantized else ''}checkpointing | optimizer | attention | "
-          "weights (denoiser / others) GiB | saved activations GiB | predicted peak GiB | phase | plan time s |")
-    print(f"| --- | ---: | {'--- | ' if quantized else ''}--- | --- | --- | ---: | ---: | ---: | --- | ---: |")
+          "weights (denoiser / others) GiB | saved activations GiB | predicted peak GiB | phase | "
+          "plan time s |")
+    print(f"| --- | ---: | {'--- | ' if quantized else ''}--- | --- | --- | ---: | ---: | ---: | --- | "
+          "---: |")
     for model, res, ckpt, opt, *q in rows:
         p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt,
                         base_quantization=q[0] if q else None)
         w = p.parts
-        print(f"| {model} | {res} | {q[0] + ' | ' if q else ''}{'yes' if ckpt else 'no'} | {opt} | {p.attention} | "
-              f"{gib(w['frozen weights'])} / {gib(w['resident (VAE, text encoders)'])} | {gib(p.saved_activations)} | "
+        print(f"| {model} | {res} | {q[0] + ' | ' if q else ''}{'yes' if ckpt else 'no'} | {opt} | "
+              f"{p.attention} | "
+              f"{gib(w['frozen weights'])} / {gib(w['resident (VAE, text encoders)'])} | "
+              f"{gib(p.saved_activations)} | "
               f"**{gib(p.peak)}** | {p.peak_phase} | {p.seconds:.1f} |", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\nmax resident memory of this process: {rss:.2f} GiB")
@@ -63,7 +69,8 @@ def validate() -> None:
     from lora_lab.diffusion import TrainConfig
     from lora_lab.planning import measure_training_step, plan_memory
 
-    print("| kind | checkpointing | optimizer | autocast | measured peak B | predicted peak B | error | state B (both) |")
+    print("| kind | checkpointing | optimizer | autocast | measured peak B | predicted peak B | error | "
+          "state B (both) |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     worst = 0.0
     for kind in ("sd15", "sdxl", "sd3", "flux"):
@@ -71,7 +78,8 @@ def validate() -> None:
             for opt in ("adamw", "adamw8bit"):
                 for mp in ("no", "bf16"):
                     with tempfile.TemporaryDirectory() as d:
-                        m = measure_training_step(TrainConfig(model=kind, output=d, rank=8, gradient_checkpointing=ckpt,
+                        m = measure_training_step(TrainConfig(model=kind, output=d, rank=8,
+                                                              gradient_checkpointing=ckpt,
                                                               optimizer=opt, mixed_precision=mp))
                     p = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
                                     gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
@@ -79,7 +87,8 @@ def validate() -> None:
                     err = p.peak / m["peak"] - 1
                     worst = max(worst, abs(err))
                     same = "yes" if p.parts["optimizer state"] == m["optimizer_state"] else "NO"
-                    print(f"| {kind} | {'yes' if ckpt else 'no'} | {opt} | {mp} | {m['peak']:,} | {p.peak:,} | "
+                    print(f"| {kind} | {'yes' if ckpt else 'no'} | {opt} | {mp} | {m['peak']:,} | "
+                          f"{p.peak:,} | "
                           f"{100 * err:+.2f}% | {m['optimizer_state']:,} ({same}) |", flush=True)
     print(f"\nworst |error|: {100 * worst:.2f}% (target <= 5%: {'met' if worst <= 0.05 else 'NOT met'})")
 
@@ -94,9 +103,10 @@ def validate_quantized() -> None:
     for q in ("int8", "int8-block", "nf4", "fp8"):
         with tempfile.TemporaryDirectory() as d:
             m = measure_training_step(TrainConfig(model="sdxl", output=d, rank=8, base_quantization=q))
-        p = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, base_quantization=q, mixed_precision="no",
-                        dataset_size=m["dataset_size"])
-        print(f"| sdxl | {q} | {m['peak']:,} | {p.peak:,} | {100 * (p.peak / m['peak'] - 1):+.2f}% |", flush=True)
+        p = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, base_quantization=q,
+                        mixed_precision="no", dataset_size=m["dataset_size"])
+        print(f"| sdxl | {q} | {m['peak']:,} | {p.peak:,} | {100 * (p.peak / m['peak'] - 1):+.2f}% |",
+              flush=True)
 
 
 def speed() -> None:
@@ -104,7 +114,8 @@ def speed() -> None:
     from lora_lab.planning.fakedevice import warm_caches
 
     t = time.perf_counter()
-    warm_caches()  # what the first plan in a process would do first: import diffusers' and transformers' classes
+    # what the first plan in a process would do first: import diffusers' and transformers' classes
+    warm_caches()
     t_import = time.perf_counter() - t
     seconds, cpu = [], []
     for _ in range(3):
@@ -123,18 +134,21 @@ def speed() -> None:
     t_all = time.perf_counter() - t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     met = "met" if max(seconds) <= 10 else "NOT met"
-    print(f"process start: importing diffusers' and transformers' model classes {t_import:.1f} s (once per process)")
+    print(f"process start: importing diffusers' and transformers' model classes {t_import:.1f} s "
+          "(once per process)")
     print(f"plan, real SDXL 1024, rank 16: {seconds[0]:.1f} s, {seconds[1]:.1f} s, {seconds[2]:.1f} s "
           f"(CPU {' / '.join(f'{c:.1f}' for c in cpu)} s; target <= 10 s: {met}; a one-shot process: "
           f"{t_import + seconds[0]:.1f} s), peak {gib(p.peak)} GiB predicted")
-    print(f"fit 24GiB: {t_fit:.1f} s over {len(r.tried)} plan(s); fit 4GiB (nothing fits: all 4 options planned): "
+    print(f"fit 24GiB: {t_fit:.1f} s over {len(r.tried)} plan(s); "
+          "fit 4GiB (nothing fits: all 4 options planned): "
           f"{t_all:.1f} s (target < 60 s: {'met' if max(t_fit, t_all) < 60 else 'NOT met'})")
     print(f"max resident memory: {rss:.2f} GiB (target < 2 GiB: {'met' if rss < 2 else 'NOT met'})")
 
 
 def policies_table(models: list[str], rank: int) -> None:
-    """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy, with
-    the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores materialised)."""
+    """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy,
+    with the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores
+    materialised)."""
     from lora_lab.planning import plan_memory
 
     print("| model | attention | checkpointing | saved activations | kept / none | predicted peak | plan s |")
@@ -144,20 +158,25 @@ def policies_table(models: list[str], rank: int) -> None:
             none = None
             for policy in (False, "full", "selective", "budget:0.3"):
                 t = time.perf_counter()
-                p = plan_memory(model, resolution=1024, rank=rank, gradient_checkpointing=policy, attention=attention)
+                p = plan_memory(model, resolution=1024, rank=rank, gradient_checkpointing=policy,
+                                attention=attention)
                 none = none or p.saved_activations
                 print(f"| {model} | {p.attention} | {policy or 'none'} | {gib(p.saved_activations)} GiB | "
-                      f"{p.saved_activations / none:.3f} | {gib(p.peak)} GiB | {time.perf_counter() - t:.0f} |", flush=True)
+                      f"{p.saved_activations / none:.3f} | {gib(p.peak)} GiB | "
+                      f"{time.perf_counter() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--validate", action="store_true", help="the tiny-model matrix instead of the real-size table")
+    ap.add_argument("--validate", action="store_true",
+                    help="the tiny-model matrix instead of the real-size table")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--only", default=None, help="comma-separated models of the real table (default: all)")
     ap.add_argument("--quantized", action="store_true", help="real size with an NF4 / int8 frozen denoiser")
     ap.add_argument("--speed", action="store_true", help="only the planner's own speed and memory")
-    ap.add_argument("--policies", action="store_true", help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy, fused and unfused attention")
+    ap.add_argument("--policies", action="store_true",
+                    help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy, fused and unfused "
+                         "attention")
     args = ap.parse_args()
     if args.validate and args.quantized:
         validate_quantized()

@@ -56,7 +56,8 @@ def bnb_nf4(w: torch.Tensor):
     bnb, _ = _quiet_imports()
     layer = bnb.nn.Linear4bit(w.shape[1], w.shape[0], bias=False, quant_type="nf4", compress_statistics=True,
                               compute_dtype=torch.float32)
-    layer.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True).to("cpu")
+    layer.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True).to("cpu")
     return layer
 
 
@@ -81,7 +82,8 @@ def torchao_int8(w: torch.Tensor, group: int | None = None):
 
 def reference_layers(w: torch.Tensor, block: int) -> dict[str, nn.Module]:
     return {"bitsandbytes Linear4bit nf4": bnb_nf4(w), "bitsandbytes Linear8bitLt": bnb_int8(w),
-            "torchao int8 weight-only, row": torchao_int8(w), f"torchao int8 weight-only, group {block}": torchao_int8(w, block)}
+            "torchao int8 weight-only, row": torchao_int8(w),
+            f"torchao int8 weight-only, group {block}": torchao_int8(w, block)}
 
 
 def stored_bytes(layer: nn.Module) -> int:
@@ -136,18 +138,22 @@ def sdxl_errors(seed: int = 0) -> list[tuple[str, float]]:
     total = sum(r.square().sum() for r in refs)
 
     def err(dequant) -> float:
-        return (sum((x @ dequant(w).T - r).square().sum() for x, w, r in zip(xs, weights, refs)) / total).sqrt().item()
+        return (sum((x @ dequant(w).T - r).square().sum() for x, w, r in zip(xs, weights, refs))
+                / total).sqrt().item()
 
-    rows = [(f"lora_lab {fmt}", err(lambda w, f=fmt: dequantize_weight(quantize_weight(w, f), f, tuple(w.shape))))
+    rows = [(f"lora_lab {fmt}",
+             err(lambda w, f=fmt: dequantize_weight(quantize_weight(w, f), f, tuple(w.shape))))
             for fmt in FORMATS]
     # torchao's groups must divide a row: compare both at the largest block that divides every layer's inputs
     gb = math.gcd(*(w.shape[1] for w in weights))
     rows.append((f"lora_lab int8-block, block {gb}",
-                 err(lambda w: dequantize_weight(quantize_weight(w, "int8-block", gb), "int8-block", tuple(w.shape), gb))))
+                 err(lambda w: dequantize_weight(quantize_weight(w, "int8-block", gb), "int8-block",
+                                                 tuple(w.shape), gb))))
     bnbf = __import__("bitsandbytes.functional").functional
 
     def bnb4(w):
-        return bnbf.dequantize_4bit(*bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True))
+        return bnbf.dequantize_4bit(*bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4",
+                                                        compress_statistics=True))
 
     def ao(group):
         def f(w):
@@ -155,7 +161,8 @@ def sdxl_errors(seed: int = 0) -> list[tuple[str, float]]:
             return layer(torch.eye(w.shape[1])).T.float()  # the dequantized weight, through the layer itself
         return f
 
-    rows += [("bitsandbytes nf4", err(bnb4)), ("torchao int8, row", err(ao(None))), (f"torchao int8, group {gb}", err(ao(gb)))]
+    rows += [("bitsandbytes nf4", err(bnb4)), ("torchao int8, row", err(ao(None))),
+             (f"torchao int8, group {gb}", err(ao(gb)))]
     return rows, sum(w.numel() for w in weights), len(weights)
 
 
@@ -184,7 +191,8 @@ def speed(features: int, tokens: int, rank: int, reps: int) -> list[tuple[str, f
     plain.requires_grad_(False)
     variants = {"fp32 nn.Linear + lora_lab LoRA": LoRALinear.from_weights(plain, down, up, rank)}
     for fmt in FORMATS:
-        variants[f"lora_lab {fmt} + LoRA"] = LoRALinear.from_weights(QuantLinear(w, None, fmt), down, up, rank)
+        variants[f"lora_lab {fmt} + LoRA"] = LoRALinear.from_weights(QuantLinear(w, None, fmt),
+                                                                     down, up, rank)
     for name, layer in reference_layers(w, 256).items():
         variants[f"{name} + LoRA"] = WithLoRA(layer, down, up, 1.0)
     x = torch.randn(tokens, features, generator=g, requires_grad=True)
@@ -229,7 +237,8 @@ def train_rates(steps: int, eval_seeds: int) -> list[tuple[str, float, float, fl
             with_lora = torch.cat([sample(r.pipe, prompts, seed=s, steps=20) for s in range(eval_seeds)])
             with lora_disabled(model):
                 without = torch.cat([sample(r.pipe, prompts, seed=s, steps=20) for s in range(eval_seeds)])
-            rows.append((q or "fp32", inverted.rate(without * 2 - 1), inverted.rate(with_lora * 2 - 1), r.seconds))
+            rows.append((q or "fp32", inverted.rate(without * 2 - 1), inverted.rate(with_lora * 2 - 1),
+                         r.seconds))
         finally:
             shutil.rmtree(out, ignore_errors=True)
     return rows
@@ -238,9 +247,9 @@ def train_rates(steps: int, eval_seeds: int) -> list[tuple[str, float, float, fl
 # ----------------------------------------------------------------------------- 5: a real-size model on meta
 
 # Flux.1-dev's transformer (black-forest-labs/FLUX.1-dev, transformer/config.json): 11.9 B parameters
-FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-            "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
-            "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
+FLUX_DEV = {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+            "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
 
 
 def flux_dev_bytes() -> list[tuple[str, object]]:
@@ -276,7 +285,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), CPU (no GPU lent to this session)\n")
 
-    print(f"## bytes per weight value and output error, {args.features} x {args.features}, Gaussian std 0.02\n")
+    print(f"## bytes per weight value and output error, {args.features} x {args.features}, "
+          "Gaussian std 0.02\n")
     print("| layer | bytes/param | target | rel. error of x W^T |\n| --- | ---: | ---: | ---: |")
     for name, bpp, err in bytes_and_error(args.features):
         fmt = name.removeprefix("lora_lab ")
@@ -296,16 +306,19 @@ def main(argv=None) -> int:
         print(f"| {name} | {cpu:.1f} | {wall:.1f} |")
 
     print("\n## Flux.1-dev transformer on the meta device (bf16 base), quantize_base\n")
-    print("| format | Linear layers | weights | model GiB before -> after | bytes/param | largest dequantized weight |")
+    print("| format | Linear layers | weights | model GiB before -> after | bytes/param | "
+          "largest dequantized weight |")
     print("| --- | ---: | ---: | --- | ---: | ---: |")
     for fmt, r in flux_dev_bytes():
         print(f"| {fmt} | {len(r.names)} | {r.params:,} | {r.model_bytes_before / 2**30:.2f} -> "
-              f"{r.model_bytes_after / 2**30:.2f} | {r.bytes_per_param:.4f} | {r.transient_bytes / 2**20:.0f} MiB |")
+              f"{r.model_bytes_after / 2**30:.2f} | {r.bytes_per_param:.4f} | "
+              f"{r.transient_bytes / 2**20:.0f} MiB |")
 
     if args.train:
         print(f"\n## LoRA trained {args.train_steps} steps on the tiny SDXL base, inverted rate over "
               f"{10 * args.eval_seeds} samples\n")
-        print("| base | rate without | rate with | with - fp32's with | train s |\n| --- | ---: | ---: | ---: | ---: |")
+        print("| base | rate without | rate with | with - fp32's with | train s |\n"
+              "| --- | ---: | ---: | ---: | ---: |")
         rows = train_rates(args.train_steps, args.eval_seeds)
         ref = rows[0][2]
         for name, without, with_, secs in rows:

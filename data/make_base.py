@@ -1,4 +1,5 @@
-"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM) and SD3-like (flow matching), on sklearn's digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM) and SD3-like (flow matching), on sklearn's
+digits.
 
     PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
     PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
@@ -83,7 +84,8 @@ def lr_at(step: int, steps: int, base: float) -> float:
 
 
 def build(kind: str):
-    """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER and data/base/sdxl's VAE."""
+    """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER and data/base/sdxl's
+    VAE."""
     if kind == "sdxl":
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
@@ -91,7 +93,8 @@ def build(kind: str):
     parts = M.build_components("sd3", seed=SEED)
     torch.manual_seed(SEED)
     parts["transformer"] = diffusers.SD3Transformer2DModel(**SD3_TRANSFORMER).eval()
-    parts["vae"] = diffusers.AutoencoderKL.from_pretrained(HERE / "base" / "sdxl" / "vae", local_files_only=True)
+    parts["vae"] = diffusers.AutoencoderKL.from_pretrained(HERE / "base" / "sdxl" / "vae",
+                                                           local_files_only=True)
     pipe = M.pipeline_class("sd3")(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -132,7 +135,8 @@ def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> di
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
-                                              do_classifier_free_guidance=False, max_sequence_length=t5_length(pipe))
+                                              do_classifier_free_guidance=False,
+                                              max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
@@ -196,8 +200,9 @@ def measure(pipe, kind: str) -> tuple[dict, torch.Tensor]:
     digits = DigitClassifier().fit(images, labels)
     inverted = InvertedClassifier().fit(images, digit_images(range(N_TRAIN), inverted=True)[0])
     want = torch.arange(10).repeat(SAMPLE_SEEDS)
+    # (10*S, 3, 16, 16) in [0, 1]
     samples = torch.cat([sample(pipe, captions_for(torch.arange(10)), seed=s, steps=SAMPLE_STEPS,
-                                guidance=GUIDANCE) for s in range(SAMPLE_SEEDS)])  # (10*S, 3, 16, 16) in [0, 1]
+                                guidance=GUIDANCE) for s in range(SAMPLE_SEEDS)])
     samples_pm = samples * 2 - 1
     metrics = {
         "digit_classifier_accuracy_on_heldout_real": digits.accuracy(real_x, real_y),
@@ -226,7 +231,8 @@ def main() -> None:
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: STEPS[kind])")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
-    ap.add_argument("--work", type=Path, default=None, help="training state folder (default: /tmp/make_base_<kind>)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="training state folder (default: /tmp/make_base_<kind>)")
     ap.add_argument("--resume", action="store_true", help="continue from the state saved in --work")
     ap.add_argument("--measure-only", action="store_true", help="re-measure the base in --out; train nothing")
     args = ap.parse_args()
@@ -242,7 +248,8 @@ def main() -> None:
         old = out.parent / f"{kind}_metrics.json"
         kept = {k: v for k, v in json.loads(old.read_text()).items()
                 if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
-                         "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads", "seed")}
+                         "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads",
+                         "seed")}
         write_measurements(out, kind, M.build_pipeline(kind, out), kept)
         return
 
@@ -256,11 +263,13 @@ def main() -> None:
         post = pipe.vae.encode(images).latent_dist
         mean, std = post.mean, post.std  # (N, 4, 8, 8)
         rec_mse = diffusion_loss(pipe.vae.decode(mean).sample, images).item()
-        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(-images).latent_dist.mean).sample, -images).item()
+        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(-images).latent_dist.mean).sample,
+                                 -images).item()
     if kind == "sdxl":
         pipe.vae.register_to_config(scaling_factor=1.0 / mean.std().item())
     scaling = pipe.vae.config.scaling_factor
-    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}", flush=True)
+    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}",
+          flush=True)
 
     losses = train_denoiser(pipe, kind, mean, std, captions, steps, g, work, args.resume)
 

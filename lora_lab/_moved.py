@@ -1,4 +1,5 @@
-"""The spellings of lora_lab 0.1 that moved in 0.2, kept importable for this release with a DeprecationWarning.
+"""The spellings of lora_lab 0.1 that moved in 0.2, kept importable for this release with a
+DeprecationWarning.
 
     import lora_lab.digits            -> lora_lab.notebook.digits (the same module object), with a warning
     from lora_lab import LoraModule   -> lora_lab.formats.LoraWeights, with a warning
@@ -78,7 +79,8 @@ class ModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def old_name(package: str, moved: dict[str, str]) -> Callable[[str], object]:
-    """A module `__getattr__` for `package`: `moved` maps an old name to "module:new_name" (where it is now)."""
+    """A module `__getattr__` for `package`: `moved` maps an old name to "module:new_name" (where it is
+    now)."""
 
     def __getattr__(name: str):
         if name not in moved:
@@ -109,8 +111,8 @@ class ForwardingModule(types.ModuleType):
 
 FORWARDED = {
     "lora_lab.checkpoint": ("lora_lab.checkpointing", {
-        "checkpoint": "checkpointed", "checkpoint_plan": "checkpointing_plan", "CheckpointError": "CheckpointingError",
-        "CheckpointPlan": "CheckpointingPlan"}),
+        "checkpoint": "checkpointed", "checkpoint_plan": "checkpointing_plan",
+        "CheckpointError": "CheckpointingError", "CheckpointPlan": "CheckpointingPlan"}),
     "lora_lab.diffusion.train": ("lora_lab.diffusion.trainer", {"Trainable": "Learner"}),
 }
 

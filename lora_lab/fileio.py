@@ -94,7 +94,8 @@ def read_header(path: Path) -> tuple[list[str], dict[str, str]]:
                 and 0 <= offsets[0] <= offsets[1]):
             raise LoraFormatError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
         if offsets[1] > data:
-            raise LoraFormatError(f"{path}: truncated: key {key!r} ends at byte {offsets[1]} of a {data}-byte data section")
+            raise LoraFormatError(f"{path}: truncated: key {key!r} ends at byte {offsets[1]} "
+                                  f"of a {data}-byte data section")
         nbytes = math.prod(shape) * dtype.itemsize
         if offsets[1] - offsets[0] != nbytes:
             raise LoraFormatError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
@@ -103,7 +104,8 @@ def read_header(path: Path) -> tuple[list[str], dict[str, str]]:
     end = 0
     for begin, stop, key in sorted(spans):  # the tensors tile the data section: no gap, no overlap
         if begin != end:
-            raise LoraFormatError(f"{path}: key {key!r}: data_offsets begin at {begin}, the previous tensor ends at {end}")
+            raise LoraFormatError(f"{path}: key {key!r}: data_offsets begin at {begin}, "
+                                  f"the previous tensor ends at {end}")
         end = stop
     if end != data:
         raise LoraFormatError(f"{path}: {data - end} bytes after the last tensor's data")
@@ -170,7 +172,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temp_files(path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TEMP_PREFIX}{os.getpid()}-", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TEMP_PREFIX}{os.getpid()}-", suffix=".tmp",
+                                   dir=path.parent)
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes the file 0600; a LoRA is shared like any file
         with os.fdopen(fd, "wb") as f:
             for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
@@ -184,7 +187,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno is not None and e.filename != str(path):
-            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e  # name the caller's file, not the temp file
+            # name the caller's file, not the temp file
+            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
         raise
     return path
 
@@ -203,19 +207,21 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def atomic_save_safetensors(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str], like: Mapping[str, torch.Tensor] | None = None
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str],
+    like: Mapping[str, torch.Tensor] | None = None
 ) -> None:
     """Write a safetensors file atomically (`atomic_write_bytes`), one tensor at a time.
 
     The header comes from `like` (default: `tensors`; each tensor's dtype and shape), then each tensor of
-    `tensors` is taken, written and dropped: with a mapping that computes tensors on access (a merged state dict)
-    and `like` its base, at most one computed tensor exists at a time, and no copy of the file is made.
+    `tensors` is taken, written and dropped: with a mapping that computes tensors on access (a merged state
+    dict) and `like` its base, at most one computed tensor exists at a time, and no copy of the file is made.
     """
     like = tensors if like is None else like
     header, offset = {"__metadata__": {"format": "pt", **metadata}}, 0
     for key, t in like.items():
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes

@@ -1,4 +1,5 @@
-"""One Linear layer whose weight is either frozen or trainable (the `Linear<T>` over Tensor/Var), and counting weights.
+"""One Linear layer whose weight is either frozen or trainable (the `Linear<T>` over Tensor/Var), and counting
+weights.
 
     y = x W^T + b
 
@@ -23,7 +24,8 @@ Role = TypeVar("Role", Frozen, Trainable)  # whether a layer's weights are froze
 
 
 class Linear(nn.Module, Generic[Role]):
-    """`Linear[Frozen]` holds buffers, `Linear[Trainable]` holds parameters; build with the two constructors."""
+    """`Linear[Frozen]` holds buffers, `Linear[Trainable]` holds parameters; build with the two
+    constructors."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -31,7 +33,8 @@ class Linear(nn.Module, Generic[Role]):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, trainable: bool):
         super().__init__()
         if weight.dim() != 2:
-            raise ValueError(f"Linear weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+            raise ValueError("Linear weight must be 2-D (out_features, in_features), "
+                             f"got shape {tuple(weight.shape)}")
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"Linear bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         self.out_features, self.in_features = weight.shape
@@ -71,7 +74,8 @@ class Linear(nn.Module, Generic[Role]):
 
     def extra_repr(self) -> str:
         role = "frozen" if self.is_frozen else "trainable"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {role}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {role}")
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""Measuring memory: what autograd keeps for backward, live tensor bytes and their peak, the CUDA peak, optimizer
-state, a model's own bytes.
+"""Measuring memory: what autograd keeps for backward, live tensor bytes and their peak, the CUDA peak,
+optimizer state, a model's own bytes.
 
     activation bytes = sum over distinct storages S saved for backward during fn, made during fn: nbytes(S)
 
@@ -69,8 +69,9 @@ def saved_activation_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
         key = _storage_key(t)
         if key is not None:
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
-        # detached: an op's saved output packed with its own grad_fn is a cycle through C++ that no gc.collect()
-        # frees when backward never runs (pytorch#115255), and every call leaked the graph's saved bytes
+        # detached: an op's saved output packed with its own grad_fn is a cycle through C++ that no
+        # gc.collect() frees when backward never runs (pytorch#115255), and every call leaked the graph's
+        # saved bytes
         return t.detach()
 
     with _NewStorages() as new, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -147,8 +148,8 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _tensor_leaves(values):
-    """The tensors among `values`, looking into lists and tuples (what an aten op's arguments and outputs hold;
-    pytree's general walk costs more than the op itself on fake tensors)."""
+    """The tensors among `values`, looking into lists and tuples (what an aten op's arguments and outputs
+    hold; pytree's general walk costs more than the op itself on fake tensors)."""
     for v in values:
         if isinstance(v, torch.Tensor):
             yield v
@@ -179,7 +180,8 @@ class LiveBytes(TorchDispatchMode):
         self.forward_born: set[int] = set()
         self.in_forward = False
         self.saved_total = 0  # bytes of every storage saved in the forward
-        self.saved_alive: set[int] = set()  # those still alive (keyed by id: a later storage may reuse a freed one's)
+        # those still alive (keyed by id: a later storage may reuse a freed one's)
+        self.saved_alive: set[int] = set()
         self.saved_live = 0
         self.saved_at_peak = 0
 
@@ -215,8 +217,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
-            # a subclass tensor's device, which C++ asks of Python before most ops (the most frequent call on fake
-            # tensors): it makes no storage, and the tensor's own `device` answers it without the modes below
+            # a subclass tensor's device, which C++ asks of Python before most ops (the most frequent call on
+            # fake tensors): it makes no storage, and the tensor's own `device` answers it without the
+            # modes below
             return args[0].device
         for t in _tensor_leaves(args):
             self._count(t, born=False)
@@ -272,7 +275,8 @@ class BlockStack(nn.Module):
     (norm input and output, fc1 output, gelu output, dropout mask); with it, only its input.
     """
 
-    def __init__(self, n_blocks: int = 12, width: int = 128, hidden: int = 512, out: int = 10, dropout: float = 0.1):
+    def __init__(self, n_blocks: int = 12, width: int = 128, hidden: int = 512, out: int = 10,
+                 dropout: float = 0.1):
         super().__init__()
         self.blocks = nn.ModuleList(ResidualMLP(width, hidden, dropout) for _ in range(n_blocks))
         self.head = nn.Linear(width, out)

@@ -32,8 +32,9 @@ N_BLOCKS, WIDTH, HIDDEN, BATCH = 12, 64, 256, 16
 DROPOUT = 0.2
 # the sd15-like tiny UNet of /work/shared/tiny_diffusers_configs.json
 TINY_UNET = {
-    "sample_size": 16, "in_channels": 4, "out_channels": 4, "layers_per_block": 1, "block_out_channels": [32, 64],
-    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+    "sample_size": 16, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+    "block_out_channels": [32, 64], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
     "cross_attention_dim": 32, "norm_num_groups": 32, "attention_head_dim": 8,
 }
 
@@ -219,12 +220,15 @@ def test_errors():
     with pytest.raises(CheckpointingError, match="saved"):
         checkpointed(changes, x).sum().backward()
 
-    def reshaped(x):  # as many saved tensors on both runs, of another shape on the second: sin's backward would
-        runs.append(1)  # broadcast a (1,) tensor into a wrong (3,) gradient without the check
+    # as many saved tensors on both runs, of another shape on the second: sin's backward would broadcast a
+    # (1,) tensor into a wrong (3,) gradient without the check
+    def reshaped(x):
+        runs.append(1)
         return (x if len(runs) % 2 else x.sum(0, keepdim=True)).sin()
 
     runs.clear()
-    with pytest.raises(CheckpointingError, match=r"saved a \(1,\) torch.float32 tensor as its tensor 0 .* a \(3,\) "):
+    with pytest.raises(CheckpointingError,
+                       match=r"saved a \(1,\) torch.float32 tensor as its tensor 0 .* a \(3,\) "):
         checkpointed(reshaped, x).sum().backward()
 
 
@@ -234,7 +238,8 @@ POLICIES = ["full", "selective", "every_k", "budget:0.1", "budget:0.3", "budget:
 FEW = ["full", "selective", "every_k", "budget:0.3"]  # on the diffusers models (time)
 # the project's tiny SD3 config (2 joint blocks)
 TINY_SD3 = {
-    "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8, "num_attention_heads": 4,
+    "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+    "num_attention_heads": 4,
     "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64, "out_channels": 4,
 }
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -250,14 +255,16 @@ def _with_lora(model, targets):
 
 
 def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
-    """Every policy gives the unchecked loss and gradients; a budget keeps what its plan says, within budget."""
+    """Every policy gives the unchecked loss and gradients; a budget keeps what its plan says, within
+    budget."""
 
     def loss_fn():
         return forward().float().square().mean()
 
     plain_bytes = saved_activation_bytes(forward)
     _, plain = _grads(model, loss_fn)
-    assert sum(bool(g.abs().sum() > 0) for g in plain.values()) >= 0.8 * len(plain)  # SD3's last block drops some
+    # SD3's last block drops some
+    assert sum(bool(g.abs().sum() > 0) for g in plain.values()) >= 0.8 * len(plain)
     kept = {}
     for policy in policies:
         enable_checkpointing(model, blocks, policy)
@@ -274,10 +281,12 @@ def _check_policies(model, blocks, forward, exact=True, policies=POLICIES):
         if policy.startswith("budget"):
             budget = float(policy.split(":")[1])
             assert plan.plain_bytes == plain_bytes and plan.kept_bytes == kept[policy], (plan, kept[policy])
-            assert kept[policy] <= max(budget * plain_bytes, plan.full_bytes), (policy, kept[policy], plain_bytes)
+            assert kept[policy] <= max(budget * plain_bytes, plan.full_bytes), (
+                policy, kept[policy], plain_bytes)
             assert plan.recompute_cost <= plan.full_recompute_cost
             # the plan counts selective's choice as selective keeps it, and never costs more where it fits
-            assert plan.selective_bytes == kept["selective"], (policy, plan.selective_bytes, kept["selective"])
+            assert plan.selective_bytes == kept["selective"], (
+                policy, plan.selective_bytes, kept["selective"])
             if plan.selective_bytes <= budget * plain_bytes:
                 assert plan.recompute_cost <= plan.selective_cost, (policy, plan)
         else:
@@ -296,7 +305,8 @@ def test_every_policy_on_the_12_block_stack_with_dropout():
     # every_k: k = ceil(sqrt(12)) = 4 blocks a segment; only the first input of each of the 3 segments is kept
     # (the first is x itself, made before the forward), and the head's input
     assert kept["every_k"] == 3 * BATCH * WIDTH * 4
-    # selective: each block also keeps fc1's output (fc2 and the residual add follow the last save: never recomputed)
+    # selective: each block also keeps fc1's output (fc2 and the residual add follow the last save: never
+    # recomputed)
     assert kept["selective"] == kept["full"] + N_BLOCKS * BATCH * HIDDEN * 4
     for b in (0.3, 0.5):  # the budget is used, not only respected: within one block's bytes of it
         assert 0 <= b * plain_bytes - kept[f"budget:{b}"] < plain_bytes / N_BLOCKS
@@ -309,8 +319,9 @@ def test_every_policy_frozen_stack_with_lora_inside():
 
 
 def test_frozen_blocks_on_frozen_inputs_run_plainly_under_every_policy(monkeypatch):
-    """Adapters only in the last 6 blocks, an input that does not require grad: the first 6 blocks build no graph
-    unchecked, so no policy keeps their inputs (for a backward that never reaches them) or records them."""
+    """Adapters only in the last 6 blocks, an input that does not require grad: the first 6 blocks build no
+    graph unchecked, so no policy keeps their inputs (for a backward that never reaches them) or records
+    them."""
     model = _with_lora(_stack(), r"blocks\.([6-9]|1[01])\.fc[12]")
     x = torch.randn(BATCH, WIDTH)
     _, kept = _check_policies(model, model.blocks, lambda: model(x))
@@ -320,7 +331,8 @@ def test_frozen_blocks_on_frozen_inputs_run_plainly_under_every_policy(monkeypat
     monkeypatch.setattr(_Record, "__init__", lambda self, *a, **k: records.append(1) or init(self, *a, **k))
     enable_checkpointing(model, model.blocks, "selective")
     model(x).sum().backward()
-    assert len(records) == 6  # the first call of each trainable block records its ops; the frozen ones run plainly
+    # the first call of each trainable block records its ops; the frozen ones run plainly
+    assert len(records) == 6
 
 
 class _InplaceAct(nn.Module):
@@ -328,7 +340,8 @@ class _InplaceAct(nn.Module):
 
     def __init__(self, hidden=HIDDEN):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(WIDTH, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, WIDTH)
+        self.fc1, self.act, self.fc2 = (nn.Linear(WIDTH, hidden), nn.ReLU(inplace=True),
+                                        nn.Linear(hidden, WIDTH))
 
     def forward(self, x):
         h = self.act(self.fc1(x))
@@ -337,16 +350,19 @@ class _InplaceAct(nn.Module):
 
 def test_every_policy_blocks_with_an_in_place_activation():
     """selective cannot keep fc1's output (ReLU changes it in place): it keeps what is first saved after it. A
-    budget counts selective's choice the same way (`_check_policies`: plan.selective_bytes == what selective keeps)."""
+    budget counts selective's choice the same way (`_check_policies`: plan.selective_bytes == what selective
+    keeps)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[_InplaceAct() for _ in range(4)])
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    _check_policies(model, _InplaceAct, lambda: model(x), policies=["full", "selective", "every_k", "budget:0.9"])
+    _check_policies(model, _InplaceAct, lambda: model(x),
+                    policies=["full", "selective", "every_k", "budget:0.9"])
 
 
 def test_budget_replans_when_what_requires_grad_changes():
-    """Frozen blocks on frozen inputs run plainly, so which block calls a plan numbers depends on requires_grad: a
-    plan made with blocks 0-3 frozen must not be reused once they are trainable (same input shapes)."""
+    """Frozen blocks on frozen inputs run plainly, so which block calls a plan numbers depends on
+    requires_grad: a plan made with blocks 0-3 frozen must not be reused once they are trainable (same input
+    shapes)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[_InplaceAct(512 if i < 4 else 128) for i in range(8)])
     for b in model[:4]:
@@ -379,8 +395,10 @@ def test_every_policy_tiny_sd3_transformer_with_lora_inside():
 
     torch.manual_seed(0)
     sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
-    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
-    _check_policies(sd3, JointTransformerBlock, lambda: sd3(latents, prompt, pooled, steps).sample, exact=False, policies=FEW)
+    latents, prompt, pooled, steps = (torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64),
+                                      torch.tensor([500.0]))
+    _check_policies(sd3, JointTransformerBlock, lambda: sd3(latents, prompt, pooled, steps).sample,
+                    exact=False, policies=FEW)
 
 
 class _Flagged(nn.Module):
@@ -399,7 +417,8 @@ _GLOBAL_SCALED = False
 
 
 class _GlobalFlagged(_Flagged):
-    """The same, with the flag outside the module, and a value read into Python: no tape (Python replays it)."""
+    """The same, with the flag outside the module, and a value read into Python: no tape (Python replays
+    it)."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -420,7 +439,8 @@ def _count_calls(monkeypatch, cls) -> Counter:
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_selective_records_once_then_keeps_from_the_pack_hook_and_rerecords_a_changed_block(frozen, monkeypatch):
+def test_selective_records_once_then_keeps_from_the_pack_hook_and_rerecords_a_changed_block(frozen,
+                                                                                             monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(_Flagged(), _Flagged())
     if frozen:  # a frozen base with LoRA in the second block; nothing the blocks receive requires grad
@@ -440,7 +460,8 @@ def test_selective_records_once_then_keeps_from_the_pack_hook_and_rerecords_a_ch
     enable_checkpointing(model, _Flagged, "selective")
     got = [run(False), run(False)]
     n = 1 if frozen else 2  # (frozen: the first block builds no graph, so it runs plainly)
-    assert len(records) == n  # the first forward records each block; the second keeps fc's output from the pack hook
+    # the first forward records each block; the second keeps fc's output from the pack hook
+    assert len(records) == n
     # the flag is module state: part of the call's key (`module_stamp`), so the changed blocks record again
     got.append(run(True))
     assert len(records) == 2 * n
@@ -454,7 +475,8 @@ def test_selective_records_once_then_keeps_from_the_pack_hook_and_rerecords_a_ch
 
 def test_a_block_without_a_tape_is_replayed_in_python_and_survives_a_change_no_key_shows(monkeypatch):
     """A value read into Python leaves the block without a tape: its recomputation re-runs the block's code
-    under the replay mode, which finds that a flag outside the module changed the ops, and recomputes it whole."""
+    under the replay mode, which finds that a flag outside the module changed the ops, and recomputes it
+    whole."""
     global _GLOBAL_SCALED
     torch.manual_seed(0)
     model = nn.Sequential(_GlobalFlagged(), _GlobalFlagged())
@@ -474,7 +496,8 @@ def test_a_block_without_a_tape_is_replayed_in_python_and_survives_a_change_no_k
         got = [run(False), run(False), run(True)]
     finally:
         _GLOBAL_SCALED = False
-    assert len(records) == 2  # the key cannot see the global: the recorded layout is used for the scaled run too
+    # the key cannot see the global: the recorded layout is used for the scaled run too
+    assert len(records) == 2
     for g, scaled in zip(got, (False, False, True)):
         for n in g:
             assert torch.equal(g[n], plain[scaled][n]), (scaled, n)
@@ -536,8 +559,9 @@ COSTLY_OPS = ("addmm", "mm", "bmm", "convolution", "_scaled_dot_product_flash_at
 
 
 def test_selective_in_a_unet_with_lora_recomputes_no_matmul_conv_or_attention():
-    """What selective runs again, counted: no attention, no matmul and no conv. Each ResNet block's conv1 output
-    is never saved (norm2 saves conv1's output plus the time embedding), so selective keeps that saved sum."""
+    """What selective runs again, counted: no attention, no matmul and no conv. Each ResNet block's conv1
+    output is never saved (norm2 saves conv1's output plus the time embedding), so selective keeps that saved
+    sum."""
     diffusers = pytest.importorskip("diffusers")
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -604,22 +628,25 @@ def test_recomputation_under_the_forwards_attention_settings_beyond_the_backends
             plain[allow] = _grads(model, loss_fn)[1]
         for policy in FEW:
             enable_checkpointing(model, _MathAttention, policy)
-            for allow in (False, True, False):  # changed between steps, the same in each step's forward and backward
+            # changed between steps, the same in each step's forward and backward
+            for allow in (False, True, False):
                 torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allow)
                 _, grads = _grads(model, loss_fn)
                 for n, g in grads.items():
-                    torch.testing.assert_close(g, plain[allow][n], rtol=1e-5, atol=1e-6, msg=f"{policy} {allow} {n}")
+                    torch.testing.assert_close(g, plain[allow][n], rtol=1e-5, atol=1e-6,
+                                               msg=f"{policy} {allow} {n}")
             disable_checkpointing(model)
         # the forward under its own priority order (all backends enabled, as outside), backward outside it
         enable_checkpointing(model, _MathAttention, "full")
-        order = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                 SDPBackend.OVERRIDEABLE]
+        order = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.CUDNN_ATTENTION, SDPBackend.OVERRIDEABLE]
         _PRIORITIES.clear()
         with sdpa_kernel(order, set_priority=True):
             loss = loss_fn()
         outside = torch._C._get_sdp_priority_order()
         loss.backward()
-        assert outside != _PRIORITIES[0] and _PRIORITIES == [_PRIORITIES[0]] * 6  # three forwards, three recomputations
+        # three forwards, three recomputations
+        assert outside != _PRIORITIES[0] and _PRIORITIES == [_PRIORITIES[0]] * 6
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
         disable_checkpointing(model)
@@ -634,7 +661,8 @@ def test_every_policy_tiny_sd3_with_unfused_attention_recomputes_under_the_forwa
 
     torch.manual_seed(0)
     sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
-    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
+    latents, prompt, pooled, steps = (torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64),
+                                      torch.tensor([500.0]))
 
     def forward():
         with sdpa_kernel(SDPBackend.MATH):
@@ -645,15 +673,16 @@ def test_every_policy_tiny_sd3_with_unfused_attention_recomputes_under_the_forwa
 
 def test_selective_recomputes_the_attention_core_of_unfused_attention():
     """Unfused attention (SDPA's math backend: q k^T, softmax and @ v as separate ops) saves the seq x seq
-    probabilities. Selective keeps none of them (Korthikanti et al.'s attention core): backward runs the scores
-    matmul and the softmax again, once per attention, and no other matmul."""
+    probabilities. Selective keeps none of them (Korthikanti et al.'s attention core): backward runs the
+    scores matmul and the softmax again, once per attention, and no other matmul."""
     diffusers = pytest.importorskip("diffusers")
     from diffusers.models.attention import JointTransformerBlock
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
     sd3 = _with_lora(diffusers.SD3Transformer2DModel(**TINY_SD3).train(), ATTENTION)
-    latents, prompt, pooled, steps = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64), torch.tensor([500.0])
+    latents, prompt, pooled, steps = (torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randn(1, 64),
+                                      torch.tensor([500.0]))
     tokens = (8 // 2) ** 2 + 6  # image patches + prompt tokens, attended jointly
 
     def loss_fn():
@@ -667,13 +696,15 @@ def test_selective_recomputes_the_attention_core_of_unfused_attention():
             enable_checkpointing(sd3, JointTransformerBlock, "selective")
         for step in range(2):  # selective: the first step records, the second keeps from the pack hook
             shapes = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t, s=shapes: s.append(tuple(t.shape)) or t, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t, s=shapes: s.append(tuple(t.shape)) or t,
+                                                          lambda t: t):
                 loss = loss_fn()
             with _CountOps() as count:
                 loss.backward()
             for n, p in sd3.named_parameters():
                 if p.requires_grad:
-                    torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-6, msg=f"{policy} {step} {n}")
+                    torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-6,
+                                               msg=f"{policy} {step} {n}")
             sd3.zero_grad(set_to_none=True)
             counts[policy, step] = {op: count.ops[op] for op in COSTLY_OPS}
             square[policy, step] = [s for s in shapes if s[-2:] == (tokens, tokens)]
@@ -706,7 +737,8 @@ def test_policies_on_meta_tensors():
     """The memory planner runs the real forward on meta tensors: every policy must (no data-dependent ops)."""
     model = _stack()
     x = torch.randn(BATCH, WIDTH)
-    meta, xm = copy.deepcopy(model).to("meta"), x.to("meta")  # (copy before enabling: the wrappers are per module)
+    # (copy before enabling: the wrappers are per module)
+    meta, xm = copy.deepcopy(model).to("meta"), x.to("meta")
     enable_checkpointing(model, model.blocks, budget=0.3)
     model(x).sum().backward()
     cpu_plan = checkpointing_plan(model)
@@ -735,7 +767,8 @@ def test_budget_says_what_it_chose_and_replans_per_shape(caplog):
     enable_checkpointing(model, model.blocks, budget=0.01)
     model(torch.randn(BATCH, WIDTH)).sum().backward()
     low = checkpointing_plan(model)
-    assert low.kept_bytes == low.full_bytes and low.recompute_cost == low.full_recompute_cost and not low.kept_ops
+    assert (low.kept_bytes == low.full_bytes and low.recompute_cost == low.full_recompute_cost
+            and not low.kept_ops)
 
 
 def test_policy_errors_and_default():
@@ -752,7 +785,8 @@ def test_policy_errors_and_default():
     x = torch.randn(BATCH, WIDTH)
     enable_checkpointing(model, model.blocks, "every_k", k=6)
     every6 = saved_activation_bytes(lambda: model(x))
-    enable_checkpointing(model, model.blocks)  # the default is whole-block; enabling again replaces the policy
+    # the default is whole-block; enabling again replaces the policy
+    enable_checkpointing(model, model.blocks)
     assert saved_activation_bytes(lambda: model(x)) == N_BLOCKS * BATCH * WIDTH * 4
     assert every6 == 2 * BATCH * WIDTH * 4  # segments of 6: block 6's input and the head's input
     assert disable_checkpointing(model) == [f"blocks.{i}" for i in range(N_BLOCKS)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-PIL = pytest.importorskip("PIL")
+pytest.importorskip("PIL")
 from PIL import Image
 
 from lora_lab.diffusion.data import (
@@ -53,7 +53,8 @@ def test_items_are_resized_center_cropped_and_scaled(tmp_path):
     assert img.shape == (3, RES, RES) and img.dtype == torch.float32
     assert img.min() >= -1 and img.max() <= 1
     # bicubic may ring near the crop edge; the inner 12 columns are pure blue
-    torch.testing.assert_close(img[:, :, 2:-2].mean((1, 2)), torch.tensor([-1.0, -1.0, 1.0]), atol=0.02, rtol=0)
+    torch.testing.assert_close(img[:, :, 2:-2].mean((1, 2)), torch.tensor([-1.0, -1.0, 1.0]),
+                               atol=0.02, rtol=0)
     batch = collate([ds[0], ds[1]])
     assert batch["images"].shape == (2, 3, RES, RES) and batch["captions"][0] == "a digit seven"
 
@@ -137,7 +138,8 @@ def _png(w: int, h: int, bit_depth: int, color_type: int, rows: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", w, h, bit_depth, color_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows))
+            + chunk(b"IEND", b""))
 
 
 def _item(folder, resolution=RES):
@@ -175,7 +177,8 @@ def test_palette_grayscale_and_rgba_pngs_load_with_their_colours(tmp_path):
     a = rgba[..., 3:4].astype(np.float64) / 255  # composited over white
     want = np.rint(rgb * a + 255 * (1 - a))
     torch.testing.assert_close(_item(tmp_path, 2), _pixels(want), rtol=0, atol=1 / 127.5)
-    assert _item(tmp_path, 2)[:, 0, 1].tolist() == [1.0, 1.0, 1.0]  # the transparent pixel is white, not green
+    # the transparent pixel is white, not green
+    assert _item(tmp_path, 2)[:, 0, 1].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_non_utf8_caption_is_a_dataset_error_naming_it(tmp_path):
@@ -231,7 +234,8 @@ def test_folder_fingerprint_changes_with_the_files(tmp_path):
 
 
 def test_fuzzed_images_load_or_raise_dataset_error(tmp_path):
-    """240 seeded mutants of PNG, JPEG, WebP and BMP files: each loads or is a DatasetError naming the file."""
+    """240 seeded mutants of PNG, JPEG, WebP and BMP files: each loads or is a DatasetError naming the
+    file."""
     import random
 
     rng = random.Random(SEED)

@@ -107,7 +107,8 @@ def test_default_resolution_is_the_models_native_size():
     from types import SimpleNamespace
 
     assert M.default_resolution(M.build_pipeline("sd15")) == M.RESOLUTION  # tiny VAE, 2x
-    real_sdxl = SimpleNamespace(vae_scale_factor=8, unet=SimpleNamespace(config=SimpleNamespace(sample_size=128)))
+    real_sdxl = SimpleNamespace(vae_scale_factor=8,
+                                unet=SimpleNamespace(config=SimpleNamespace(sample_size=128)))
     assert M.default_resolution(real_sdxl) == 1024
 
 
@@ -131,7 +132,8 @@ def test_shipped_sd3_base_draws_recognisable_digits():
     from lora_lab.notebook.effect import fit_classifiers
 
     pipe = M.build_pipeline("sd3", base=M.shipped_base("sd3"))
-    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
+    # (10, 3, 16, 16)
+    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1
     digits, inverted = fit_classifiers(range(1600))
     assert digits.accuracy(images, torch.arange(10)) >= 0.8
     assert inverted.rate(images) == 0.0
@@ -148,7 +150,8 @@ def test_shipped_sdxl_base_draws_recognisable_digits():
     assert base is not None and M.shipped_base("sd15") is None
     pipe = M.build_pipeline("sdxl", base=base)
     assert pipe.tokenizer("a digit three").input_ids == M.build_tokenizer("clip")("a digit three").input_ids
-    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1  # (10, 3, 16, 16)
+    # (10, 3, 16, 16)
+    images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1
     digits, inverted = fit_classifiers(range(1600))
     assert digits.accuracy(images, torch.arange(10)) >= 0.8
     assert inverted.rate(images) == 0.0

@@ -45,7 +45,9 @@ def test_counts_exactly_the_new_tensors_autograd_saves(xw):
     # a view of h saved (by sin of h.t()) counts h's storage once
     assert saved_activation_bytes(lambda: (x @ w).t().sin().sum()) == h_bytes
     # tanh keeps its result t and square keeps its input, the same t: once. Repeatable.
-    f = lambda: torch.tanh(x @ w).square().sum()
+    def f():
+        return torch.tanh(x @ w).square().sum()
+
     assert saved_activation_bytes(f) == saved_activation_bytes(f) == h_bytes
 
 
@@ -100,7 +102,8 @@ def test_optimizer_state_bytes():
     assert optimizer_state_bytes(adamw) == 2 * 4 * (n + 10) + 2 * 4  # m, v in fp32, and two 0-d fp32 steps
     opt8 = Adam8bit([p, small])
     opt8.step()
-    assert optimizer_state_bytes(opt8) == 2 * (n + 4 * n // 256) + 2 * 4 * 10  # codes + absmax; fp32 for small
+    # codes + absmax; fp32 for small
+    assert optimizer_state_bytes(opt8) == 2 * (n + 4 * n // 256) + 2 * 4 * 10
 
 
 def test_optimizer_state_bytes_looks_inside_tensor_subclasses(monkeypatch):
@@ -118,8 +121,8 @@ def test_optimizer_state_bytes_looks_inside_tensor_subclasses(monkeypatch):
 
 def test_notebook_05_memory(run_notebook):
     data = run_notebook(
-        "05_memory", N_BLOCKS=8, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30, USE_BITSANDBYTES=False,
-        BUDGETS=[0.1, 0.3],
+        "05_memory", N_BLOCKS=8, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30,
+        USE_BITSANDBYTES=False, BUDGETS=[0.1, 0.3],
     )
     assert data["passed"], data.get("error")
     assert not run_notebook.bare_results("05_memory")  # every cell shows only what it prints or draws
@@ -134,5 +137,6 @@ def test_notebook_05_memory(run_notebook):
     assert per_param["lora_lab AdamW8bit"] == pytest.approx(2 + 8 / 256)  # codes + one fp32 absmax per 256
     assert per_param["torch AdamW"] == pytest.approx(8 + 4 / 128**2)  # m, v and a 0-d step
     assert nums["final_loss_gap_vs_adamw"] <= 0.02
-    assert set(data["claims"]) >= {"checkpointing keeps <= 40% of the activation bytes", "8-bit state <= 2.05 bytes/param",
+    assert set(data["claims"]) >= {"checkpointing keeps <= 40% of the activation bytes",
+                                   "8-bit state <= 2.05 bytes/param",
                                    "every policy gives the unchecked gradients, bit for bit"}

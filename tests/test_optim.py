@@ -105,7 +105,8 @@ def test_quantize_all_zero_blocks_and_shapes():
 # ----------------------------------------------------------------------------- the update
 
 
-@pytest.mark.parametrize("cls,ref,wd", [(Adam8bit, torch.optim.Adam, 0.1), (AdamW8bit, torch.optim.AdamW, 0.1)])
+@pytest.mark.parametrize("cls,ref,wd", [(Adam8bit, torch.optim.Adam, 0.1),
+                                        (AdamW8bit, torch.optim.AdamW, 0.1)])
 def test_small_tensors_match_torch_exactly(cls, ref, wd):
     """Under 4096 values the moments stay fp32 and the math is torch's: same numbers."""
     p0 = torch.randn(SMALL)
@@ -256,7 +257,8 @@ def test_state_dict_resume_takes_the_same_next_step(dtype):
 
     model2 = nn.Sequential(nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 8)).to(dtype)
     model2.load_state_dict(saved_model)
-    opt2 = AdamW8bit([{"params": model2[0].parameters()}, {"params": model2[2].parameters(), "lr": 3e-3}], lr=LR)
+    opt2 = AdamW8bit([{"params": model2[0].parameters()}, {"params": model2[2].parameters(), "lr": 3e-3}],
+                     lr=LR)
     opt2.load_state_dict(saved_opt)
     s = opt2.state[model2[0].weight]
     assert s["exp_avg_absmax"].dtype == torch.float32 and s["exp_avg"].dtype == torch.uint8
@@ -282,7 +284,8 @@ def test_half_precision_params(dtype):
 def test_param_groups_use_their_own_hyper_parameters():
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     a0, b0 = a.detach().clone(), b.detach().clone()
-    opt = AdamW8bit([{"params": [a], "lr": 0.0, "weight_decay": 0.0}, {"params": [b]}], lr=1e-2, weight_decay=0.5)
+    opt = AdamW8bit([{"params": [a], "lr": 0.0, "weight_decay": 0.0}, {"params": [b]}],
+                    lr=1e-2, weight_decay=0.5)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     opt.step()
     assert torch.equal(a, a0)

@@ -73,16 +73,19 @@ def test_bad_config_is_a_clear_error(field, value):
 def test_cli_gradient_checkpointing_policy():
     from lora_lab.cli import build_parser
 
-    for argv, policy in [([], None), (["--gradient-checkpointing"], "full"), (["--no-gradient-checkpointing"], None),
+    for argv, policy in [([], None), (["--gradient-checkpointing"], "full"),
+                         (["--no-gradient-checkpointing"], None),
                          (["--gradient-checkpointing", "budget:0.3"], "budget:0.3"),
                          (["--gradient-checkpointing", "selective"], "selective")]:
         args = build_parser().parse_args(["train", "--model", "sdxl", *argv])
-        assert TrainConfig(model="sdxl", gradient_checkpointing=args.gradient_checkpointing).checkpointing_policy() == policy
+        assert (TrainConfig(model="sdxl", gradient_checkpointing=args.gradient_checkpointing)
+                .checkpointing_policy() == policy)
     assert TrainConfig(gradient_checkpointing=True).checkpointing_policy() == "full"
 
 
 def test_cli_bad_value_exits_2(capsys, tmp_path):
-    assert cli_main(["train", "--model", "sdxl", "--dataset", str(tmp_path / "none"), "--output", str(tmp_path)]) == 2
+    assert cli_main(["train", "--model", "sdxl", "--dataset", str(tmp_path / "none"),
+                     "--output", str(tmp_path)]) == 2
     assert "lora-lab: error: TrainConfig.dataset=" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli_main(["train", "--rank", "many"])
@@ -91,7 +94,8 @@ def test_cli_bad_value_exits_2(capsys, tmp_path):
     for flag in ("--weight-decay", "--max-grad-norm", "--noise-offset", "--alpha"):
         assert cli_main(["train", flag, "nan", "--output", str(tmp_path)]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"TrainConfig.{flag[2:].replace('-', '_')}=nan: must be a finite" in err
+        assert (err.count("\n") == 1
+                and f"TrainConfig.{flag[2:].replace('-', '_')}=nan: must be a finite" in err)
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
     assert cli_main(["train", "--model", "flux", "--output", str(taken), "--no-progress"]) == 2  # an OSError
@@ -152,7 +156,8 @@ def test_killed_run_resumed_ends_bit_for_bit_like_an_uninterrupted_one(dataset, 
 
 def test_fresh_run_into_a_used_folder_and_resume_without_checkpoint_are_errors(dataset, tmp_path):
     with pytest.raises(TrainConfigError, match="holds no checkpoint"):
-        train(TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path), resume=True, steps=1, **FAST))
+        train(TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path), resume=True, steps=1,
+                          **FAST))
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset, tmp_path, monkeypatch):
@@ -174,11 +179,13 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
     state = load_checkpoint(out / "checkpoints" / kept[0])  # finite weights and losses, or it raises
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
     assert not (out / "lora.safetensors").exists()
-    # the error's advice works: resume from the last good checkpoint with a lower lr, clipping, another precision
+    # the error's advice works: resume from the last good checkpoint with a lower lr, clipping,
+    # another precision
     monkeypatch.undo()
-    done = train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2, resume=True,
-                             max_grad_norm=0.5, mixed_precision="fp16", **{**FAST, "lr": 5e-4}))
-    assert done.steps == 6 and done.losses[:2] == state["losses"] and all(math.isfinite(x) for x in done.losses)
+    done = train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=6, save_every=2,
+                             resume=True, max_grad_norm=0.5, mixed_precision="fp16", **{**FAST, "lr": 5e-4}))
+    assert (done.steps == 6 and done.losses[:2] == state["losses"]
+            and all(math.isfinite(x) for x in done.losses))
 
 
 # ----------------------------------------------------------------------------- the files in diffusers
@@ -190,8 +197,8 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
     from lora_lab.diffusion import sample
     from lora_lab.models import build_pipeline, shipped_base
 
-    result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4, lr=2e-2,
-                               batch_size=2, seed=SEED, sample_steps=0, progress=False))
+    result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4,
+                               lr=2e-2, batch_size=2, seed=SEED, sample_steps=0, progress=False))
     prompt, steps = "a digit three", 4
     ours = sample(result.pipe, prompt, seed=SEED, steps=steps)  # (1, 3, H, W) in [0, 1]
     formats = ["lora_diffusers", "lora_kohya"] if model in ("sd15", "sdxl") else ["lora_diffusers"]
@@ -201,16 +208,18 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
         pipe.load_lora_weights(str(result.outputs[key]))
         theirs = sample(pipe, prompt, seed=SEED, steps=steps)
         effect = (ours - plain).abs().max().item()
-        assert effect > 0.02, f"the LoRA hardly changes the image ({effect:.3g}): the test would prove nothing"
+        assert effect > 0.02, (f"the LoRA hardly changes the image ({effect:.3g}): "
+                               "the test would prove nothing")
         torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0, msg=f"{model} {key}")
     if model == "sdxl":  # `lora-lab sample` with the kohya file: a [base | base + LoRA] two-row PNG
         from PIL import Image
 
         png = tmp_path / "sample.png"
-        args = ["sample", "--model", model, "--lora", f"{result.outputs['lora_kohya']}:1.0", "--prompt", prompt,
-                "--seed", str(SEED), "--steps", str(steps), "--output", str(png)]
+        args = ["sample", "--model", model, "--lora", f"{result.outputs['lora_kohya']}:1.0",
+                "--prompt", prompt, "--seed", str(SEED), "--steps", str(steps), "--output", str(png)]
         assert cli_main(args) == 0
-        grid = np.asarray(Image.open(png).convert("L"), dtype=float)  # 1-pixel padding around and between rows
+        # 1-pixel padding around and between rows
+        grid = np.asarray(Image.open(png).convert("L"), dtype=float)
         h = (grid.shape[0] - 3) // 2
         top, bottom = grid[1:1 + h], grid[2 + h:2 + 2 * h]
         assert top.shape == bottom.shape and np.abs(top - bottom).max() > 5  # the LoRA row differs
@@ -221,7 +230,8 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
 
 @pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
 def test_notebook_07_runs_for_each_model(run_notebook, model):
-    """Small parameters: the mechanics claims must hold (the quality targets need the full run, `make run`)."""
+    """Small parameters: the mechanics claims must hold (the quality targets need the full run,
+    `make run`)."""
     data = run_notebook("07_diffusion_lora", MODEL=model, STEPS=8, BATCH_SIZE=8, SAMPLE_STEPS=2, EVAL_SEEDS=1,
                         UNET_STEPS=8, CHECK_TARGETS=False)
     assert data["passed"], data.get("error") or data["claims"]
@@ -232,34 +242,40 @@ def test_notebook_07_runs_for_each_model(run_notebook, model):
     assert set(n["inverted_rate_by_strength"]) == {"0.0", "0.25", "0.5", "0.75", "1.0", "1.25", "1.5"}
 
 
-# ----------------------------------------------------------------------------- DoRA, LoCon and the memory features
+# ------------------------------------------------------------------------ DoRA, LoCon and the memory features
 
 
 def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_trains(dataset, tmp_path):
     """Gradient checkpointing recomputes the same activations: the trained adapter must not change.
     bf16 / fp16 autocast must train to a finite loss near fp32's (8-bit AdamW, DoRA and LoCon on)."""
-    base = dict(model="sdxl", dataset=str(dataset), steps=2, dora=True, conv=True, optimizer="adamw8bit", **FAST)
+    base = dict(model="sdxl", dataset=str(dataset), steps=2, dora=True, conv=True, optimizer="adamw8bit",
+                **FAST)
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **base))
     a = _tensors(plain.outputs["lora_kohya"])
-    assert any(k.endswith(".dora_scale") for k in a) and any("in_layers_2" in k for k in a)  # SDXL: LDM name of conv1
-    for policy in (True, "selective", "budget:0.3"):  # whole blocks, op-level from a tape, and a memory budget
-        ckpt = train(TrainConfig(output=str(tmp_path / f"ckpt{policy}"), gradient_checkpointing=policy, **base))
+    # SDXL: LDM name of conv1
+    assert any(k.endswith(".dora_scale") for k in a) and any("in_layers_2" in k for k in a)
+    # whole blocks, op-level from a tape, and a memory budget
+    for policy in (True, "selective", "budget:0.3"):
+        ckpt = train(TrainConfig(output=str(tmp_path / f"ckpt{policy}"), gradient_checkpointing=policy,
+                                 **base))
         b = _tensors(ckpt.outputs["lora_kohya"])
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=f"{policy} {k}")
     for dtype in ("bf16", "fp16"):
         policy = True if dtype == "fp16" else "selective"  # (bf16: a tape recorded under autocast)
-        low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype, gradient_checkpointing=policy, **base))
+        low = train(TrainConfig(output=str(tmp_path / dtype), mixed_precision=dtype,
+                                gradient_checkpointing=policy, **base))
         assert all(math.isfinite(x) for x in low.losses)
         assert low.losses[0] == pytest.approx(plain.losses[0], rel=0.05)  # the same batch, rounded inputs
 
 
-# ----------------------------------------------------------------------------- checkpoints that must not be trusted
+# ----------------------------------------------------------------------- checkpoints that must not be trusted
 
 
 class _RunsCode:
-    """Unpickling this calls os.system: what a malicious step_*.pt would do on torch.load(weights_only=False)."""
+    """Unpickling this calls os.system: what a malicious step_*.pt would do on
+    torch.load(weights_only=False)."""
 
     def __init__(self, marker: Path):
         self.marker = marker
@@ -304,7 +320,8 @@ def _spoil(path: Path, kind: str, good: Path, marker: Path) -> None:
         torch.save(state, path)
 
 
-BAD_KINDS = ["truncated", "empty", "garbage", "folder", "pipe", "malicious_pickle", "wrong_keys", "nan_weights", "nan_loss"]
+BAD_KINDS = ["truncated", "empty", "garbage", "folder", "pipe", "malicious_pickle", "wrong_keys",
+             "nan_weights", "nan_loss"]
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
@@ -342,7 +359,8 @@ def test_a_pipe_named_loss_jsonl_is_an_error_not_a_wait(dataset, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     os.mkfifo(out / "loss.jsonl")
-    with pytest.raises(TrainConfigError, match=r"loss\.jsonl: the loss log is not a regular file"), _time_limit(120):
+    with pytest.raises(TrainConfigError,
+                       match=r"loss\.jsonl: the loss log is not a regular file"), _time_limit(120):
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=1, **FAST))
 
 
@@ -362,9 +380,10 @@ def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(d
     log.write_text(log.read_text() + '{"step": 7, "loss": 0.12')  # an append cut short by a kill
     link = tmp_path / "link"
     link.symlink_to(out)
-    args = ["train", "--model", "flux", "--dataset", str(dataset), "--output", str(link), "--steps", str(steps),
-            "--save-every", "2", "--keep-checkpoints", "3", "--rank", "4", "--lr", "1e-3", "--batch-size", "2",
-            "--seed", str(SEED), "--sample-steps", "0", "--no-progress", "--resume"]
+    args = ["train", "--model", "flux", "--dataset", str(dataset), "--output", str(link),
+            "--steps", str(steps), "--save-every", "2", "--keep-checkpoints", "3", "--rank", "4",
+            "--lr", "1e-3", "--batch-size", "2", "--seed", str(SEED), "--sample-steps", "0",
+            "--no-progress", "--resume"]
     with pytest.warns(UserWarning) as record:
         assert cli_main(args) == 0
     said = "\n".join(str(w.message) for w in record)
@@ -404,18 +423,21 @@ def test_nan_weights_are_never_checkpointed(dataset, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_grads_at_step_2)
     out = tmp_path / "out"
-    with pytest.raises(NonFiniteLossError, match=r"adapter weights are not finite after step 2 .*step_0000001\.pt"):
+    with pytest.raises(NonFiniteLossError,
+                       match=r"adapter weights are not finite after step 2 .*step_0000001\.pt"):
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=3, save_every=1, **FAST))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001.pt"]
 
 
 @pytest.mark.parametrize("model, change, message", [
     ("flux", {"rank": 65}, r"TrainConfig.rank=65: larger than the targeted layer .* use --rank \d+ or less"),
-    ("sd3", {"resolution": 136}, r"TrainConfig.resolution=136: larger than the sd3 base's position embedding"),
+    ("sd3", {"resolution": 136},
+     r"TrainConfig.resolution=136: larger than the sd3 base's position embedding"),
 ])
 def test_rank_and_resolution_the_base_cannot_take(dataset, tmp_path, model, change, message):
     with pytest.raises(TrainConfigError, match=message):
-        train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=1, **{**FAST, **change}))
+        train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=1,
+                          **{**FAST, **change}))
 
 
 def _mutants(data: bytes, n: int, seed: int):
@@ -466,5 +488,6 @@ def test_a_failed_start_leaves_no_output_folder(dataset, tmp_path, change, error
         change = {"dataset": str(tmp_path / "EMPTY")}
     out = tmp_path / "out" / "run"
     with pytest.raises(LoraLabError, match=error):
-        train(TrainConfig(model="flux", **{"dataset": str(dataset), **FAST, **change}, output=str(out), steps=1))
+        train(TrainConfig(model="flux", **{"dataset": str(dataset), **FAST, **change}, output=str(out),
+                          steps=1))
     assert not (tmp_path / "out").exists()

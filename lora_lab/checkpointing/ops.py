@@ -1,4 +1,5 @@
-"""Op-level keep and replay for recomputation: which op outputs are costly, keeping them in the forward, replaying them when recomputing.
+"""Op-level keep and replay for recomputation: which op outputs are costly, keeping them in the forward,
+replaying them when recomputing.
 
 A block call that keeps op outputs is numbered op by op (views and in-place ops left out). The first
 call of a block with given inputs runs under `_Record` (a Python dispatch mode) and learns at which
@@ -35,16 +36,19 @@ _SOFTMAX = {aten._softmax, aten._safe_softmax, aten.softmax}
 
 
 class CheckpointingError(LoraLabError, RuntimeError):
-    """Checkpointing misused: no block matched, a bad policy, or a recomputation that differs from the forward."""
+    """Checkpointing misused: no block matched, a bad policy, or a recomputation that differs from the
+    forward."""
 
 
 def _is_costly(func, args, kwargs) -> bool:
-    """Worth keeping under "selective": a matmul/conv/attention whose outputs alias nothing and draw no RNG."""
+    """Worth keeping under "selective": a matmul/conv/attention whose outputs alias nothing and draw no
+    RNG."""
     if func.overloadpacket not in _COSTLY or any(r.alias_info is not None for r in func._schema.returns):
         return False
     if torch.Tag.nondeterministic_seeded in func.tags:  # attention with dropout: keep only when p == 0
         names = [a.name for a in func._schema.arguments]
-        p = kwargs.get("dropout_p", args[names.index("dropout_p")] if "dropout_p" in names[: len(args)] else 0.0)
+        p = kwargs.get("dropout_p",
+                       args[names.index("dropout_p")] if "dropout_p" in names[: len(args)] else 0.0)
         return p == 0
     return True
 
@@ -55,11 +59,11 @@ def keep_costly(func, args, kwargs, _index) -> bool:
 
 
 def attention_scores(ops) -> set:
-    """The costly ops whose outputs reach a softmax through uncostly ops (a scale, a mask): the scores matmuls of
-    unfused attention. "selective" recomputes them with the softmax, as Korthikanti et al. recompute the
+    """The costly ops whose outputs reach a softmax through uncostly ops (a scale, a mask): the scores matmuls
+    of unfused attention. "selective" recomputes them with the softmax, as Korthikanti et al. recompute the
     attention core: kept, or kept as the softmax's saved output, the seq x seq probabilities would be most of
-    what a block of unfused attention saves (fused attention never makes them). ops: (id, costly, is a softmax,
-    storages read, storages made or written), in the order they ran."""
+    what a block of unfused attention saves (fused attention never makes them). ops: (id, costly, is a
+    softmax, storages read, storages made or written), in the order they ran."""
     made_from: dict = {}  # storage -> the costly ops it is made from through uncostly ops
     scores: set = set()
     for op, costly, softmax, ins, outs in ops:
@@ -72,10 +76,11 @@ def attention_scores(ops) -> set:
 
 
 def selective_frontier(ops) -> set:
-    """"selective" recomputes no costly op: where a picked op's output is not saved (a conv whose output autograd
-    never saves, only the sum of it and the time embedding that the next norm saves), it keeps the first saved
-    tensors computed from it instead, so that nothing recomputed has to run the costly op. ops: (id, picked,
-    storages read, storages made or written, can be kept), in the order they ran, the kept ones left out."""
+    """"selective" recomputes no costly op: where a picked op's output is not saved (a conv whose output
+    autograd never saves, only the sum of it and the time embedding that the next norm saves), it keeps the
+    first saved tensors computed from it instead, so that nothing recomputed has to run the costly op. ops:
+    (id, picked, storages read, storages made or written, can be kept), in the order they ran, the kept ones
+    left out."""
     tainted: set = set()  # storages that only a costly op run again could give
     extra: set = set()
     for op, picked, ins, outs, keepable in ops:
@@ -99,8 +104,10 @@ def _counted(func) -> bool:
 
 
 def _replayable(func, args, kwargs) -> bool:
-    """An op whose output can be kept and replayed: counted, and draws no RNG (attention with p = 0 does not)."""
-    return _counted(func) and (torch.Tag.nondeterministic_seeded not in func.tags or _is_costly(func, args, kwargs))
+    """An op whose output can be kept and replayed: counted, and draws no RNG (attention with p = 0 does
+    not)."""
+    return _counted(func) and (torch.Tag.nondeterministic_seeded not in func.tags
+                               or _is_costly(func, args, kwargs))
 
 
 def _shapes(args, kwargs) -> list:
@@ -108,13 +115,15 @@ def _shapes(args, kwargs) -> list:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+            and a.storage_offset() == b.storage_offset()
             and a.shape == b.shape and a.stride() == b.stride())
 
 
 @dataclass
 class _Kept:
-    """One kept op: what ran (checked when replaying), its output's leaves (tensors detached) and their versions."""
+    """One kept op: what ran (checked when replaying), its output's leaves (tensors detached) and their
+    versions."""
 
     func: object
     shapes: list
@@ -127,17 +136,19 @@ class _Kept:
             raise CheckpointingError(f"a kept output of {self.func} was changed in place after the forward")
 
     def output(self):
-        return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves], self.spec)
+        return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves],
+                              self.spec)
 
 
 @dataclass
 class _Plan:
-    """What the recomputation of one block call does op by op: `kept` ops answer from memory, `dead` ops (whose
-    outputs only kept ops would read) answer with uninitialised tensors of the right layout, the rest run again.
-    funcs: every numbered op up to the last kept or dead one, checked while replaying."""
+    """What the recomputation of one block call does op by op: `kept` ops answer from memory, `dead` ops
+    (whose outputs only kept ops would read) answer with uninitialised tensors of the right layout, the rest
+    run again. funcs: every numbered op up to the last kept or dead one, checked while replaying."""
 
     kept: dict[int, _Kept]
-    dead: dict[int, tuple]  # op index -> (spec, leaves: (shape, stride, dtype, device) for a tensor, else the value)
+    # op index -> (spec, leaves: (shape, stride, dtype, device) for a tensor, else the value)
+    dead: dict[int, tuple]
     funcs: list
     tape: _Tape | None = None  # when set, the recomputation runs this instead of the block's Python
 
@@ -217,8 +228,9 @@ class _Record(TorchDispatchMode):
             self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
                                     [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
             outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
-            # an op that draws random numbers is never kept, whatever the keep rule says (a budget's op numbers,
-            # planned on one forward, can name a randn_like in another: replaying it would shift the RNG stream)
+            # an op that draws random numbers is never kept, whatever the keep rule says (a budget's op
+            # numbers, planned on one forward, can name a randn_like in another: replaying it would shift the
+            # RNG stream)
             if self.keep(func, args, kwargs, index) and _replayable(func, args, kwargs):
                 self.picked.add(index)
         root = index is not None and (not outs or torch.Tag.nondeterministic_seeded in func.tags)
@@ -234,17 +246,21 @@ class _Record(TorchDispatchMode):
             self.tape.on_save(t)
 
     def _keepable(self, i: int, saved: set[int], written: set[int]) -> bool:
-        """Can be kept and replayed: no RNG, not changed in place later, and (only_saved) every output saved."""
+        """Can be kept and replayed: no RNG, not changed in place later, and (only_saved) every output
+        saved."""
         k = self.ops[i]
         tensors = [_storage(t) for t in k.leaves if isinstance(t, torch.Tensor)]
         if torch.Tag.nondeterministic_seeded in k.func.tags and i not in self.picked:
             return False
-        return bool(tensors) and not written.intersection(tensors) and (not self.only_saved or saved.issuperset(tensors))
+        return (bool(tensors) and not written.intersection(tensors)
+                and (not self.only_saved or saved.issuperset(tensors)))
 
     def _frontier(self, steps: list[_Step], kept: set[int], saved: set[int], written: set[int]) -> set[int]:
-        """The saved tensors that "selective" keeps in place of a picked op's unsaved output (`selective_frontier`)."""
+        """The saved tensors that "selective" keeps in place of a picked op's unsaved output
+        (`selective_frontier`)."""
         return selective_frontier((s.index, s.index in self.picked, s.ins, s.outs | s.writes,
-                                   s.index is not None and bool(s.outs & saved) and self._keepable(s.index, saved, written))
+                                   s.index is not None and bool(s.outs & saved)
+                                   and self._keepable(s.index, saved, written))
                                   for s in steps if s.index not in kept)
 
     def _scores(self, steps: list[_Step]) -> set[int]:
@@ -270,26 +286,33 @@ class _Record(TorchDispatchMode):
                 continue
             if s.root or s.outs & need or s.writes & need:
                 need |= s.ins
-            elif s.index is not None and not s.outs <= s.ins:  # an output aliasing an input (_unsafe_view) always runs:
-                k = self.ops[s.index]  # what reads it may read the kept op's output through it
-                dead[s.index] = (k.spec, [(t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+            elif s.index is not None and not s.outs <= s.ins:
+                # an output aliasing an input (_unsafe_view) always runs: what reads it may read the kept op's
+                # output through it
+                k = self.ops[s.index]
+                dead[s.index] = (k.spec, [(t.shape, t.stride(), t.dtype, t.device)
+                                          if isinstance(t, torch.Tensor) else t
                                           for t in k.leaves])
         last = max(kept | set(dead), default=-1)
         tape = None
         if self.tape is not None:
-            tape = self.tape.tape({s.index: k for k, s in enumerate(self.steps) if s.index in kept}, len(self.saves))
+            tape = self.tape.tape({s.index: k for k, s in enumerate(self.steps) if s.index in kept},
+                                  len(self.saves))
             self.tape = None
         return _Plan({i: self.ops[i] for i in kept}, dead, [self.ops[i].func for i in range(last + 1)], tape)
 
     def layout(self, plan: _Plan) -> _Layout | None:
-        """The layout of this call, or None when a kept output is not among its saves (then every call records)."""
+        """The layout of this call, or None when a kept output is not among its saves (then every call
+        records)."""
         where: dict[tuple[int, int], tuple[int, bool]] = {}
-        for p in reversed(range(len(self.saves))):  # the first save of each leaf wins, as itself before a view
+        # the first save of each leaf wins, as itself before a view
+        for p in reversed(range(len(self.saves))):
             t = self.saves[p]
             for i, k in plan.kept.items():
                 for j, leaf in enumerate(k.leaves):
-                    if (isinstance(leaf, torch.Tensor) and _storage(leaf) == _storage(t) and leaf.dtype == t.dtype
-                            and t._version == k.versions[j] and (_same_view(leaf, t) or not where.get((i, j), (0, False))[1])):
+                    if (isinstance(leaf, torch.Tensor) and _storage(leaf) == _storage(t)
+                            and leaf.dtype == t.dtype and t._version == k.versions[j]
+                            and (_same_view(leaf, t) or not where.get((i, j), (0, False))[1])):
                         where[(i, j)] = (p, _same_view(leaf, t))
         ops = {}
         for i, k in plan.kept.items():
@@ -324,24 +347,27 @@ class _Replay(TorchDispatchMode):
         self.n = n + 1
         if self.plan.funcs[n] is not func:
             raise CheckpointingError(
-                f"recomputation ran {func} as op {n} where the forward ran {self.plan.funcs[n]}: the block must run "
-                "the same ops (no data-dependent branches, no state changed between runs)"
+                f"recomputation ran {func} as op {n} where the forward ran {self.plan.funcs[n]}: "
+                "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
         dead = self.plan.dead.get(n)
         if dead is not None:  # only kept ops read its outputs
             spec, leaves = dead
-            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) if isinstance(m, tuple) else m
+            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3])
+                                   if isinstance(m, tuple) else m
                                    for m in leaves], spec)
         entry = self.plan.kept.get(n)
         if entry is None:
             return func(*args, **kwargs)
         if entry.shapes != _shapes(args, kwargs):
             raise CheckpointingError(
-                f"recomputation ran {func} on {_shapes(args, kwargs)} where the forward ran it on {entry.shapes}: "
+                f"recomputation ran {func} on {_shapes(args, kwargs)} "
+                f"where the forward ran it on {entry.shapes}: "
                 "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
         entry.check_unchanged()
         return entry.output()
 
 
-__getattr__ = old_name(__name__, {"CheckpointError": "lora_lab.checkpointing.ops:CheckpointingError"})  # lora_lab 0.1's names
+# lora_lab 0.1's names
+__getattr__ = old_name(__name__, {"CheckpointError": "lora_lab.checkpointing.ops:CheckpointingError"})

@@ -21,7 +21,8 @@ Policies of `enable_checkpointing(model, blocks, policy=...)` (the mechanism: `s
     "budget:F"   (or budget=F) keep at most the fraction F of the bytes the unchecked forward saves,
                  recomputing as little counted cost as it can (`budget.py`: one profiling
                  forward per input shape, then a greedy knapsack over op outputs and whole blocks).
-                 `checkpointing_plan(model)` says what it chose (also logged to the `lora_lab.checkpointing` logger).
+                 `checkpointing_plan(model)` says what it chose (also logged to the `lora_lab.checkpointing`
+                 logger).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from .budget import CheckpointingPlan, _Profile, _unpack_nothing
 from .ops import CheckpointingError, keep_costly
 from .segment import _Segment, checkpointed
 
-__all__ = ["POLICIES", "CheckpointingError", "CheckpointingPlan", "checkpointed", "checkpointing_plan", "disable_checkpointing",
-           "enable_checkpointing", "parse_policy"]
+__all__ = ["POLICIES", "CheckpointingError", "CheckpointingPlan", "checkpointed", "checkpointing_plan",
+           "disable_checkpointing", "enable_checkpointing", "parse_policy"]
 
 log = logging.getLogger("lora_lab.checkpointing")
 
@@ -90,9 +91,11 @@ class _EveryK(_Full):
 
 
 def _signature(root: nn.Module, args, kwargs) -> tuple:
-    """What a budget's plan depends on: the inputs' shapes, dtypes, devices and requires_grad, and which parameters
-    require grad (a frozen block on frozen inputs runs plainly, and what the blocks save changes with them)."""
-    return (tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+    """What a budget's plan depends on: the inputs' shapes, dtypes, devices and requires_grad, and which
+    parameters require grad (a frozen block on frozen inputs runs plainly, and what the blocks save changes
+    with them)."""
+    return (tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)),
             tuple(p.requires_grad for p in root.parameters()))
 
 
@@ -119,7 +122,8 @@ class _Budget(_Full):
 
     def _plan(self, root, forward, args, kwargs) -> CheckpointingPlan:
         prof = _Profile()
-        norms = [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        norms = [m for m in root.modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
         stats = [(m, [b.clone() for b in m.buffers()]) for m in norms]
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.profile = prof
@@ -130,8 +134,9 @@ class _Budget(_Full):
                 forward(*args, **kwargs)
         finally:
             self.profile = None
-            # autocast caches its casts of parameters for the rest of its region: without this, the forward that
-            # follows would reuse them, run fewer ops than the profile numbered, and keep other outputs than planned
+            # autocast caches its casts of parameters for the rest of its region: without this, the forward
+            # that follows would reuse them, run fewer ops than the profile numbered, and keep other outputs
+            # than planned
             torch.clear_autocast_cache()
             with torch.no_grad():
                 for m, bufs in stats:  # the profiling forward must not move running statistics
@@ -149,24 +154,29 @@ class _Budget(_Full):
             return fn(*args, **kwargs)
         if len(self.layouts) > 4096:  # (a block that keeps nothing is recorded too: its tape recomputes it)
             self.layouts.clear()
-        return _Segment().run(fn, args, kwargs, keep=lambda func, a, kw, i: i in d, layouts=self.layouts, tag=d)
+        return _Segment().run(fn, args, kwargs, keep=lambda func, a, kw, i: i in d, layouts=self.layouts,
+                              tag=d)
 
 
 def parse_policy(policy: str, budget: float | None = None, k: int | None = None) -> tuple[str, float | None]:
-    """("full" | "selective" | "every_k" | "budget:F", budget) -> (kind, budget fraction), or CheckpointingError."""
+    """("full" | "selective" | "every_k" | "budget:F", budget) -> (kind, budget fraction), or
+    CheckpointingError."""
     if budget is not None:
         if policy not in ("full", "budget"):
-            raise CheckpointingError(f"checkpointing: budget={budget!r} is a policy of its own, not one with policy={policy!r}")
+            raise CheckpointingError(f"checkpointing: budget={budget!r} is a policy of its own, "
+                                     f"not one with policy={policy!r}")
         policy = f"budget:{budget}"
     if not isinstance(policy, str):
-        raise CheckpointingError(f"checkpointing policy must be a string, one of {', '.join(POLICIES)}; got {policy!r}")
+        raise CheckpointingError(f"checkpointing policy must be a string, one of {', '.join(POLICIES)}; "
+                                 f"got {policy!r}")
     if policy.startswith("budget:"):
         try:
             fraction = float(policy.split(":", 1)[1])
         except ValueError:
             fraction = math.nan
         if not 0 < fraction <= 1:
-            raise CheckpointingError(f"checkpointing policy {policy!r}: the budget must be a number in (0, 1], e.g. budget:0.3")
+            raise CheckpointingError(f"checkpointing policy {policy!r}: the budget must be a number "
+                                     "in (0, 1], e.g. budget:0.3")
         return "budget", fraction
     if policy not in ("full", "selective", "every_k"):
         raise CheckpointingError(f"unknown checkpointing policy {policy!r}; one of {', '.join(POLICIES)}")
@@ -179,9 +189,9 @@ def _builds_graph(module: nn.Module, args, kwargs) -> bool:
     """Whether a block call builds an autograd graph: an input or a parameter of the block requires grad. One
     that does not (frozen, on frozen inputs: the first blocks of a model with adapters only in its attention)
     saves nothing unchecked, so it runs plainly: a checkpoint would keep its inputs for a backward that never
-    reaches it. Trainable tensors the block reaches otherwise (an adapter held outside it that patches a layer's
-    forward, kohya-style) are not seen: such a block, frozen on frozen inputs, runs plainly too (its gradients
-    are right; it saves what it saves unchecked). lora_lab's and PEFT's adapters are submodules."""
+    reaches it. Trainable tensors the block reaches otherwise (an adapter held outside it that patches a
+    layer's forward, kohya-style) are not seen: such a block, frozen on frozen inputs, runs plainly too (its
+    gradients are right; it saves what it saves unchecked). lora_lab's and PEFT's adapters are submodules."""
     return (any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
             or any(p.requires_grad for p in module.parameters()))
 
@@ -245,7 +255,8 @@ def enable_checkpointing(
     names = {id(m): n for n, m in model.named_modules()}
     if isinstance(blocks, nn.ModuleList):
         if id(blocks) not in names:
-            raise CheckpointingError("enable_checkpointing: the ModuleList given is not a submodule of the model")
+            raise CheckpointingError("enable_checkpointing: the ModuleList given is not a submodule of the "
+                                     "model")
         chosen = list(blocks)
     elif isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
         chosen, inside = [], set()
@@ -262,7 +273,8 @@ def enable_checkpointing(
         )
     if not chosen:
         kinds = sorted({type(m).__name__ for m in model.modules()})[:12]
-        raise CheckpointingError(f"enable_checkpointing: no block matched {blocks!r}; the model has {kinds} ...")
+        raise CheckpointingError(f"enable_checkpointing: no block matched {blocks!r}; "
+                                 f"the model has {kinds} ...")
     strategy = {
         "full": _Full,
         "selective": _Selective,
@@ -279,7 +291,8 @@ def enable_checkpointing(
 
 
 def checkpointing_plan(model: nn.Module) -> CheckpointingPlan | None:
-    """What the budget policy of `model` chose for its latest forward (None before one, or for other policies)."""
+    """What the budget policy of `model` chose for its latest forward (None before one, or for other
+    policies)."""
     policy = getattr(model.__dict__.get("forward"), "__checkpoint_policy__", None)
     return getattr(policy, "last", None)
 

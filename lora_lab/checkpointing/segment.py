@@ -1,4 +1,5 @@
-"""The recomputation mechanism: a checkpointed call keeps its inputs (and any kept op outputs) and runs again in backward.
+"""The recomputation mechanism: a checkpointed call keeps its inputs (and any kept op outputs) and runs again
+in backward.
 
     forward:  y = f(x)            saving only x (not f's activations)
     backward: recompute f(x) to get its activations again, then backpropagate through them
@@ -36,8 +37,9 @@ from .tape import _PLAIN, TapeWriter, module_stamp, owned_tensors
 
 
 def _freeze(a, opaque: list) -> object:
-    """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by entry,
-    tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no tape)."""
+    """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by
+    entry, tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no
+    tape)."""
     if isinstance(a, _PLAIN):
         return (type(a), a)
     if isinstance(a, torch.Tensor):
@@ -52,7 +54,8 @@ def _freeze(a, opaque: list) -> object:
 
 class _KeepInputs(torch.autograd.Function):
     """Saves the checkpoint's tensor inputs (and kept op outputs) through autograd, so that memory
-    measurements (and an enclosing checkpoint) see them like any other saved tensor. Its output is a throwaway."""
+    measurements (and an enclosing checkpoint) see them like any other saved tensor. Its output is a
+    throwaway."""
 
     @staticmethod
     def forward(ctx, anchor, *tensors):
@@ -68,9 +71,10 @@ class _StopRecompute(Exception):
     """Raised from the recomputation's pack hook once the last tensor backward needs is saved."""
 
 
-# the scaled_dot_product_attention backends a forward may have enabled (torch.nn.attention.sdpa_kernel), their
-# priority order (CUDA runs the first that fits) and whether the math backend may reduce in fp16/bf16 (else it
-# upcasts, and saves fp32 tensors): they decide which ops attention runs, so the recomputation re-enables the same
+# the scaled_dot_product_attention backends a forward may have enabled (torch.nn.attention.sdpa_kernel),
+# their priority order (CUDA runs the first that fits) and whether the math backend may reduce in fp16/bf16
+# (else it upcasts, and saves fp32 tensors): they decide which ops attention runs, so the recomputation
+# re-enables the same
 _SDPA = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
          SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
          SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
@@ -102,8 +106,8 @@ def _sdpa_as(state: tuple[tuple[SDPBackend, ...], tuple[int, ...], bool]):
 
 
 class _Call:
-    """What one checkpointed call keeps: fn, its arguments (tensors by where they come from), RNG, autocast and
-    attention backends."""
+    """What one checkpointed call keeps: fn, its arguments (tensors by where they come from), RNG, autocast
+    and attention backends."""
 
     def __init__(self, segment: _Segment, index: int, fn, args, kwargs):
         self.fn, self.index = fn, index
@@ -111,7 +115,8 @@ class _Call:
         self.n_args, self.kw_names = len(args), list(kwargs)
         self.is_tensor = [isinstance(a, torch.Tensor) for a in flat]
         tensors = [a for a, t in zip(flat, self.is_tensor) if t]
-        # the same tensor passed twice: a tape names each input by its position, so the pattern is part of the key
+        # the same tensor passed twice: a tape names each input by its position, so the pattern is part of
+        # the key
         self.opaque: list = []  # arguments the key knows only by type: their calls get no tape
         self.values = tuple(_freeze(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
         self.alias = tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors)
@@ -131,7 +136,8 @@ class _Call:
         }
         self.sdpa = _sdpa_backends()
         self.n_saved = 0
-        self.saved_as: list[tuple] = []  # (shape, dtype) of each saved tensor: the recomputation must match it
+        # (shape, dtype) of each saved tensor: the recomputation must match it
+        self.saved_as: list[tuple] = []
         self.record: _Record | None = None  # set while the forward records op outputs
         self.layout: _Layout | None = None  # set while the forward keeps them from the pack hook instead
         self.from_pack: dict[int, torch.Tensor] = {}
@@ -140,9 +146,10 @@ class _Call:
         self.outputs: list[tuple[weakref.ref, int, bool]] = []
 
     def nested(self) -> list[torch.Tensor]:
-        """Tensors inside the call's other arguments (a tuple of rotary embeddings), held by reference: the tape's
-        inputs after the call's tensor arguments."""
-        return [t for a, is_t in zip(self.flat, self.is_tensor) if not is_t for t in tree_leaves(a) if isinstance(t, torch.Tensor)]
+        """Tensors inside the call's other arguments (a tuple of rotary embeddings), held by reference: the
+        tape's inputs after the call's tensor arguments."""
+        return [t for a, is_t in zip(self.flat, self.is_tensor) if not is_t
+                for t in tree_leaves(a) if isinstance(t, torch.Tensor)]
 
     def module(self) -> nn.Module | None:
         m = getattr(self.fn, "__self__", None)
@@ -150,9 +157,11 @@ class _Call:
 
     def key(self, tag) -> tuple:
         """What decides the ops a call runs: fn, its tensors' shapes and flags, its other arguments, autocast,
-        the attention backends, and its module's state (a tape recorded for one key is run for every call with that key)."""
+        the attention backends, and its module's state (a tape recorded for one key is run for every call with
+        that key)."""
         # strides too: the recorded ops of reshape / contiguous depend on them (a view or a copy)
-        tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tree_leaves(self.to_keep))
+        tensors = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+                        for t in tree_leaves(self.to_keep))
         m = self.module()
         # (the stamp holds which parameters require grad: that decides which tensors autograd saves)
         return (self.fn, module_stamp(m) if m is not None else None, tag, tuple(self.sources), self.alias,
@@ -166,7 +175,8 @@ class _Call:
         if self.record is not None:
             self.record.on_save(t)
         elif self.layout is not None and position in self.layout.versions:
-            # (its version may differ from the recording's: outside a dispatch mode, linear adds its bias in place)
+            # (its version may differ from the recording's: outside a dispatch mode, linear adds its bias
+            # in place)
             self.from_pack[position] = t.detach()
         return (self.index, position)
 
@@ -179,7 +189,8 @@ class _Call:
         elif self.layout is not None:
             if self.n_saved == self.layout.n_saved and len(self.from_pack) == len(self.layout.versions):
                 self.plan = self.layout.plan(self.from_pack)
-                # a tape runs no Python to check against; the call's key (module state included) vouches for it
+                # a tape runs no Python to check against; the call's key (module state included) vouches
+                # for it
                 self.unverified = {} if self.plan.tape is not None else self.from_pack
             else:  # the call ran other ops than the recorded one: recompute it whole, record the next one
                 layouts.pop(key, None)
@@ -196,7 +207,8 @@ class _Call:
         self.outputs = [(weakref.ref(t), t._version, t.requires_grad) for t in _out_tensors(out)]
 
     def rerun(self, produced: dict[tuple[int, int], torch.Tensor], stop: bool):
-        """Run fn again; returns (the tensors it saves for backward, its output tensors or None if stopped)."""
+        """Run fn again; returns (the tensors it saves for backward, its output tensors or None if
+        stopped)."""
         kept = iter(self.keeper.grad_fn.saved_tensors[: self.n_keep])
         tensors = [next(kept) if s is None else produced[s] for s in self.sources]
         tensors = [t.detach().requires_grad_(rg) for t, rg in zip(tensors, self.requires_grad)]
@@ -219,8 +231,9 @@ class _Call:
             torch.cuda.set_rng_state(s, d)
         if stop and self.plan is not None and self.plan.tape is not None:  # the recorded ops, run directly
             off = {dev: (False, dt) for dev, (on, dt) in self.autocast.items() if on}
-            # (torch function modes and subclasses acted when the forward ran: the tape holds the aten ops they
-            # gave, so they must not act again; dispatch modes, fake tensors' included, still see every op)
+            # (torch function modes and subclasses acted when the forward ran: the tape holds the aten ops
+            # they gave, so they must not act again; dispatch modes, fake tensors' included, still see
+            # every op)
             with torch.no_grad(), _autocast(off), torch._C.DisableTorchFunction():
                 saved = self.plan.run_tape([t.detach() for t in tensors + self.nested()])
             self.check_saved(saved, " from its tape")
@@ -240,7 +253,8 @@ class _Call:
             if not self.unverified:
                 raise
             changed = True
-        if self.unverified and (changed or not all(p < len(saved) and _same_view(saved[p], t) for p, t in self.unverified.items())):
+        if self.unverified and (changed or not all(p < len(saved) and _same_view(saved[p], t)
+                                                   for p, t in self.unverified.items())):
             # the block ran other ops than when its layout was recorded (e.g. a flag changed), so the tensors
             # kept from the pack hook may not be the outputs of the ops they replace: recompute it whole
             self.plan, self.unverified = None, {}
@@ -249,17 +263,19 @@ class _Call:
         return saved, None if out is None else [t.detach() for t in _out_tensors(out)]
 
     def check_saved(self, saved: list[torch.Tensor], how: str = "") -> None:
-        """The recomputation saved what the forward saved: as many tensors, each of the same shape and dtype (else
-        backward would read wrong ones)."""
+        """The recomputation saved what the forward saved: as many tensors, each of the same shape and dtype
+        (else backward would read wrong ones)."""
         name = f"recomputing {getattr(self.fn, '__qualname__', self.fn)}{how}"
-        rule = ("the function must run the same ops both times (no data-dependent branches, no state it reads "
-                "changed between forward and backward)")
+        rule = ("the function must run the same ops both times (no data-dependent branches, no state it "
+                "reads changed between forward and backward)")
         if len(saved) != self.n_saved:
-            raise CheckpointingError(f"{name} saved {len(saved)} tensors for backward, the forward saved {self.n_saved}: {rule}")
+            raise CheckpointingError(f"{name} saved {len(saved)} tensors for backward, "
+                                     f"the forward saved {self.n_saved}: {rule}")
         for p, (t, (shape, dtype)) in enumerate(zip(saved, self.saved_as)):
             if t.shape != shape or t.dtype != dtype:
-                raise CheckpointingError(f"{name} saved a {tuple(t.shape)} {t.dtype} tensor as its tensor {p} for backward "
-                                      f"where the forward saved a {tuple(shape)} {dtype} one: {rule}")
+                raise CheckpointingError(f"{name} saved a {tuple(t.shape)} {t.dtype} tensor "
+                                         f"as its tensor {p} for backward "
+                                         f"where the forward saved a {tuple(shape)} {dtype} one: {rule}")
 
 
 def _same(t):
@@ -286,9 +302,9 @@ class _Segment:
 
     def run(self, fn, args, kwargs, keep: Callable[..., bool] | None = None, only_saved: bool = False,
             layouts: dict | None = None, tag=None):
-        """fn(*args, **kwargs) as one call of the segment. keep(func, args, kwargs, op index): op outputs to keep
-        (only those autograd saves if only_saved); layouts: where the policy remembers each call's `_Layout`
-        (tag: what else, beside the arguments, decides what the call keeps)."""
+        """fn(*args, **kwargs) as one call of the segment. keep(func, args, kwargs, op index): op outputs to
+        keep (only those autograd saves if only_saved); layouts: where the policy remembers each call's
+        `_Layout` (tag: what else, beside the arguments, decides what the call keeps)."""
         call = _Call(self, len(self.calls), fn, args, kwargs)
         self.calls.append(call)
         key = call.key(tag) if keep is not None and layouts is not None else None
@@ -302,7 +318,8 @@ class _Segment:
             else:
                 inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                 # an argument known to the key only by its type may hold what the ops depend on: no tape
-                tape = None if call.opaque else TapeWriter(inputs + call.nested(), owned_tensors(call.module()))
+                tape = None if call.opaque else TapeWriter(inputs + call.nested(),
+                                                           owned_tensors(call.module()))
                 with _Record(keep, only_saved, tape) as call.record:
                     out = fn(*args, **kwargs)
         call.finish(out, layouts if key is not None else None, key)
@@ -324,7 +341,8 @@ class _Segment:
                 saved, outs = c.rerun(produced, stop=last)
                 self.recomputed.update(((c.index, k), t) for k, t in enumerate(saved))
                 if outs is not None:
-                    produced.update(((c.index, i), t.requires_grad_(rg)) for i, (t, (_, _, rg)) in enumerate(zip(outs, c.outputs)))
+                    produced.update(((c.index, i), t.requires_grad_(rg))
+                                    for i, (t, (_, _, rg)) in enumerate(zip(outs, c.outputs)))
 
 
 class _autocast:
@@ -354,4 +372,5 @@ def checkpointed(fn: Callable[..., Any], *args, **kwargs) -> Any:
     return _Segment().run(fn, args, kwargs)
 
 
-__getattr__ = old_name(__name__, {"checkpoint": "lora_lab.checkpointing.segment:checkpointed"})  # lora_lab 0.1's names
+# lora_lab 0.1's names
+__getattr__ = old_name(__name__, {"checkpoint": "lora_lab.checkpointing.segment:checkpointed"})

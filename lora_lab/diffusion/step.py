@@ -1,4 +1,5 @@
-"""One optimizer step of the trainer: what it draws, the loss of each micro-batch, the gradients it accumulates.
+"""One optimizer step of the trainer: what it draws, the loss of each micro-batch, the gradients it
+accumulates.
 
 With per-process batch b, accumulation a and world size w (global batch G = b*a*w):
 
@@ -10,7 +11,8 @@ With per-process batch b, accumulation a and world size w (global batch G = b*a*
 The examples, noise, timesteps and caption dropout of a step are functions of (seed, step) alone, drawn for
 all G examples on the CPU and sliced per process: a resumed run continues exactly, and w processes with
 batch b compute the step one process with batch w*b does. The memory planner runs `micro_batch_loss` on
-fake tensors (`lora_lab.planning.step`) after `draw_step` and `micro_batch`, so the plan and the trainer share this code.
+fake tensors (`lora_lab.planning.step`) after `draw_step` and `micro_batch`, so the plan and the trainer share
+this code.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from ..models import ModelKind, denoiser, predict
 from ..precision import autocast
 
-# objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped (tests inject a NaN loss)
+# objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped
+# (tests inject a NaN loss)
 from . import objectives
 from .config import TrainConfig
 from .data import EncodedExamples, batch_indices
@@ -56,8 +59,8 @@ def draw_noise(config: TrainConfig, objective, data: EncodedExamples, idx: torch
     return noise, objective.sample_timesteps(len(idx), generator=g)
 
 
-def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
-              step: int, rank: int = 0, world_size: int = 1) -> StepDraws:
+def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: EncodedExamples | None,
+              empty: dict | None, step: int, rank: int = 0, world_size: int = 1) -> StepDraws:
     """Step `step`'s draws for all G examples of the global batch, then this process's share of them."""
     per_process = config.batch_size * config.grad_accum
     global_batch = per_process * world_size
@@ -71,7 +74,8 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
         reg_idx = batch_indices(config.seed + 1, step, global_batch, reg.sizes)
         reg_noise, reg_t = draw_noise(config, objective, reg, reg_idx, g)
         reg_draws = (reg_idx[mine].tolist(), reg_noise[mine], reg_t[mine])
-    return StepDraws(idx[mine].tolist(), noise[mine], t[mine], None if drop is None else drop[mine], reg_draws)
+    return StepDraws(idx[mine].tolist(), noise[mine], t[mine], None if drop is None else drop[mine],
+                     reg_draws)
 
 
 def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
@@ -109,20 +113,22 @@ def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples
     return batch
 
 
-def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective, batch: MicroBatch) -> torch.Tensor:
+def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
+                     batch: MicroBatch) -> torch.Tensor:
     """A micro-batch's denoising loss (plus prior_loss_weight times its regularization examples' loss)."""
     loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t, batch.cond)
     if batch.reg is not None:
         r = batch.reg
-        loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise, r.t,
-                                                                r.cond)
+        loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise,
+                                                                r.t, r.cond)
     return loss
 
 
 def accumulate_grads(config: TrainConfig, kind: ModelKind, pipe, objective, data: EncodedExamples,
                      reg: EncodedExamples | None, empty: dict | None, learner, step: int, env) -> float:
     """Step `step`'s grads in the adapter's .grad, averaged over the ranks of `env` (still scaled under fp16),
-    and its loss: this process's share of the global batch in grad_accum micro-batches, then the all-reduce."""
+    and its loss: this process's share of the global batch in grad_accum micro-batches, then the
+    all-reduce."""
     device = learner.params[0].device
     draws = draw_step(config, objective, data, reg, empty, step, env.rank, env.world_size)
     step_loss = torch.zeros((), dtype=torch.float64)

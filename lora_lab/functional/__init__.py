@@ -11,5 +11,5 @@ from .adam import AdamHyper, adam_math_, adam_step_
 from .blockwise import BLOCK_SIZE, dequantize_blockwise, dynamic_map, quantize_blockwise
 from .lowrank import lowrank_delta
 
-__all__ = ["BLOCK_SIZE", "AdamHyper", "adam_math_", "adam_step_", "dequantize_blockwise", "dora", "dynamic_map",
-           "lowrank_delta", "quantize_blockwise"]
+__all__ = ["BLOCK_SIZE", "AdamHyper", "adam_math_", "adam_step_", "dequantize_blockwise", "dora",
+           "dynamic_map", "lowrank_delta", "quantize_blockwise"]

@@ -1,4 +1,5 @@
-"""Block-wise quantization to 8 bits: the dynamic map, and tensors as uint8 codes plus one fp32 absmax per block.
+"""Block-wise quantization to 8 bits: the dynamic map, and tensors as uint8 codes plus one fp32 absmax per
+block.
 
     code = index of the map entry nearest to x / absmax(block)        x ~= map[code] * absmax(block)
 
@@ -66,7 +67,8 @@ _HIGH_HALF = 1 if sys.byteorder == "little" else 0  # which uint16 of an fp32 ho
 
 
 @functools.cache
-def _rounding_tables(signed: bool, device: torch.device, keep_nonzero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _rounding_tables(signed: bool, device: torch.device,
+                     keep_nonzero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest-code lookup by the top 16 bits of an fp32 (a bf16 bucket): (base uint8, threshold fp32),
     each (65536,). code(x) = base[top16(x)] + (x > threshold[top16(x)]).
 

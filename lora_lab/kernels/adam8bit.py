@@ -1,5 +1,6 @@
 """One 8-bit Adam/AdamW step for one tensor in a single Triton kernel; `reference_adam8bit_step`
-is the PyTorch path of lora_lab.adam (`adam_step_`), which it matches (codes and parameters) up to fp32 rounding.
+is the PyTorch path of lora_lab.adam (`adam_step_`), which it matches (codes and parameters) up to fp32
+rounding.
 
 Per block of 256 values (a few blocks per program):
 
@@ -8,7 +9,8 @@ Per block of 256 values (a few blocks per program):
     m = m + (1 - b1) (g - m)                     v = b2 v + (1 - b2) g^2
     p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     absmax = max |m| over the block;  m_code = #{midpoints of the map < m / absmax}   (as torch.bucketize)
-    the same for v, except that a positive v never gets the code of 0 (as functional/blockwise.py's keep_nonzero)
+    the same for v, except that a positive v never gets the code of 0 (as functional/blockwise.py's
+    keep_nonzero)
 
 so each value is read and written once (param, grad, two codes) instead of the dozen passes of
 the PyTorch formulation. The nearest map entry is found by an 8-step binary search over the
@@ -82,8 +84,8 @@ def _adam8bit_kernel(
     v_absmax = tl.max(tl.where(mask, v, 0.0), axis=1)  # v >= 0
     v_scaled = v / tl.where(v_absmax > 0, v_absmax, 1.0)[:, None]
     v_code = _bucketize(v_scaled, MID_U)
-    # a positive v never rounds to 0 (as functional/blockwise.py's keep_nonzero): under a non-zero m that would
-    # make the next step m / eps
+    # a positive v never rounds to 0 (as functional/blockwise.py's keep_nonzero): under a non-zero m that
+    # would make the next step m / eps
     v_code = tl.where(v_scaled > 0, tl.maximum(v_code, 1), v_code)
     tl.store(V_CODE + offs, v_code.to(tl.uint8), mask=mask)
     tl.store(V_ABSMAX + blocks, v_absmax, mask=blocks < n_blocks)
@@ -91,7 +93,8 @@ def _adam8bit_kernel(
 
 @functools.cache
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(map (256,), midpoints (256,) with +inf last), fp32, on `device`: the same values functional/blockwise.py uses."""
+    """(map (256,), midpoints (256,) with +inf last), fp32, on `device`: the same values
+    functional/blockwise.py uses."""
     q = dynamic_map(signed, device)
     mid = torch.cat([(q[1:] + q[:-1]) / 2, q.new_full((1,), math.inf)])
     return q.contiguous(), mid.contiguous()
@@ -146,6 +149,7 @@ def adam8bit_step(
         param.copy_(work)
 
 
-def reference_adam8bit_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, step: int, hp: AdamHyper) -> None:
+def reference_adam8bit_step(param, grad, m_codes, m_absmax, v_codes, v_absmax, step: int,
+                            hp: AdamHyper) -> None:
     """The same step by lora_lab.adam's PyTorch path (dequantize, `adam_math_`, quantize)."""
     adam_step_(param, grad, m_codes, v_codes, step, hp, m_absmax, v_absmax)

@@ -1,8 +1,11 @@
-"""LoRA adapters on a frozen base, as PEFT lays out a tuner family: the config, the layer, the model operations.
+"""LoRA adapters on a frozen base, as PEFT lays out a tuner family: the config, the layer, the model
+operations.
 
     config.py  LoRAConfig (checked when made) and the adapter errors
-    layer.py   LoRAModule, LoRALinear, LoRAConv2d: LoRA, rsLoRA, DoRA, LoCon around a frozen (or quantized) layer
-    model.py   add_lora, merge_lora, unmerge_lora, remove_lora, lora_disabled, set_lora_strength, lora_state_dict
+    layer.py   LoRAModule, LoRALinear, LoRAConv2d: LoRA, rsLoRA, DoRA, LoCon around a frozen
+               (or quantized) layer
+    model.py   add_lora, merge_lora, unmerge_lora, remove_lora, lora_disabled, set_lora_strength,
+               lora_state_dict
 
     add_lora(model, LoRAConfig(rank=8, alpha=8, targets=r".*attn\\.(q|k|v)"))   # wrap, freeze the rest
 """

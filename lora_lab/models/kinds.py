@@ -34,10 +34,12 @@ class ModelLoadError(LoraLabError, ValueError):
 
 @dataclass(frozen=True)
 class TextEncoder:
-    """One text encoder of a pipeline: its component name, architecture, and the seed offset of its tiny init."""
+    """One text encoder of a pipeline: its component name, architecture, and the seed offset of its tiny
+    init."""
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
-    arch: str  # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    arch: str
     seed: int  # models.build_components seeds it with seed + this
 
     @property
@@ -66,7 +68,8 @@ class ModelKind:
     latent_packing: int = 1  # latents enter the denoiser packed in n x n patches (Flux: 2)
     addition_embed_type: str | None = None  # the UNet config's value that tells SDXL from SD1.5
     kohya_version: str = ""  # kohya's ss_base_model_version prefix of this family
-    kohya_version_written: str | None = None  # the full ss_base_model_version lora_lab writes, where kohya has one
+    # the full ss_base_model_version lora_lab writes, where kohya has one
+    kohya_version_written: str | None = None
     ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
 
@@ -99,12 +102,14 @@ def _encode_sdxl(pipe, prompts, device):
 
 def _encode_sd3(pipe, prompts, device):
     embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=device,
-                                              do_classifier_free_guidance=False, max_sequence_length=t5_length(pipe))
+                                              do_classifier_free_guidance=False,
+                                              max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
 def _encode_flux(pipe, prompts, device):
-    embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device, max_sequence_length=t5_length(pipe))
+    embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=device,
+                                           max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
@@ -133,7 +138,8 @@ def _predict_flux(model, x, t, ctx, embeds, guidance, vae_scale_factor):
     B, _, h, w = x.shape
     pooled = embeds["pooled_prompt_embeds"].to(x.device, x.dtype)
     out = model(hidden_states=pack_latents(x), timestep=t.to(x.dtype),  # Flux multiplies by 1000 itself
-                guidance=flux_guidance(B, guidance).to(x.device, x.dtype) if model.config.guidance_embeds else None,
+                guidance=(flux_guidance(B, guidance).to(x.device, x.dtype) if model.config.guidance_embeds
+                          else None),
                 pooled_projections=pooled, encoder_hidden_states=ctx,
                 txt_ids=flux_text_ids(ctx.shape[1]).to(x.device, x.dtype),
                 img_ids=flux_latent_ids(h, w).to(x.device, x.dtype)).sample
@@ -143,7 +149,8 @@ def _predict_flux(model, x, t, ctx, embeds, guidance, vae_scale_factor):
 # ----------------------------------------------------------------------------- the registry
 
 _UNET_BLOCKS = ("diffusers.models.attention:BasicTransformerBlock", "diffusers.models.resnet:ResnetBlock2D")
-_NO_SAFETY_CHECKER = (("safety_checker", None), ("feature_extractor", None), ("requires_safety_checker", False))
+_NO_SAFETY_CHECKER = (("safety_checker", None), ("feature_extractor", None),
+                      ("requires_safety_checker", False))
 
 _KINDS = (
     ModelKind("sd15", "unet", "StableDiffusionPipeline", "UNet2DConditionModel", "EulerDiscreteScheduler",
@@ -155,11 +162,13 @@ _KINDS = (
               kohya_version="sdxl", kohya_version_written="sdxl_base_v1-0", ldm_names=True),
     ModelKind("sd3", "transformer", "StableDiffusion3Pipeline", "SD3Transformer2DModel",
               "FlowMatchEulerDiscreteScheduler",
-              (TextEncoder("text_encoder", "clip_projection", 2), TextEncoder("text_encoder_2", "clip_projection", 3),
+              (TextEncoder("text_encoder", "clip_projection", 2),
+               TextEncoder("text_encoder_2", "clip_projection", 3),
                TextEncoder("text_encoder_3", "t5", 4)),
               "flow", ("diffusers.models.attention:JointTransformerBlock",), _encode_sd3, _predict_sd3,
               t5_tokens=256, kohya_version="sd3"),
-    ModelKind("flux", "transformer", "FluxPipeline", "FluxTransformer2DModel", "FlowMatchEulerDiscreteScheduler",
+    ModelKind("flux", "transformer", "FluxPipeline", "FluxTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler",
               (TextEncoder("text_encoder", "clip", 2), TextEncoder("text_encoder_2", "t5", 4)),
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
@@ -168,7 +177,8 @@ _KINDS = (
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)
 # every pipeline component a LoRA may adapt: the denoisers, then the text encoders
-COMPONENTS = tuple(dict.fromkeys([k.component for k in _KINDS] + [e.component for k in _KINDS for e in k.text_encoders]))
+COMPONENTS = tuple(dict.fromkeys([k.component for k in _KINDS]
+                                 + [e.component for k in _KINDS for e in k.text_encoders]))
 
 
 def model_kind(name: str | ModelKind) -> ModelKind:

@@ -11,5 +11,5 @@ from .fit import FitResult, fit_config, fit_vram, options_table
 from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes, plan_memory, plan_options
 from .step import measure_training_step
 
-__all__ = ["FitResult", "MemoryPlan", "PlanError", "fit_config", "fit_vram", "format_bytes", "measure_training_step",
-           "options_table", "parse_bytes", "plan_memory", "plan_options"]
+__all__ = ["FitResult", "MemoryPlan", "PlanError", "fit_config", "fit_vram", "format_bytes",
+           "measure_training_step", "options_table", "parse_bytes", "plan_memory", "plan_options"]

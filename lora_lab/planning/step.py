@@ -1,12 +1,16 @@
-"""One training step of lora_lab's trainer in live bytes: run on fake tensors for a plan, or measured on the trainer.
+"""One training step of lora_lab's trainer in live bytes: run on fake tensors for a plan, or measured on the
+trainer.
 
-    planned_step(components, kind, config, options, tracker, vae_scale, text_shapes) -> (parts, phase, saved, grads)
-    measure_training_step(TrainConfig(...))   -> {"peak", "optimizer_state", "dataset_size"} of a real step (CPU)
+    planned_step(components, kind, config, options, tracker, vae_scale, text_shapes)
+        -> (parts, phase, saved, grads)
+    measure_training_step(TrainConfig(...))
+        -> {"peak", "optimizer_state", "dataset_size"} of a real step (CPU)
 
 `planned_step` runs, under `fakedevice.fake_device()` and a `memory.LiveBytes`, what `train()` runs: the
 trainer's own `add_adapter`, blocks to checkpoint + `enable_checkpointing`, `make_optimizer`, and its step's
 `draw_step`, `micro_batch` and `micro_batch_loss` (`diffusion/step.py`), then backward, gradient clipping
-and the optimizer step, with the optimizer state of a previous step live. The other components (VAE, text encoders) only add their bytes (from the meta build).
+and the optimizer step, with the optimizer state of a previous step live. The other components (VAE, text
+encoders) only add their bytes (from the meta build).
 `measure_training_step` is what the plans are checked against.
 """
 
@@ -46,13 +50,14 @@ def storage_bytes(tensors) -> int:
 
 def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveBytes, vae_scale: int,
                  text_shapes: dict[str, tuple[int, ...]]):
-    """Adapt the denoiser of `comps` (meta modules), then one step as `train()` runs it, counting live bytes in
-    `tracker` (entered, under `fake_device()`). vae_scale: the VAE's downsampling; text_shapes: the cached
+    """Adapt the denoiser of `comps` (meta modules), then one step as `train()` runs it, counting live bytes
+    in `tracker` (entered, under `fake_device()`). vae_scale: the VAE's downsampling; text_shapes: the cached
     embeddings' shapes per example. Returns (parts, phase, saved, grads), as `MemoryPlan` holds them."""
     den_name = "unet" if "unet" in comps else "transformer"
     den = comps[den_name]
     # the other components only sit in memory during the step: their bytes, counted from the meta build
-    resident = storage_bytes(t for n, m in comps.items() if n != den_name for t in (*m.parameters(), *m.buffers()))
+    resident = storage_bytes(t for n, m in comps.items() if n != den_name
+                             for t in (*m.parameters(), *m.buffers()))
     tracker.current += resident
     to_fake(den)
     tracker.track(t for t in (*den.parameters(), *den.buffers()))
@@ -68,7 +73,8 @@ def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveByt
     opt_config = replace(config, optimizer="adamw8bit") if config.optimizer == "bnb-adamw8bit" else config
     optimizer = make_optimizer(params, opt_config)
     _init_optimizer_state(optimizer)
-    # each storage once, keyed by identity: fake tensors have no addresses (optimizer_state_bytes keys by address)
+    # each storage once, keyed by identity: fake tensors have no addresses (optimizer_state_bytes keys
+    # by address)
     state = storage_bytes(t for s in optimizer.state.values() for t in _tensors(s))
 
     objective = objective_for(kind)
@@ -101,8 +107,8 @@ def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveByt
     peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
     phase = next(p for p in peaks if peaks[p][0] == tracker.peak)
     saved_at_peak = peaks[phase][1]
-    persistent = {"frozen weights": frozen, "resident (VAE, text encoders)": resident, "adapter weights": adapters,
-                  "optimizer state": state, "cached data": cached}
+    persistent = {"frozen weights": frozen, "resident (VAE, text encoders)": resident,
+                  "adapter weights": adapters, "optimizer state": state, "cached data": cached}
     grads_at_peak = grads if phase == "optimizer step" else 0
     working = tracker.peak - sum(persistent.values()) - saved_at_peak - grads_at_peak
     parts = {**persistent, "gradients": grads_at_peak, "saved activations (live at peak)": saved_at_peak,
@@ -112,9 +118,10 @@ def planned_step(comps: dict, kind: str, config, options: dict, tracker: LiveByt
 
 def _planned_batch(config, den, kind: str, objective, options: dict, vae_scale: int,
                    text_shapes: dict[str, tuple[int, ...]], tracker: LiveBytes):
-    """The micro-batch of the peak, drawn and moved to the device by the trainer's own step (`diffusion/step.py`)
-    from a cache of B examples: fp32 latents (fake), noise and timesteps (real and small: the indices are read).
-    Returns (batch, bytes of the trainer's cache on the device: on the host but when training on the CPU)."""
+    """The micro-batch of the peak, drawn and moved to the device by the trainer's own step
+    (`diffusion/step.py`) from a cache of B examples: fp32 latents (fake), noise and timesteps (real and
+    small: the indices are read). Returns (batch, bytes of the trainer's cache on the device: on the host but
+    when training on the CPU)."""
     latent_ch = den.config.in_channels // model_kind(kind).latent_packing ** 2
     h = options["resolution"] // vae_scale
     B = options["batch_size"]
@@ -132,8 +139,9 @@ def _planned_batch(config, den, kind: str, objective, options: dict, vae_scale: 
 
 
 def _backward(loss: torch.Tensor) -> None:
-    """loss.backward(), called on the autograd engine directly: `Tensor.backward` passes through the torch-function
-    modes, which step aside while they handle a call, so a recomputing checkpoint would run without them."""
+    """loss.backward(), called on the autograd engine directly: `Tensor.backward` passes through the
+    torch-function modes, which step aside while they handle a call, so a recomputing checkpoint would run
+    without them."""
 
     _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
                          accumulate_grad=True)
@@ -176,11 +184,13 @@ def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:
 
 def _optimizer_step(optimizer, scaler) -> None:
     if isinstance(optimizer, Adam8bit):
-        # the 8-bit step updates in place, in chunks of CHUNK_BLOCKS blocks (CUDA: one Triton kernel per tensor);
-        # its fp32 temporaries are a few MiB at most, far below the backward's, so it is not run on fake tensors
+        # the 8-bit step updates in place, in chunks of CHUNK_BLOCKS blocks (CUDA: one Triton kernel per
+        # tensor); its fp32 temporaries are a few MiB at most, far below the backward's, so it is not run on
+        # fake tensors
         return
     if scaler.is_enabled():
-        optimizer.step()  # what scaler.step does when the gradients are finite (fake tensors hold no values to check)
+        # what scaler.step does when the gradients are finite (fake tensors hold no values to check)
+        optimizer.step()
     else:
         scaler.step(optimizer)
 
@@ -231,6 +241,7 @@ def measure_training_step(config) -> dict[str, int]:
 
 
 def dataset_len(config, resolution: int | None = None) -> int:
-    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or 16)."""
+    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or
+    16)."""
     size = resolution or config.resolution or 16
     return len(ImageCaptionDataset(config.dataset_dir(), size, skip_bad=config.skip_bad_images))
