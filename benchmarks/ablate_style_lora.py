@@ -26,7 +26,7 @@ import torch
 from lora_lab.diffusion import TrainConfig, sample, train
 from lora_lab.models import DATA_DIR, DIGIT_NAMES, denoiser
 from lora_lab.notebook.effect import fit_classifiers
-from lora_lab.notebook.record import _literal_assignments
+from lora_lab.notebook.parameters import literal_assignments
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_diffusion_lora.ipynb"
 UNETS = ("sdxl", "sd15")  # trained for UNET_STEPS, with LoCon when CONV (as notebook 07 does)
@@ -36,7 +36,7 @@ def recipe() -> dict:
     """Notebook 07's parameters cell, as {NAME: value}."""
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
-    return _literal_assignments("".join(cell["source"]))
+    return literal_assignments("".join(cell["source"]))
 
 
 def subset_folder(tmp: Path, n: int | None, caption=None) -> Path:
