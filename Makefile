@@ -18,7 +18,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 # No MPLBACKEND here: a kernel that inherits one shows no figure inline in JupyterLab. The runner
 # gives its kernels the inline backend (figures in the executed copies); pytest draws with Agg.
 
-.PHONY: setup run test test-lab lab lint clean
+.PHONY: setup run test test-lab lab lint gpu clean
 
 setup: $(STAMP) $(VENV)/cache
 
@@ -63,6 +63,11 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_IP    = $(if $(findstring --ip,$(LAB_ARGS))$(findstring .ip=,$(LAB_ARGS)),,--ip=127.0.0.1)
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_IP) $(LAB_ROOT) $(LAB_ARGS)
+
+# Everything that needs a CUDA GPU (kernels compiled, their timings, the planner at real size against
+# max_memory_allocated) into one table and reports/gpu.json; without CUDA it says so and exits 0.
+gpu: setup
+	$(PY) benchmarks/gpu_check.py
 
 lint: setup
 	$(VENV)/bin/ruff check lora_lab tests benchmarks data

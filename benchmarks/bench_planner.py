@@ -7,10 +7,14 @@
                                                        # (NF4, int8)
     python benchmarks/bench_planner.py --validate --quantized   # the same check with a quantized frozen base
     python benchmarks/bench_planner.py --speed         # only the planner's speed: 3 plans of SDXL 1024, fit
+    python benchmarks/bench_planner.py --targets       # the whole-run targets: SDXL and Flux NF4 at 1024
+    python benchmarks/bench_planner.py --real-cpu      # real SD1.5 trained on this CPU (random weights):
+                                                       # each phase measured against its plan (~30 min)
 
 Real-size rows are predictions from fake tensors (no GPU was used). Targets: a plan for the real
 SDXL at 1024 in <= 10 s and < 2 GiB resident on the 2-core machine; `fit` over all options < 1 minute;
-every validation row within 5%.
+every validation row within 5%; --real-cpu: every phase within 3%; --targets: SDXL every phase under 8 GiB,
+Flux.1-dev with an NF4 base under 16 GiB.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ REAL_ROWS = [  # (model, resolution, checkpointing, optimizer)
 ]
 
 
+PHASE_COLUMNS = ("cache", "load", "train step", "save", "sample")
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -44,23 +51,21 @@ QUANTIZED_ROWS = [  # (model, resolution, checkpointing, optimizer, base quantiz
 
 
 def real_table(rows, rank: int) -> None:
+    """Whole-run plans at real size (CUDA's rules, base dtype auto = bf16, encoders unloaded after caching):
+    each phase's peak."""
     from lora_lab.planning import plan_memory
 
     quantized = len(rows[0]) == 5
     print(f"| model | resolution | {'base | ' if quantized else ''}checkpointing | optimizer | attention | "
-          "weights (denoiser / others) GiB | saved activations GiB | predicted peak GiB | phase | "
-          "plan time s |")
-    print(f"| --- | ---: | {'--- | ' if quantized else ''}--- | --- | --- | ---: | ---: | ---: | --- | "
-          "---: |")
+          + " | ".join(f"{p} GiB" for p in PHASE_COLUMNS) + " | peak (phase) | plan time s |")
+    print(f"| --- | ---: | {'--- | ' if quantized else ''}--- | --- | --- | "
+          + " | ".join("---:" for _ in PHASE_COLUMNS) + " | --- | ---: |")
     for model, res, ckpt, opt, *q in rows:
         p = plan_memory(model, resolution=res, rank=rank, gradient_checkpointing=ckpt, optimizer=opt,
                         base_quantization=q[0] if q else None)
-        w = p.parts
+        phases = " | ".join(gib(p.phases[ph]) for ph in PHASE_COLUMNS)
         print(f"| {model} | {res} | {q[0] + ' | ' if q else ''}{'yes' if ckpt else 'no'} | {opt} | "
-              f"{p.attention} | "
-              f"{gib(w['frozen weights'])} / {gib(w['resident (VAE, text encoders)'])} | "
-              f"{gib(p.saved_activations)} | "
-              f"**{gib(p.peak)}** | {p.peak_phase} | {p.seconds:.1f} |", flush=True)
+              f"{p.attention} | {phases} | **{gib(p.peak)}** ({p.peak_phase}) | {p.seconds:.0f} |", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\nmax resident memory of this process: {rss:.2f} GiB")
 
@@ -145,6 +150,72 @@ def speed() -> None:
     print(f"max resident memory: {rss:.2f} GiB (target < 2 GiB: {'met' if rss < 2 else 'NOT met'})")
 
 
+def targets() -> None:
+    """The whole-run plans at 1024, batch 1, rank 16, bf16 base, checkpointing + 8-bit AdamW, encoders
+    unloaded after caching, on CUDA's rules: every phase, against the targets."""
+    from lora_lab.planning import plan_memory
+
+    print("| model | base | " + " | ".join(f"{p} GiB" for p in PHASE_COLUMNS) + " | peak (phase) | target | "
+          "plan s |")
+    print("| --- | --- | " + " | ".join("---:" for _ in PHASE_COLUMNS) + " | --- | --- | ---: |")
+    for model, quantization, target in (("sdxl", None, 8), ("flux-dev", "nf4", 16)):
+        p = plan_memory(model, resolution=1024, rank=16, base_dtype="bf16", gradient_checkpointing=True,
+                        optimizer="adamw8bit", base_quantization=quantization)
+        met = "met" if p.peak < target * 2**30 else "NOT met"
+        phases = " | ".join(gib(p.phases[ph]) for ph in PHASE_COLUMNS)
+        print(f"| {model} | {quantization or 'bf16'} | {phases} | {gib(p.peak)} ({p.peak_phase}) | "
+              f"< {target} GiB: {met} | {p.seconds:.0f} |", flush=True)
+
+
+def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
+    """The real SD1.5 architecture (published configs, seeded random weights: `--base real:sd15`) trained
+    for a few steps on this CPU on 4 shipped examples, fp32 and bf16 bases, checkpointing on and off: each
+    phase's peak counted by lora_lab's LiveBytes and PyTorch's MemTracker in the same run, against the plan
+    (device cpu)."""
+    import shutil
+    from pathlib import Path
+
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.models import DATA_DIR
+    from lora_lab.planning import plan_memory
+    from lora_lab.planning.measure import measure_phases
+
+    worst = 0.0
+    print("| resolution | base | checkpointing | phase | LiveBytes GiB | MemTracker GiB | planned GiB | "
+          "error | run s |")
+    print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        data.mkdir()
+        for stem in sorted({p.stem for p in (DATA_DIR / "lora_inverted").glob("*.png")})[:4]:
+            for ext in (".png", ".txt"):
+                shutil.copy(DATA_DIR / "lora_inverted" / f"{stem}{ext}", data / f"{stem}{ext}")
+        for res, dtype, ckpt in runs:
+            config = TrainConfig(model="sd15", base="real:sd15", base_dtype=dtype, dataset=str(data),
+                                 output=f"{tmp}/run-{res}-{dtype}-{ckpt}", resolution=res, rank=16,
+                                 steps=steps, sample_steps=1, sample_prompts=["a photo"],
+                                 gradient_checkpointing=ckpt, progress=False, device="cpu")
+            t = time.perf_counter()
+            measured = measure_phases(config, ("live", "torch"))
+            seconds = time.perf_counter() - t
+            plan = plan_memory("sd15", size="real", device="cpu", resolution=res, rank=16,
+                               base_dtype=dtype, gradient_checkpointing=ckpt, dataset_size=4,
+                               mixed_precision=config.mixed_precision,
+                               distinct_captions=len({(data / f).read_text() for f in
+                                                      sorted(p.name for p in data.glob("*.txt"))}),
+                               sample_steps=1)
+            for ph in PHASE_COLUMNS:
+                live, mt, planned = measured["live"][ph], measured["torch"][ph], plan.phases[ph]
+                err = planned / live - 1 if live else 0.0
+                worst = max(worst, abs(err))
+                print(f"| {res} | {dtype} | {'yes' if ckpt else 'no'} | {ph} | {gib(live)} | {gib(mt)} | "
+                      f"{gib(planned)} | {100 * err:+.2f}% | {seconds:.0f} |", flush=True)
+            shutil.rmtree(config.output, ignore_errors=True)
+    print(f"\nworst |error|: {100 * worst:.2f}% (target <= 3%: {'met' if worst <= 0.03 else 'NOT met'})")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"max resident memory of this process: {rss:.2f} GiB")
+
+
 def policies_table(models: list[str], rank: int) -> None:
     """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy,
     with the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores
@@ -177,8 +248,19 @@ if __name__ == "__main__":
     ap.add_argument("--policies", action="store_true",
                     help="SDXL and SD3.5 Medium at 1024 under each checkpointing policy, fused and unfused "
                          "attention")
+    ap.add_argument("--targets", action="store_true", help="the whole-run targets (SDXL, Flux NF4 at 1024)")
+    ap.add_argument("--real-cpu", action="store_true",
+                    help="real SD1.5 trained on this CPU, measured per phase")
+    ap.add_argument("--runs", default="256:fp32:no,256:fp32:yes,256:bf16:yes,512:fp32:yes",
+                    help="--real-cpu's runs, RESOLUTION:BASE_DTYPE:CHECKPOINTING,... (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=2, help="--real-cpu's training steps (default 2)")
     args = ap.parse_args()
-    if args.validate and args.quantized:
+    if args.real_cpu:
+        real_cpu([(int(r), d, c == "yes") for r, d, c in (run.split(":") for run in args.runs.split(","))],
+                 args.steps)
+    elif args.targets:
+        targets()
+    elif args.validate and args.quantized:
         validate_quantized()
     elif args.validate:
         validate()

@@ -43,7 +43,7 @@ OLD_MODULES = {
     "lora_lab.diffusion.train_config": "lora_lab.diffusion.config",
     "lora_lab.diffusion.train_state": "lora_lab.diffusion.state",
     "lora_lab.fakedevice": "lora_lab.planning.fakedevice",
-    "lora_lab.step_memory": "lora_lab.planning.step",
+    "lora_lab.step_memory": "lora_lab.planning.measure",
     "lora_lab.planner": "lora_lab.planning.planner",
     "lora_lab.budget": "lora_lab.planning.fit",
     "lora_lab.notebook_params": "lora_lab.notebook.parameters",

@@ -11,14 +11,24 @@ import typing
 from pathlib import Path
 
 from .checkpointing import CheckpointingError, parse_policy
-from .diffusion.trainer import TrainConfig, resolve_device, sample_with_without, train
+from .diffusion.config import BASE_DTYPES
+from .diffusion.distributed import resolve_device
+from .diffusion.sampling import sample_with_without
+from .diffusion.trainer import TrainConfig, train
 from .errors import LoraLabError
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
 from .models import KINDS, REAL_MODELS
-from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory
+from .planning import (
+    PlanError,
+    fit_config,
+    fit_vram,
+    options_table,
+    parse_bytes,
+    plan_memory,
+    plan_train_config,
+)
 from .planning.fakedevice import ATTENTION
-from .planning.planner import DTYPES, RESIDENT
 from .quant import FORMATS as QUANT_FORMATS
 
 # ----------------------------------------------------------------------------- LoRA files
@@ -173,7 +183,11 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
             p.add_argument(flag, type=base, default=f.default, help=helptext)
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
                    help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, "
-                   "optimizer and micro-batch (--batch-size is then the effective batch)")
+                   "optimizer, micro-batch and VAE tiling so that every phase fits (--batch-size is then the "
+                   "effective batch)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan the run instead of running it: each phase's predicted peak (the trainer's own "
+                   "stages on fake tensors; with --base real:NAME at real size), then exit; writes nothing")
     p.set_defaults(func=_run_train)
     return p
 
@@ -181,9 +195,11 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 def _run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if args.vram is not None:
-
         config, why = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
+    if args.dry_run:
+        print(plan_train_config(config).table())
+        return 0
     result = train(config)
     if result.is_main:
         print(f"wrote {', '.join(str(p) for p in result.outputs.values())}")
@@ -200,9 +216,9 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "plan",
         help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options "
         "that fit",
-        description="Runs one training step of the real model on fake tensors (no weights, no GPU) "
-        "and counts the bytes live at the peak. Example: lora-lab plan --model sdxl --resolution 1024 "
-        "--rank 16 --vram 24GiB",
+        description="Runs the trainer's stages (caching, loading, training step, saving, sampling) for the "
+        "real model on fake tensors (no weights, no GPU) and counts the bytes live at each phase's peak. "
+        "Example: lora-lab plan --model sdxl --resolution 1024 --rank 16 --vram 24GiB",
     )
     p.add_argument("--model", required=True, choices=list(REAL_MODELS), help="the real model")
     p.add_argument("--resolution", type=int, default=None,
@@ -213,11 +229,13 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--conv", action="store_true", help="also LoCon on the UNet's ResNet convs")
     p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"],
                    help="autocast (default: bf16)")
-    p.add_argument("--base-dtype", default="bf16", choices=list(DTYPES),
-                   help="frozen weights' dtype (default: bf16)")
-    p.add_argument("--resident", default="all", choices=list(RESIDENT),
-                   help="all: VAE and text encoders stay on the GPU (as lora_lab's trainer); "
-                   "denoiser: offloaded")
+    p.add_argument("--base-dtype", default="auto", choices=["auto", *BASE_DTYPES],
+                   help="frozen weights' dtype (default: auto, bf16 on a GPU)")
+    p.add_argument("--keep-encoders", action=argparse.BooleanOptionalAction, default=False,
+                   help="the text encoders and VAE stay on the GPU for the whole run (default: only while "
+                   "caching and sampling, as the trainer does)")
+    p.add_argument("--vae-tiling", action=argparse.BooleanOptionalAction, default=False,
+                   help="samples decoded in tiles (default: no; --vram turns it on where sampling needs it)")
     p.add_argument("--attention", default="auto", choices=list(ATTENTION),
                    help="attention kernel (default: auto)")
     p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
@@ -234,22 +252,20 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 def _run_plan(args: argparse.Namespace) -> int:
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype,
-              "resident": args.resident, "attention": args.attention,
+              "keep_encoders": args.keep_encoders, "vae_tiling": args.vae_tiling, "attention": args.attention,
               "base_quantization": args.base_quantization}
     plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size,
                          gradient_checkpointing=ck and args.gradient_checkpointing, optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
+    base = (f"{args.base_quantization} ({plans[0].base_dtype} compute)" if args.base_quantization
+            else plans[0].base_dtype)
     print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} "
-          f"autocast, base {args.base_quantization or args.base_dtype}, attention {plans[0].attention} "
-          "(predictions, not measurements)")
+          f"autocast, base {base}, attention {plans[0].attention} (predictions of every phase of a run, not "
+          "measurements)")
     print(options_table(plans, args.vram))
     if args.vram is not None:
-        try:
-            result = fit_vram(args.vram, args.model, batch_size=args.batch_size, plans=plans,
-                         checkpointing=args.gradient_checkpointing, **common)
-        except PlanError as e:
-            print(f"lora-lab: error: {e}", file=sys.stderr)
-            return 1
+        result = fit_vram(args.vram, args.model, batch_size=args.batch_size, plans=plans,
+                          checkpointing=args.gradient_checkpointing, **common)
         print(result.reason())
         print(result.chosen.table())
     return 0

@@ -14,6 +14,7 @@ every op's outputs). Each storage counts once, however many ops save it or views
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -168,7 +169,9 @@ class LiveBytes(TorchDispatchMode):
 
     `mark_saved` (a saved-tensor pack hook) records the storages autograd keeps that were made while
     `in_forward` was set: their bytes are `saved_bytes`, the live part of them `saved_live`, and
-    `saved_at_peak` is that part at the moment of the peak. `lora_lab.planning` counts a planned training
+    `saved_at_peak` is that part at the moment of the peak. `phase(name)` keeps the peak of each named phase
+    of a run in `phase_peaks` (the largest over its repeats; a phase inside another counts in both), and
+    `exclude(tensors)` stops counting tensors that live elsewhere (a GPU run's host-side cache, in a plan). `lora_lab.planning` counts a planned training
     step with it; `lora_lab.planning.measure_training_step` a real one.
     """
 
@@ -184,6 +187,10 @@ class LiveBytes(TorchDispatchMode):
         self.saved_alive: set[int] = set()
         self.saved_live = 0
         self.saved_at_peak = 0
+        self.phase_peaks: dict[str, int] = {}
+        self._phases: list[str] = []  # the phases running now
+        self._elsewhere: set[int] = set()  # storages not counted (exclude)
+        self._born_elsewhere = False  # inside elsewhere(): new storages are not counted
 
     def _free(self, key: int) -> None:
         n = self.live.pop(key, 0)
@@ -194,9 +201,14 @@ class LiveBytes(TorchDispatchMode):
         self.forward_born.discard(key)
 
     def _count(self, t: torch.Tensor, born: bool) -> None:
+        if t.is_meta:  # shapes without memory (a model built before its weights are loaded)
+            return
         s = t.untyped_storage()
         key = id(s)
-        if key in self.live:
+        if key in self.live or key in self._elsewhere:
+            return
+        if born and self._born_elsewhere:
+            self.exclude([t])
             return
         n = s.nbytes()
         if n == 0:
@@ -209,6 +221,9 @@ class LiveBytes(TorchDispatchMode):
         if self.current > self.peak:
             self.peak = self.current
             self.saved_at_peak = self.saved_live
+        for name in self._phases:
+            if self.current > self.phase_peaks[name]:
+                self.phase_peaks[name] = self.current
 
     def track(self, tensors) -> None:
         for t in tensors:
@@ -235,6 +250,39 @@ class LiveBytes(TorchDispatchMode):
             for t in _tensor_leaves(out):
                 self._count(t, born=True)
         return out
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Record the peak of live bytes while the block runs as `phase_peaks[name]` (the largest of its runs)."""
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
+        self._phases.append(name)
+        try:
+            yield
+        finally:
+            self._phases.remove(name)
+
+    def exclude(self, tensors) -> None:
+        """Stop counting the storages of `tensors` (they live on another device), until they are freed."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            key = id(s)
+            if key in self.live:
+                self._free(key)
+            if key not in self._elsewhere:
+                self._elsewhere.add(key)
+                weakref.finalize(s, self._elsewhere.discard, key)
+
+    @contextlib.contextmanager
+    def elsewhere(self):
+        """Storages made inside the block are not counted (they are made on another device: a GPU run's host
+        copies, in a plan)."""
+        self._born_elsewhere = True
+        try:
+            yield
+        finally:
+            self._born_elsewhere = False
 
     def reset_peak(self) -> None:
         self.peak = self.current

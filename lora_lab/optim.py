@@ -15,7 +15,7 @@ import torch
 
 from .errors import OptimizerError
 from .functional.adam import AdamHyper, adam_step_
-from .functional.blockwise import BLOCK_SIZE, dynamic_map
+from .functional.blockwise import BLOCK_SIZE, zero_code
 from .kernels import BACKENDS, resolve_backend
 
 MIN_8BIT_SIZE = 4096
@@ -88,8 +88,7 @@ class Adam8bit(torch.optim.Optimizer):
         n_blocks = -(-p.numel() // self.block_size)
         state = {"step": 0}
         for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            zero = int(torch.searchsorted(dynamic_map(signed), 0.0))  # the code of 0.0 in that map
-            state[name] = torch.full(p.shape, zero, dtype=torch.uint8, device=p.device)
+            state[name] = torch.full(p.shape, zero_code(signed), dtype=torch.uint8, device=p.device)
             state[f"{name}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=p.device)
         return state
 

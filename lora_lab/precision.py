@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 from .errors import LoraLabError
@@ -91,19 +92,19 @@ class MixedPrecision:
     def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float = 0.0) -> bool:
         """Between backward and the next step: unscale the grads (fp16), clip their global norm to
         `max_grad_norm` (0: no clipping), step the optimizer unless fp16 found a non-finite grad (then the
-        step is skipped and the scale halves), and zero the grads. Returns whether the optimizer stepped."""
+        step is skipped and the scale halves), and zero the grads. Returns whether the optimizer stepped.
+        On fake tensors (a memory plan) there are no values to check: the step a finite gradient takes."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
         if max_grad_norm > 0:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        if self.scaler is None:
+        if self.scaler is None or any(isinstance(p, FakeTensor) for p in params):
             optimizer.step()
             stepped = True
         else:
             before = self.scaler.get_scale()
-            # unscales (unless done above); skips optimizer.step() on inf/nan grads
-            self.scaler.step(optimizer)
+            self.scaler.step(optimizer)  # skips optimizer.step() on inf/nan grads
             self.scaler.update()  # the scale shrinks exactly when the step was skipped
             stepped = self.scaler.get_scale() >= before
         optimizer.zero_grad(set_to_none=True)

@@ -3,14 +3,16 @@ denoiser exactly what the pipeline feeds it, and a saved pipeline loads back fro
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from lora_lab import models as M
 from lora_lab.models import KINDS, ModelLoadError
-from lora_lab.models import builders as M
 from lora_lab.models.inputs import sdxl_time_ids
 
 SEED = 3
@@ -121,8 +123,17 @@ def test_errors_name_the_problem(tmp_path):
         M.build_pipeline("sdxl", base=tmp_path)
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ModelLoadError, match="cannot load as a sdxl pipeline"):
+    with pytest.raises(ModelLoadError, match="not a diffusers pipeline folder"):
         M.build_pipeline("sdxl", base=bad)
+    broken = tmp_path / "broken"
+    shutil.copytree(M.shipped_base("sdxl"), broken)
+    for weights in [broken / "unet" / "diffusion_pytorch_model.safetensors",
+                    broken / "text_encoder" / "model.safetensors"]:
+        good = weights.read_bytes()
+        weights.write_bytes(good[: len(good) // 2])  # a download cut in half
+        with pytest.raises(ModelLoadError, match="cannot load as a sdxl pipeline"):
+            M.build_pipeline("sdxl", base=broken)
+        weights.write_bytes(good)
 
 
 def test_shipped_sd3_base_draws_recognisable_digits():

@@ -10,26 +10,50 @@ import torch
 import torch.nn.functional as F
 
 from lora_lab.diffusion import TrainConfig
+from lora_lab.diffusion.trainer import PHASES
 from lora_lab.memory import LiveBytes, saved_activation_bytes
-from lora_lab.planning import PlanError, fit_vram, measure_training_step, parse_bytes, plan_memory, planner
+from lora_lab.planning import (
+    PlanError,
+    fit_vram,
+    measure_run,
+    measure_training_step,
+    parse_bytes,
+    plan_memory,
+    planner,
+)
 from lora_lab.planning.fakedevice import DeviceRules
+from lora_lab.planning.measure import dataset_len, distinct_captions
+from lora_lab.planning.run import RunPeaks
 
 TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 
-@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"),
-                                              ("sdxl", True, "adamw8bit", "bf16")])
+@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
 def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
-    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8,
-                                                 gradient_checkpointing=ckpt, optimizer=opt,
-                                                 mixed_precision=mp))
-    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
-                       gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
-                       dataset_size=measured["dataset_size"])
-    assert plan.peak == pytest.approx(measured["peak"], rel=TOLERANCE)
+    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8, gradient_checkpointing=ckpt,
+                                                 optimizer=opt, mixed_precision=mp))
+    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8, gradient_checkpointing=ckpt,
+                       optimizer=opt, mixed_precision=mp, dataset_size=measured["dataset_size"])
+    assert plan.step_peak == pytest.approx(measured["peak"], rel=TOLERANCE)
     assert plan.parts["optimizer state"] == measured["optimizer_state"]  # exact, optimizer_state_bytes
-    assert sum(plan.parts.values()) == plan.peak
+    assert sum(plan.parts.values()) == plan.step_peak
+    assert plan.peak == max(plan.phases.values()) and plan.peak_phase in plan.phases
     assert plan.attention == "native (cpu)"
+
+
+@pytest.mark.parametrize("kind,quantization", [("sdxl", None), ("sd3", "nf4")])
+def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, quantization):
+    """Each phase of a real run of the trainer (caching, loading, the steps, saving, sampling), measured with
+    LiveBytes on the CPU, against the plan of the same run made from the trainer's own stages."""
+    config = TrainConfig(model=kind, output=str(tmp_path), rank=8, steps=2, sample_steps=1, progress=False,
+                         base_quantization=quantization, device="cpu")
+    measured = measure_run(config)
+    plan = plan_memory(kind, size="tiny", device="cpu", rank=8, base_quantization=quantization,
+                       mixed_precision="no", dataset_size=dataset_len(config),
+                       distinct_captions=distinct_captions(config))
+    assert list(plan.phases) == list(measured) == list(PHASES)
+    for phase in PHASES:
+        assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
 
 
 def test_saved_activations_equal_saved_activation_bytes():
@@ -95,6 +119,13 @@ def test_attention_backends_save_what_they_keep():
     assert _saved_by_attention("auto", torch.float32) == _saved_by_attention("efficient", torch.float32)
 
 
+def _plan(model, peak, options, phase="train step"):
+    phases = dict.fromkeys(PHASES, 0)
+    phases[phase] = peak
+    return planner.MemoryPlan(model, "tiny", options, "flash", phases, {"activations": peak}, peak, phase,
+                              "backward", 0, 0)
+
+
 def test_fit_tries_fast_options_first(monkeypatch):
     """fit's order: no checkpointing before checkpointing, adamw before adamw8bit, the largest micro-batch."""
     calls = []
@@ -103,15 +134,14 @@ def test_fit_tries_fast_options_first(monkeypatch):
         calls.append((gradient_checkpointing, optimizer, batch_size))
         peak = (10 * batch_size + (0 if gradient_checkpointing else 20)
                 + (0 if optimizer == "adamw8bit" else 1))
-        options = {"batch_size": batch_size, "grad_accum": grad_accum,
+        options = {"batch_size": batch_size, "grad_accum": grad_accum, "vae_tiling": False,
                    "gradient_checkpointing": gradient_checkpointing, "optimizer": optimizer}
-        return planner.MemoryPlan(model, "tiny", options, "flash", {"activations": peak}, peak, 0, 0,
-                                  "backward")
+        return _plan(model, peak, options)
 
     monkeypatch.setattr(planner, "plan_memory", fake_plan)
     r = fit_vram(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
     assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2,
-                          "grad_accum": 2}
+                          "grad_accum": 2, "vae_tiling": False}
     assert calls == [(False, "adamw", 1), (False, "adamw", 4), (False, "adamw", 2)]
     calls.clear()
     r = fit_vram(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does
@@ -120,21 +150,43 @@ def test_fit_tries_fast_options_first(monkeypatch):
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw"
     r = fit_vram(10, "sdxl")
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw8bit"
-    with pytest.raises(PlanError, match=r"smallest predicted peak is .*activations"):
+    with pytest.raises(PlanError, match=r"smallest predicted peak is .* in the train step, of which activations"):
         fit_vram(5, "sdxl")
+
+
+def test_fit_decodes_samples_in_tiles_where_only_sampling_does_not_fit(monkeypatch):
+    def fake_plan(model, *, vae_tiling=False, **kw):
+        options = {**kw, "vae_tiling": vae_tiling}
+        return _plan(model, 9 if vae_tiling else 30, options, "sample" if not vae_tiling else "train step")
+
+    monkeypatch.setattr(planner, "plan_memory", fake_plan)
+    r = fit_vram(10, "sdxl")
+    assert r.settings["vae_tiling"] and not r.settings["gradient_checkpointing"]
+    assert "vae tiling" in r.reason()
+
+
+def _counting_plan_run(monkeypatch, peak_of=None):
+    """plan_run replaced by one that counts its calls and gives each option's peak from `peak_of(config)`."""
+    calls = []
+    real = planner.plan_run
+
+    def counting(config, **kw):
+        calls.append(config)
+        if peak_of is None:
+            return real(config, **kw)
+        peak = peak_of(config)
+        return RunPeaks({p: peak if p == "train step" else 0 for p in PHASES}, {"activations": peak}, "backward",
+                        0, 0, {"flash": 1})
+
+    monkeypatch.setattr(planner, "plan_run", counting)
+    return calls
 
 
 def test_fit_reuses_the_plans_it_is_given(monkeypatch):
     """fit_vram(plans=...): an option already planned (same options) is not planned again; another one is."""
-    calls = []
-    step = planner.planned_step
-
-    def counting_step(*args, **kwargs):
-        calls.append(args[3]["optimizer"])
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(planner, "planned_step", counting_step)
-    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no"}
+    calls = _counting_plan_run(monkeypatch)
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no",
+          "sample_steps": 0}
     plans = [plan_memory("sd15", gradient_checkpointing=ck, optimizer=opt, **kw)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
     assert len(calls) == 4
@@ -153,19 +205,13 @@ def test_cli_plan_vram_plans_each_option_once(monkeypatch, capsys):
     """`lora-lab plan --vram` prints the table of 4 options and fit's choice from the same 4 plans."""
     from lora_lab.cli import main
 
-    calls = []
-
-    def fake_step(comps, kind, config, options, tracker, vae_scale, text_shapes):
-        calls.append((options["gradient_checkpointing"], options["optimizer"]))
-        # only checkpointing fits 24 GiB
-        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30
-        return {"activations": tracker.peak}, "backward", 0, 0
-
-    monkeypatch.setattr(planner, "planned_step", fake_step)
+    # only checkpointing fits 24 GiB
+    calls = _counting_plan_run(monkeypatch, lambda c: (10 if c.gradient_checkpointing else 30) * 2**30)
     assert main(["plan", "--model", "sdxl", "--vram", "24GiB"]) == 0
-    assert calls == [(False, "adamw"), (False, "adamw8bit"), (True, "adamw"), (True, "adamw8bit")]
-    assert "chose checkpointing, adamw, batch 1" in capsys.readouterr().out
-
+    assert [(c.gradient_checkpointing, c.optimizer) for c in calls] == [
+        (False, "adamw"), (False, "adamw8bit"), (True, "adamw"), (True, "adamw8bit")]
+    out = capsys.readouterr().out
+    assert "chose checkpointing, adamw, batch 1" in out and "train step" in out and "sample" in out
 
 
 @pytest.mark.parametrize("command", ["plan", "train"])
@@ -173,33 +219,58 @@ def test_cli_vram_that_does_not_parse_is_refused_before_any_planning(command, mo
     """A bad --vram ends in argparse's one-line error (exit 2) when the flags are read: nothing is planned."""
     from lora_lab.cli import main
 
-    def no_step(*args, **kwargs):
-        raise AssertionError("planned before the flags were checked")
+    calls = _counting_plan_run(monkeypatch, lambda c: 1)
+    for bad in ("24XB", "24i", "9" * 400 + "GiB"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--model", "sdxl", "--vram", bad])
+        assert e.value.code == 2
+        assert "argument --vram: cannot read memory size" in capsys.readouterr().err
+    assert calls == []
 
-    monkeypatch.setattr(planner, "planned_step", no_step)
-    with pytest.raises(SystemExit) as e:
-        main([command, "--model", "sdxl", "--vram", "24XB"])
-    assert e.value.code == 2
-    assert "argument --vram: cannot read memory size '24XB'" in capsys.readouterr().err
 
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("24G") == 24 * 2**30
     assert parse_bytes("24GB") == 24 * 10**9
     assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5KiB") == 1536
     assert parse_bytes(1000) == 1000
-    for bad in ("24", "lots", "-3GiB", "0GiB", "GiB"):
+    for bad in ("24", "lots", "-3GiB", "0GiB", "GiB", "24i", "9" * 400 + "GiB", "2000000000TiB", 0, -5, True):
         with pytest.raises(PlanError):
             parse_bytes(bad)
 
 
-def test_bad_options_are_clear_errors():
+def test_small_sizes_are_printed_in_their_unit():
+    assert planner.format_bytes(24 * 2**30) == "24.00 GiB"
+    assert planner.format_bytes(512 * 2**20) == "0.50 GiB" and planner.format_bytes(50 * 2**20) == "50.0 MiB"
+    assert planner.format_bytes(24) == "24 B" and planner.format_bytes(3000) == "2.9 KiB"
+
+
+def test_bad_options_are_clear_errors(monkeypatch):
+    """What the trainer refuses, the planner refuses (it runs the trainer's checks on the real shapes), and
+    no option reaches a raw TypeError, OverflowError or diffusers' own error."""
+    calls = _counting_plan_run(monkeypatch)
     with pytest.raises(PlanError, match="unknown real model"):
         plan_memory("sdxl-turbo")
     with pytest.raises(PlanError, match="attention"):
         plan_memory("sdxl", attention="xformers")
     with pytest.raises(PlanError, match="rank"):
         plan_memory("sdxl", size="tiny", rank=0)
+    with pytest.raises(PlanError, match=r"unknown option\(s\) \['bogus_option'\]"):
+        plan_memory("sdxl", bogus_option=1)
+    with pytest.raises(PlanError, match=r"checkpoint_options \['bogus'\]"):
+        plan_memory("sdxl", gradient_checkpointing=True, checkpoint_options={"bogus": 1})
+    with pytest.raises(PlanError, match="dataset_size"):
+        plan_memory("sdxl", size="tiny", dataset_size=-10**6)
+    assert calls == []  # each refused before anything was planned
+    with pytest.raises(PlanError, match="rank=100000: larger than the targeted layer"):
+        plan_memory("sd15", rank=100000, sample_steps=0)  # the real SD1.5's narrowest layer: what train checks
+    with pytest.raises(PlanError, match="rank="):
+        plan_memory("sd15", size="tiny", rank=10**30)
+    with pytest.raises(PlanError, match="resolution=1000: the flux base needs a multiple of 16"):
+        plan_memory("flux-dev", resolution=1000)
+    with pytest.raises(PlanError, match="position embedding"):
+        plan_memory("sd3", size="tiny", resolution=100000)
 
 
 def test_notebook_08_memory_plan(run_notebook):
@@ -214,15 +285,44 @@ def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     assert main(["train", "--model", "sd3", "--output", str(tmp_path / "out"), "--steps", "1",
                  "--vram", "1MiB"]) == 2
     err = capsys.readouterr().err
-    assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and "of which" in err
+    assert "nothing fits 1.0 MiB" in err and "smallest predicted peak" in err and " in the " in err
     assert not (tmp_path / "out").exists()  # refused before training started
 
 
-def test_offloading_the_other_components_removes_exactly_their_bytes():
-    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no"}
-    full, alone = plan_memory("sdxl", **kw), plan_memory("sdxl", resident="denoiser", **kw)
-    assert alone.parts["resident (VAE, text encoders)"] == 0
-    assert full.peak - alone.peak == full.parts["resident (VAE, text encoders)"] > 0
+def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
+    from lora_lab.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", "--model", "sdxl", "--output", str(out), "--dry-run", "--rank", "4"]) == 0
+    text = capsys.readouterr().out
+    assert all(phase in text for phase in PHASES) and "<- the peak" in text and "frozen weights" in text
+    assert not out.exists()
+
+
+def test_a_real_size_dry_run_plans_the_base_in_the_dtype_it_names(tmp_path, capsys):
+    """`train --dry-run --base real:sd15 --base-dtype bf16`: the published SD1.5 UNet (859.5M parameters) planned
+    in bf16 (2 bytes each), no weight file opened, nothing written."""
+    from lora_lab.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", "--model", "sd15", "--base", "real:sd15", "--base-dtype", "bf16", "--resolution", "256",
+                 "--output", str(out), "--dry-run", "--sample-steps", "0"]) == 0
+    text = capsys.readouterr().out
+    frozen = next(line for line in text.splitlines() if "frozen weights" in line)
+    assert frozen.split()[-2:] == ["1.60", "GiB"], frozen  # 859,520,964 x 2 B
+    assert "base bf16" in text and all(phase in text for phase in PHASES) and not out.exists()
+
+
+def test_keeping_the_encoders_on_the_device_costs_exactly_their_bytes():
+    kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4, "mixed_precision": "no",
+          "sample_steps": 0}
+    kept, released = plan_memory("sdxl", keep_encoders=True, **kw), plan_memory("sdxl", **kw)
+    assert released.parts["resident (VAE, text encoders)"] == 0
+    resident = kept.parts["resident (VAE, text encoders)"]
+    assert resident > 0 and kept.step_peak - released.step_peak == resident
+    with pytest.warns(DeprecationWarning, match="keep_encoders"):
+        old = plan_memory("sdxl", resident="all", **kw)
+    assert old.options["keep_encoders"] is True and old.step_peak == kept.step_peak
 
 
 def test_dora_locon_and_fp16_are_planned():
@@ -248,12 +348,12 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
                                                  base_quantization="int8"))
     plans = {q: plan_memory("sdxl", base_quantization=q, dataset_size=measured["dataset_size"], **kw)
              for q in (None, "int8", "nf4")}
-    assert plans["int8"].peak == pytest.approx(measured["peak"], rel=TOLERANCE)
+    assert plans["int8"].step_peak == pytest.approx(measured["peak"], rel=TOLERANCE)
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(CONFIGS["sdxl"]["unet"]).requires_grad_(False)
     quantize_base(unet, "nf4")
     assert plans["nf4"].parts["frozen weights"] == model_bytes(unet)
-    assert plans["nf4"].peak < plans["int8"].peak < plans[None].peak
+    assert plans["nf4"].step_peak < plans["int8"].step_peak < plans[None].step_peak
     assert plans["nf4"].options["base_quantization"] == "nf4"
 
 
@@ -285,17 +385,10 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
     assert "checkpointing selective" in selective.table()
     assert plan_memory("sd3", size="tiny", gradient_checkpointing="full").options == full.options
 
-    calls = []
-
-    def fake_step(comps, kind, config, options, tracker, vae_scale, text_shapes):
-        calls.append(options["gradient_checkpointing"])
-        tracker.peak = (10 if options["gradient_checkpointing"] else 30) * 2**30
-        return {"activations": tracker.peak}, "backward", 0, 0
-
-    monkeypatch.setattr(planner, "planned_step", fake_step)
+    calls = _counting_plan_run(monkeypatch, lambda c: (10 if c.gradient_checkpointing else 30) * 2**30)
     assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "budget:0.3", "--vram", "24GiB"]) == 0
-    assert calls == [False, False, "budget:0.3", "budget:0.3"]  # fit reused the table's plans
+    assert [c.gradient_checkpointing for c in calls] == [False, False, "budget:0.3", "budget:0.3"]  # fit reused them
     assert "chose checkpointing budget:0.3, adamw, batch 1" in capsys.readouterr().out
-    # nothing fits: the error also points at a policy that keeps less
-    assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "selective", "--vram", "4GiB"]) == 1
+    # nothing fits: the error also points at a policy that keeps less (the project's one exit code: 2)
+    assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "selective", "--vram", "4GiB"]) == 2
     assert "or a checkpointing policy that keeps less than selective" in capsys.readouterr().err

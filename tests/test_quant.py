@@ -504,3 +504,13 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     n = data["numbers"]
     assert n["quantized_layers"] == 100 and n["bytes_per_param"]["nf4"] <= 0.53
     assert n["diffusers_vs_lora_lab_float_base"] < 2e-3
+
+
+def test_nf4_stored_tensors_hold_no_padding():
+    """Every stored tensor of an NF4 weight owns exactly its bytes (the absmax codes of a ragged last block of
+    256 are not a slice of a padded buffer): what a plan counts by storage is what the layer holds."""
+    from lora_lab.quant.weights import quantize_weight
+
+    for shape in [(128, 32), (300, 64), (4096, 64)]:
+        for name, t in quantize_weight(torch.randn(shape), "nf4").items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (shape, name)

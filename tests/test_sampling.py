@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from lora_lab import models as M
 from lora_lab.diffusion import image_grid, sample
 from lora_lab.models import KINDS
-from lora_lab.models import builders as M
 
 SEED = 7
 PROMPTS = ["a digit one", "a digit eight"]

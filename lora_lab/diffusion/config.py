@@ -14,7 +14,8 @@ import torch
 from .._moved import warn
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
-from ..models import DATA_DIR, KINDS, ModelKind, denoiser, model_kind
+from ..models import DATA_DIR, KINDS, ModelKind, ModelLoadError, denoiser, model_kind
+from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
 from ..quant import FORMATS
@@ -22,6 +23,7 @@ from ..quant import FORMATS
 MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
 SCHEDULES = ("constant", "linear", "cosine")
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
 # Attention projections of every diffusers attention block: self- and cross-attention (UNets), and the
 # text stream's projections of SD3's and Flux's joint attention. Suffixes of module names (LoRAConfig).
@@ -50,7 +52,14 @@ class TrainConfig:
     output: str = field(default="lora_output", metadata={"help": "output folder"})
     base: str | None = field(
         default=None,
-        metadata={"help": "local diffusers folder or single-file checkpoint (default: tiny base in data/)"},
+        metadata={"help": "a local diffusers folder, or real:NAME (sd15 | sdxl | sd35-medium | sd35-large | "
+                  "flux-dev: the published architecture with random weights, to measure or --dry-run a real "
+                  "size) (default: the tiny base in data/)"},
+    )
+    base_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype the frozen base is loaded in: fp32 | bf16 | fp16 | auto (bf16 on CUDA, fp32 on "
+                  "the CPU); the adapters stay fp32"},
     )
     resolution: int | None = field(
         default=None, metadata={"help": "image side in pixels (default: the base's)"}
@@ -84,8 +93,8 @@ class TrainConfig:
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
     base_quantization: str | None = field(
-        default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA): "
-                                        "int8 | int8-block | nf4 | fp8 | fp8-row"})
+        default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA), each "
+                                        "as it is loaded: int8 | int8-block | nf4 | fp8 | fp8-row"})
     # the optimization
     steps: int = field(default=1000, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=1, metadata={"help": "examples per micro-batch per process"})
@@ -107,6 +116,14 @@ class TrainConfig:
     # memory features
     mixed_precision: str = field(
         default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"}
+    )
+    keep_encoders: bool = field(
+        default=False,
+        metadata={"help": "keep the text encoders and VAE on the device for the whole run (default: on the device "
+                  "only while caching the dataset and sampling)"},
+    )
+    vae_tiling: bool = field(
+        default=False, metadata={"help": "decode samples in tiles (VAE tiling): less memory at large sizes"}
     )
     gradient_checkpointing: bool | str = field(
         default=False,
@@ -151,6 +168,7 @@ class TrainConfig:
             ("optimizer", OPTIMIZERS),
             ("schedule", SCHEDULES),
             ("mixed_precision", MODES),
+            ("base_dtype", ("auto", *BASE_DTYPES)),
         ]:
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")
@@ -188,12 +206,20 @@ class TrainConfig:
             bad("prior_loss_weight", "must be a finite number >= 0")
         if not (isinstance(self.caption_dropout, (int, float)) and 0 <= self.caption_dropout < 1):
             bad("caption_dropout", "must be a probability in [0, 1)")
-        if self.base is not None and not Path(self.base).exists():
-            bad("base", "does not exist (a local diffusers folder or a .safetensors/.ckpt file)")
+        if self.base is not None:
+            try:
+                check_base(self.base, model_kind(self.model))
+            except ModelLoadError as e:
+                bad("base", str(e))
         if self.base_quantization is not None and self.base_quantization not in FORMATS:
             bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    def base_torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The frozen base's dtype: `base_dtype`, or for "auto" bf16 on CUDA and fp32 elsewhere."""
+        name = self.base_dtype if self.base_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+        return BASE_DTYPES[name]
 
     def checkpointing_policy(self) -> str | None:
         """The checkpointing policy for enable_checkpointing, or None for none."""
@@ -218,12 +244,13 @@ class TrainConfig:
         """The training images' folder: `dataset`, or the set shipped in data/."""
         return Path(self.dataset) if self.dataset is not None else DATA_DIR / DEFAULT_DATASET
 
-    def resolved(self, base: Path | str | None, resolution: int) -> TrainConfig:
+    def resolved(self, base: Path | str | None, resolution: int, dtype: torch.dtype) -> TrainConfig:
         """The config with every default made explicit: what config.json records and a resume must match."""
         return replace(
             self,
             base=None if base is None else str(base),
             resolution=resolution,
+            base_dtype=next(k for k, v in BASE_DTYPES.items() if v == dtype),
             alpha=self.adapter_alpha(),
             dataset=str(self.dataset_dir()),
             reg_dataset=None if self.reg_dataset is None else str(self.reg_dataset),

@@ -29,6 +29,7 @@ with transparency) are composited over white.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import warnings
@@ -44,7 +45,8 @@ from ..models import RESOLUTION, encode_images, encode_prompts
 # PIL is imported in the functions that read images: Pillow is optional (the diffusion extra), and
 # `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-ENCODE_BATCH = 16  # images per VAE call when caching latents
+ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
+ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image, 4 of 512 x 512
 
 
 class DatasetError(LoraLabError, ValueError):
@@ -310,25 +312,62 @@ class EncodedExamples:
 
 def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = False, skip_bad: bool = False,
                    seed: int = 0) -> EncodedExamples:
-    """Every example of `folder` once through the pipeline's frozen VAE and text encoders.
-
-    The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
-    caches the same latents. Images go through the VAE `ENCODE_BATCH` at a time (of one size: with
-    buckets, consecutive images of the same bucket).
-    """
+    """Every example of `folder` once through the pipeline's frozen VAE and text encoders (`encode_examples`)."""
     ds = ImageCaptionDataset(folder, resolution, buckets=aspect_buckets(resolution) if buckets else None,
                              skip_bad=skip_bad)
+    return encode_examples(pipe, ds, seed)
+
+
+def encode_examples(pipe, ds, seed: int = 0, phase=None) -> EncodedExamples:
+    """The examples of `ds` (an ImageCaptionDataset, or anything with its `sizes`, `captions` and items) as
+    cached latents and text embeddings.
+
+    The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
+    caches the same latents. Images go through the VAE in groups of one size (with buckets, consecutive
+    images of the same bucket) of at most ENCODE_BATCH images and ENCODE_PIXELS pixels; each distinct
+    caption through the text encoders once, ENCODE_BATCH at a time: the memory of caching does not grow
+    with the dataset, only the cache does. phase: a context for each part, "cache captions" around the text
+    encoders' (what a memory plan reads), or None.
+    """
     g = torch.Generator(device=pipe.vae.device).manual_seed(seed)
     latents: list[torch.Tensor] = []
     start = 0
     while start < len(ds):
+        h, w = ds.sizes[start]
+        most = min(ENCODE_BATCH, max(1, ENCODE_PIXELS // (h * w)))
         stop = start + 1
-        while stop < min(start + ENCODE_BATCH, len(ds)) and ds.sizes[stop] == ds.sizes[start]:
+        while stop < min(start + most, len(ds)) and ds.sizes[stop] == ds.sizes[start]:
             stop += 1
         images = torch.stack([ds[i]["image"] for i in range(start, stop)])
         latents.extend(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
         start = stop
-    return EncodedExamples(latents, encode_prompts(pipe, ds.captions), ds.captions, ds.sizes)
+    with (phase or _unnamed)("cache captions"):
+        embeds = encode_captions(pipe, ds.captions)
+    return EncodedExamples(latents, embeds, list(ds.captions), list(ds.sizes))
+
+
+def _unnamed(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def encode_captions(pipe, captions: list[str]) -> dict[str, torch.Tensor]:
+    """Each caption's text embeddings, (N, ...) per key on the host: each distinct caption through the text
+    encoders once, ENCODE_BATCH at a time, its rows written straight into the (N, ...) result (no second
+    copy of the embeddings while they are gathered)."""
+    unique = list(dict.fromkeys(captions))
+    row_of = {c: i for i, c in enumerate(unique)}
+    examples_of: dict[int, list[int]] = {}  # a distinct caption's row -> the examples that have it
+    for i, c in enumerate(captions):
+        examples_of.setdefault(row_of[c], []).append(i)
+    embeds: dict[str, torch.Tensor] = {}
+    for start in range(0, len(unique), ENCODE_BATCH):
+        part = {k: v.cpu() for k, v in encode_prompts(pipe, unique[start: start + ENCODE_BATCH]).items()}
+        for k, v in part.items():
+            if k not in embeds:
+                embeds[k] = torch.empty((len(captions), *v.shape[1:]), dtype=v.dtype)
+            for j in range(len(v)):  # one caption's row into each of its examples (broadcast: no copies)
+                embeds[k][torch.tensor(examples_of[start + j])] = v[j]
+    return embeds
 
 
 def unconditional_embeds(pipe) -> dict[str, torch.Tensor]:

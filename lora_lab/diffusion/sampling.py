@@ -8,19 +8,26 @@ API:
         `apply_loras(..., mode="runtime")`), the original modules put back on exit, even on error.
     image_grid(images, rows, scale=1, pad=1) -> PIL.Image (images in [0, 1], (N, 3, H, W), row-major)
     to_pil(image) -> PIL.Image
+    sample_grid(pipe, prompts, seed, steps, path)   a PNG: the base's images above, with the trained LoRA below
+    sample_with_without(model, base, loras, prompts, ...)   `lora-lab sample`: the same with LoRA files
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from ..fileio import atomic_write_bytes
+from ..lora import lora_disabled
 from ..merge import apply_loras
-from ..models import default_resolution, denoiser, encode_prompts
+from ..models import build_pipeline, default_resolution, denoiser, encode_prompts, shipped_base
 from ..models.kinds import kind_of, model_kind, t5_length
 from ..modules import swap_module
+from .distributed import resolve_device
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
 # PIL too: Pillow is optional (the diffusion extra).
@@ -49,7 +56,8 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
 
 @torch.no_grad()
 def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guidance: float = 4.0,
-           height: int | None = None, width: int | None = None, loras: Sequence[tuple] = ()) -> torch.Tensor:
+           height: int | None = None, width: int | None = None, loras: Sequence[tuple] = (),
+           tiled: bool = False) -> torch.Tensor:
     """Images for `prompts` from the pipeline's own sampler: (N, 3, H, W) in [0, 1], fp32, CPU.
 
     The prompts are encoded with `encode_prompts` (what training caches), then the pipeline runs with
@@ -57,19 +65,32 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     input is the pipeline's own: "" encoded for sd15/sd3, zero embeddings for SDXL), or Flux's
     guidance-embedding value (Flux is guidance-distilled: no second pass).
     loras: LoRA files with strengths, applied at run time for this call only (see `loras_applied`).
+    The VAE decodes one image at a time (slicing: the same images, less memory), in tiles with `tiled`.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     kind = model_kind(kind_of(pipe))
-    # 16 for the tiny bases, the model's native size for real ones
-    height = height or default_resolution(pipe)
+    height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
     width = width or default_resolution(pipe)
     embeds = encode_prompts(pipe, prompts)
     embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
-    with loras_applied(pipe, loras):
+    with loras_applied(pipe, loras), vae_decoding(pipe.vae, tiled):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
                    generator=torch.Generator().manual_seed(seed), output_type="pt", **kwargs)
     return out.images.float().cpu().clamp(0, 1)
+
+
+@contextlib.contextmanager
+def vae_decoding(vae, tiled: bool = False):
+    """The VAE decodes image by image (diffusers' slicing), and in tiles when `tiled`, inside the block."""
+    vae.enable_slicing()
+    if tiled:
+        vae.enable_tiling()
+    try:
+        yield vae
+    finally:
+        vae.disable_slicing()
+        vae.disable_tiling()
 
 
 def to_pil(image: torch.Tensor):
@@ -82,15 +103,55 @@ def to_pil(image: torch.Tensor):
 
 def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
     """Images (N, 3, H, W) in [0, 1] laid out row-major in `rows` rows, each pixel `scale`x`scale`
-    (nearest: tiny images stay sharp), `pad` grey pixels between them; a PIL image."""
-    n, c, h, w = images.shape
+    (nearest: tiny images stay sharp), `pad` grey pixels between them; a PIL image. Each tile is scaled and
+    pasted by PIL as 8-bit pixels (no enlarged float copy of the images)."""
+    from PIL import Image
+
+    n, _, h, w = images.shape
     cols = -(-n // rows)
-    if scale > 1:
-        images = images.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
-        h, w = h * scale, w * scale
-    grid = torch.full((c, rows * (h + pad) + pad, cols * (w + pad) + pad), 0.5)
+    h, w = h * scale, w * scale
+    grid = Image.new("RGB", (cols * (w + pad) + pad, rows * (h + pad) + pad), (128, 128, 128))
     for i, img in enumerate(images):
         r, k = divmod(i, cols)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h,
-             pad + k * (w + pad): pad + k * (w + pad) + w] = img
-    return to_pil(grid)
+        grid.paste(to_pil(img).resize((w, h), Image.Resampling.NEAREST), (pad + k * (w + pad), pad + r * (h + pad)))
+    return grid
+
+
+# ----------------------------------------------------------------------------- with and without a LoRA
+
+
+def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
+                guidance: float | None = None, tiled: bool = False) -> Path:
+    """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
+
+    Each image is sampled on its own, from the same seed in both rows, so only the adapter differs; one at a
+    time, the sampler's memory does not grow with the number of prompts.
+    """
+    kw = {"tiled": tiled} if guidance is None else {"guidance": guidance, "tiled": tiled}
+    with lora_disabled(denoiser(pipe)):
+        without = torch.cat([sample(pipe, [p], seed=seed, steps=steps, **kw) for p in prompts])  # (P, 3, H, W)
+    with_lora = torch.cat([sample(pipe, [p], seed=seed, steps=steps, **kw) for p in prompts])
+    return _save_pair_grid(without, with_lora, path)
+
+
+def _save_pair_grid(top: torch.Tensor, bottom: torch.Tensor, path: Path) -> Path:
+    """Two rows of images (top above bottom) as one PNG, written atomically."""
+    grid = image_grid(torch.cat([top, bottom]), rows=2, scale=max(1, 128 // top.shape[-1]))
+    buf = io.BytesIO()
+    grid.save(buf, format="PNG")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, float]], prompts: list[str],
+                        seed: int = 0, steps: int = 20, guidance: float | None = None, device: str = "auto",
+                        path: Path = Path("sample.png")) -> Path:
+    """`lora-lab sample`: the base model's images, and the same seed's images with LoRA files applied at
+    run time at their strengths (stacked when several), as a two-row grid PNG."""
+
+    pipe = build_pipeline(model, base if base is not None else shipped_base(model))
+    pipe.to(resolve_device(device))
+    kw = {} if guidance is None else {"guidance": guidance}
+    without = sample(pipe, prompts, seed=seed, steps=steps, **kw)
+    with_loras = sample(pipe, prompts, seed=seed, steps=steps, loras=[(str(p), s) for p, s in loras], **kw)
+    return _save_pair_grid(without, with_loras, path)

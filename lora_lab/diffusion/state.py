@@ -39,7 +39,11 @@ CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": di
 # NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
 # a run stopped by a non-finite loss can go on from its last good checkpoint.
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
-               "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision"}
+               "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
+               "keep_encoders", "vae_tiling"}
+# Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
+# fp32).
+BEFORE_0_2 = {"base_dtype": "fp32"}
 PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
 
@@ -266,7 +270,7 @@ def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
     def same(k: str) -> bool:
         if k in PATH_FIELDS and isinstance(saved.get(k), str) and isinstance(now[k], str):
             return os.path.realpath(saved[k]) == os.path.realpath(now[k])
-        return saved.get(k) == now[k]
+        return saved.get(k, BEFORE_0_2.get(k)) == now[k]
 
     changed = sorted(k for k in now if k not in RESUME_FREE and not same(k))
     if changed:

@@ -10,9 +10,8 @@ With per-process batch b, accumulation a and world size w (global batch G = b*a*
 
 The examples, noise, timesteps and caption dropout of a step are functions of (seed, step) alone, drawn for
 all G examples on the CPU and sliced per process: a resumed run continues exactly, and w processes with
-batch b compute the step one process with batch w*b does. The memory planner runs `micro_batch_loss` on
-fake tensors (`lora_lab.planning.step`) after `draw_step` and `micro_batch`, so the plan and the trainer share
-this code.
+batch b compute the step one process with batch w*b does. The memory planner runs `accumulate_grads` on
+fake tensors (`lora_lab.planning.run`): the plan and the trainer share this code.
 """
 
 from __future__ import annotations
@@ -125,12 +124,15 @@ def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
 
 
 def accumulate_grads(config: TrainConfig, kind: ModelKind, pipe, objective, data: EncodedExamples,
-                     reg: EncodedExamples | None, empty: dict | None, learner, step: int, env) -> float:
+                     reg: EncodedExamples | None, empty: dict | None, learner, step: int, env,
+                     draws: StepDraws | None = None) -> torch.Tensor:
     """Step `step`'s grads in the adapter's .grad, averaged over the ranks of `env` (still scaled under fp16),
-    and its loss: this process's share of the global batch in grad_accum micro-batches, then the
-    all-reduce."""
+    and its loss (a float64 scalar on the CPU): this process's share of the global batch in grad_accum
+    micro-batches, then the all-reduce. `draws`: the step's draws made already (a memory plan makes them
+    outside its fake tensors, whose indices could not be read), else `draw_step`'s."""
     device = learner.params[0].device
-    draws = draw_step(config, objective, data, reg, empty, step, env.rank, env.world_size)
+    if draws is None:
+        draws = draw_step(config, objective, data, reg, empty, step, env.rank, env.world_size)
     step_loss = torch.zeros((), dtype=torch.float64)
     for m in range(config.grad_accum):
         batch = micro_batch(config, data, reg, empty, draws, m, device)
@@ -142,4 +144,4 @@ def accumulate_grads(config: TrainConfig, kind: ModelKind, pipe, objective, data
     env.all_reduce_mean(grads + [step_loss])
     for p, gr in zip(params, grads):
         p.grad = gr
-    return step_loss.item()
+    return step_loss

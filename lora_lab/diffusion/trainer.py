@@ -15,40 +15,54 @@ Because the batch order, the noise and the timesteps are functions of (seed, epo
 resumed from a checkpoint (which also holds the optimizer, scaler and the torch/numpy/python RNG states)
 continues exactly, and w processes with batch b compute the same step as one process with batch w*b.
 
-The stages of `train`, each taking and returning plain values:
-    setup_device -> resume_point -> load_base -> encode_data -> add_trainable -> open_run -> run_loop ->
-        write_outputs
-The config lives in config.py, checkpoints and resumption in state.py.
+The stages of `train`, each taking and returning plain values, and the memory phase each belongs to:
+
+    setup_device, resume_point, open_run_base     the base opened: text encoders and VAE on the host in the
+                                                  base dtype, the denoiser's shapes only (checked: rank, resolution)
+    "cache"       encode_data                     the text encoders and VAE on the device, the dataset encoded
+                                                  once, then they leave the device (`encoders.py`)
+    "load"        load_denoiser                   the denoiser's weights onto the device in the base dtype, one
+                                                  module at a time, quantized as they arrive (`models/loading.py`)
+    "train step"  add_trainable, open_run, run_loop
+    "save"        save_outputs                    the LoRA files (kohya/ComfyUI and diffusers/PEFT)
+    "sample"      sample_outputs                  the with/without grid, the encoders and VAE back for it
+
+`train(config, phase=...)` enters `phase(name)` around each phase: how a run is measured
+(`memory.LiveBytes.phase`, `torch.cuda.max_memory_allocated`), and how `lora_lab.planning` plans the same
+stages on fake tensors. The config lives in config.py, checkpoints and resumption in state.py, one
+optimizer step in step.py.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import gc
 import json
 import math
-import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..checkpointing import disable_checkpointing, enable_checkpointing
-from ..errors import LoraLabError
-from ..fileio import atomic_write_bytes
 from ..formats import save_lora
-from ..lora import LoRAConfig, add_lora, lora_disabled
-from ..models import ModelKind, build_pipeline, default_resolution, denoiser, model_kind, shipped_base
+from ..lora import LoRAConfig, add_lora, lora_state_dict
+from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
+from ..models.bases import OpenedBase, open_base
+from ..models.loading import fill
 from ..optim import AdamW8bit
 from ..precision import MixedPrecision
-from ..quant import quantize_base
 from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
-from .data import EncodedExamples, encode_dataset, folder_fingerprint, unconditional_embeds
+from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
+from .distributed import DistEnv, resolve_device
+from .encoders import Encoders
 from .objectives import objective_for
-from .sampling import image_grid, sample
+from .sampling import sample_grid
 from .state import (
     NON_FINITE_ADVICE,
     Learner,
@@ -65,10 +79,15 @@ from .state import (
 )
 from .step import accumulate_grads
 
-__all__ = ["NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
+__all__ = ["PHASES", "NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
            "load_checkpoint", "train"]
 
 SAMPLE_PROMPTS = 4  # default prompts of the sample grid: the first distinct captions of the dataset
+PHASES = ("cache", "load", "train step", "save", "sample")  # in the order a run goes through them
+
+
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -81,30 +100,47 @@ class TrainResult:
     seconds: float
     is_main: bool = True
     adapted: list[str] = field(default_factory=list)
-    # the diffusers pipeline, its denoiser holding the trained adapter
+    # the diffusers pipeline, its denoiser holding the trained adapter (its encoders and VAE on the device)
     pipe: Any = field(default=None, repr=False)
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase
+          ) -> TrainResult:
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
+    `phase(name)` is entered around each memory phase (see the module docstring).
     """
     t_start = time.perf_counter()
     config.validate()
     device, env = setup_device(config.device)
+    kind = model_kind(config.model)  # resolved once, passed to the stages
+    dtype = config.base_torch_dtype(device)
+    if config.base_dtype == "auto" and env.main and config.progress:
+        print(f"lora-lab: the frozen base loads in {str(dtype).removeprefix('torch.')} (--base-dtype auto on "
+              f"{device.type}; the adapters train in fp32)", file=sys.stderr)
     out = Path(config.output)
     resume_from, state, bad_checkpoints = resume_point(config, out)
-    kind = model_kind(config.model)  # resolved once, passed to the stages
-    pipe, base, resolution = load_base(config, kind, device)
-    data, reg, empty = encode_data(config, pipe, resolution)
-    run = RunState(out, config.resolved(base, resolution), len(data.captions), dataset_fingerprint(config))
-    adapted, learner = add_trainable(config, kind, pipe, device)
-    open_run(run, learner, env, bad_checkpoints, resume_from, state)
-    run_loop(config, kind, pipe, data, reg, empty, learner, run, env)
-    outputs = write_outputs(config, kind, pipe, run, env, data.captions)
+    opened, resolution = open_run_base(config, kind, dtype)
+    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keep_encoders)
+    with phase("cache"):
+        data, reg, empty = encode_data(config, encoders, resolution)
+    with phase("load"):
+        load_denoiser(config, opened, device, dtype)
+    pipe = opened.pipe
+    run = RunState(out, config.resolved(opened.base, resolution, dtype), len(data.captions),
+                   dataset_fingerprint(config))
+    with phase("train step"):
+        adapted, learner = add_trainable(config, kind, pipe, device)
+        open_run(run, learner, env, bad_checkpoints, resume_from, state)
+    run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase)
+    with phase("save"):
+        outputs = save_outputs(config, kind, pipe, run, env)
+    with phase("sample"):
+        outputs.update(sample_outputs(config, encoders, run, env, data.captions))
+    encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
                        seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
 
@@ -121,27 +157,39 @@ def setup_device(name: str) -> tuple[torch.device, DistEnv]:
     return device, env
 
 
-def load_base(config: TrainConfig, kind: ModelKind,
-              device: torch.device) -> tuple[Any, Path | str | None, int]:
-    """The frozen base pipeline on `device`, where it came from, and the training resolution it takes."""
+def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
+                  shapes_only: bool = False) -> tuple[OpenedBase, int]:
+    """The base (`config.base`, else the tiny one shipped in data/base/, else built from the seed) opened: its
+    text encoders and VAE on the host in `dtype`, the denoiser's shapes only; and the training resolution,
+    checked against the denoiser (with the rank) before anything is loaded or encoded."""
     base = config.base if config.base is not None else shipped_base(kind.name)
-    pipe = build_pipeline(kind.name, base)
-    pipe.to(device)
-    resolution = config.resolution or default_resolution(pipe)
-    check_config_for_base(config, kind, pipe, resolution)
-    return pipe, base, resolution
+    opened = open_base(kind, base, dtype, shapes_only=shapes_only)
+    gc.collect()  # the loaders' garbage (reference cycles of diffusers' and transformers' loading) goes now
+    resolution = config.resolution or default_resolution(opened.pipe)
+    check_config_for_base(config, kind, opened.pipe, resolution)
+    return opened, resolution
 
 
-def encode_data(config: TrainConfig, pipe,
-                resolution: int) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
+def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None, phase=None
+                ) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
     """The examples (and the regularization examples, or None) as cached latents and text embeddings, and
-    what a dropped caption becomes (None without caption dropout)."""
+    what a dropped caption becomes (None without caption dropout), with the text encoders and VAE on the
+    device for it; then they leave the device (`--keep-encoders` keeps them). `examples` replaces the
+    dataset folder (a memory plan's examples of the right sizes, with `phase` around their captions' part)."""
     options = {"buckets": config.buckets, "skip_bad": config.skip_bad_images, "seed": config.seed}
-    data = encode_dataset(pipe, config.dataset_dir(), resolution, **options)
-    reg = (None if config.reg_dataset is None
-           else encode_dataset(pipe, config.reg_dataset, resolution, **options))
-    empty = unconditional_embeds(pipe) if config.caption_dropout else None
+    with encoders.on_device() as pipe:
+        data = (encode_examples(pipe, examples, config.seed, phase) if examples is not None
+                else encode_dataset(pipe, config.dataset_dir(), resolution, **options))
+        reg = (None if config.reg_dataset is None
+               else encode_dataset(pipe, config.reg_dataset, resolution, **options))
+        empty = unconditional_embeds(pipe) if config.caption_dropout else None
     return data, reg, empty
+
+
+def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device, dtype: torch.dtype) -> None:
+    """The denoiser's weights onto the device in the base dtype, one module at a time; with
+    `base_quantization`, each frozen Linear quantized as it arrives (QLoRA: never the whole model in `dtype`)."""
+    fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device, quantization=config.base_quantization)
 
 
 def dataset_fingerprint(config: TrainConfig) -> str:
@@ -158,8 +206,7 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
     """The adapter on the frozen (optionally quantized) denoiser, every process building the same one from
     the seed; gradient checkpointing per the config's policy; the optimizer and the mixed precision."""
     model = denoiser(pipe)
-    adapted = add_adapter(model, config, kind)
-    model.to(device)  # the new adapter weights, too
+    adapted = add_adapter(model, config, kind)  # on the device of the weights they adapt
     if config.checkpointing_policy():
         enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
     model.train()
@@ -185,7 +232,8 @@ def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: lis
 
 
 def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, reg: EncodedExamples | None,
-             empty: dict | None, learner: Learner, run: RunState, env: DistEnv) -> None:
+             empty: dict | None, learner: Learner, run: RunState, env: DistEnv,
+             phase: Callable[[str], contextlib.AbstractContextManager] = no_phase) -> None:
     """Optimizer steps from `run.step` to config.steps: lr, this process's share of the global batch, the
     accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step,
     a checkpoint every save_every steps and at the end. NonFiniteLossError on a NaN/inf loss."""
@@ -199,14 +247,16 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
             lr = config.lr * lr_factor(run.step, config)
             for group in learner.optimizer.param_groups:
                 group["lr"] = lr
-            loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step, env)
-            if not math.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); "
-                    "training stopped. "
-                    f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
-                )
-            learner.precision.step(learner.optimizer, config.max_grad_norm)
+            with phase("train step"):
+                loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step,
+                                        env).item()
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); "
+                        "training stopped. "
+                        f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
+                    )
+                learner.precision.step(learner.optimizer, config.max_grad_norm)
             run.step += 1
             run.losses.append(loss)
             dt = time.perf_counter() - t0
@@ -217,99 +267,48 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
             bar.set_postfix(loss=f"{loss:.4f}", s_per_step=f"{dt:.3f}")
             bar.update(1)
             if (config.save_every and run.step % config.save_every == 0) or run.step == config.steps:
-                save_checkpoint(run, learner, env.main)
+                with phase("save"):
+                    save_checkpoint(run, learner, env.main)
                 env.barrier()
     finally:
         bar.close()
     env.check_identical(learner.params, "the adapter weights")
 
 
-def write_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
-                  captions: list[str]) -> dict[str, Path]:
-    """The LoRA files (kohya/ComfyUI and diffusers), and the samples with and without the LoRA (rank 0)."""
+def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv) -> dict[str, Path]:
+    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) from one host copy of the adapter (rank 0)."""
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
     if env.main:
         model = denoiser(pipe)
-        outputs["lora_kohya"] = save_lora(out / "lora.safetensors", model, format="kohya", base=kind.name)
-        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", model, format="peft",
-                                              base=kind.name)
-        if config.sample_steps:
-            if config.checkpointing_policy():
-                disable_checkpointing(model)
-            model.eval()
-            prompts = config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
+        tensors = lora_state_dict(model)  # fp32 host copies
+        layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
+        outputs["lora_kohya"] = save_lora(out / "lora.safetensors", tensors, format="kohya", base=kind.name,
+                                          component=kind.component, unet=layout)
+        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", tensors, format="peft",
+                                              base=kind.name, component=kind.component, unet=layout)
+    env.barrier()
+    return outputs
+
+
+def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
+                   captions: list[str]) -> dict[str, Path]:
+    """The samples with and without the LoRA (rank 0), the text encoders and VAE on the device for them."""
+    outputs = {}
+    if env.main and config.sample_steps:
+        model = denoiser(encoders.pipe)
+        if config.checkpointing_policy():
+            disable_checkpointing(model)
+        model.eval()
+        prompts = config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
+        with encoders.on_device() as pipe:
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
-                                             out / "samples.png")
+                                             run.output / "samples.png", tiled=config.vae_tiling)
     env.barrier()
     return outputs
 
 
 # ----------------------------------------------------------------------------- pieces of the stages
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise TrainConfigError(f"TrainConfig.device={name!r}: no CUDA device here")
-    try:
-        return torch.device(name)
-    except RuntimeError:  # "tpu", "cuda:x": torch's own message lists every device type it knows
-        raise TrainConfigError(f"TrainConfig.device={name!r}: must be auto, cpu, cuda or cuda:N") from None
-
-
-@dataclass
-class DistEnv:
-    """This process's place in a torchrun job (rank 0 of 1 when not launched by torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_environ(cls, device_type: str) -> DistEnv:
-        """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
-            return cls()
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-
-    def all_reduce_mean(self, tensors: list[torch.Tensor]) -> None:
-        """In place: every tensor becomes the mean of that tensor over the ranks (one flat all-reduce)."""
-        if self.world_size == 1 or not tensors:
-            return
-        device = tensors[0].device  # NCCL reduces CUDA tensors only: gather everything on the grads' device
-        flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(v.view_as(t))
-
-    def check_identical(self, tensors: list[torch.Tensor], what: str) -> None:
-        """Raise if any rank's tensors differ from rank 0's (they must: every rank applies the same
-        update)."""
-        if self.world_size == 1:
-            return
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        ref = flat.clone()
-        dist.broadcast(ref, src=0)
-        diff = (flat - ref).abs().max().reshape(1)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        if diff.item() != 0:
-            raise LoraLabError(f"data-parallel training diverged: {what} differ across ranks by up to "
-                               f"{diff.item():.3g}")
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
@@ -319,9 +318,6 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
         raise TrainConfigError(f"TrainConfig.conv=True: the {kind.name} transformer has no conv layers to "
                                "adapt")
     model.requires_grad_(False)
-    # QLoRA: the frozen Linear weights stored quantized, under the adapters
-    if config.base_quantization is not None:
-        quantize_base(model, config.base_quantization)
     torch.manual_seed(config.seed)
     return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
                                       targets=config.adapter_targets(), use_dora=config.dora,
@@ -343,40 +339,3 @@ def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> tor
     return bnb.optim.AdamW8bit(params, **kw)
 
 
-# ----------------------------------------------------------------------------- samples with and without
-
-
-def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
-                guidance: float | None = None) -> Path:
-    """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
-
-    Both rows use the same seed, so the initial noise is the same and only the adapter differs.
-    """
-    kw = {} if guidance is None else {"guidance": guidance}
-    with lora_disabled(denoiser(pipe)):
-        without = sample(pipe, prompts, seed=seed, steps=steps, **kw)  # (P, 3, H, W) in [0, 1]
-    with_lora = sample(pipe, prompts, seed=seed, steps=steps, **kw)
-    return _save_pair_grid(without, with_lora, path)
-
-
-def _save_pair_grid(top: torch.Tensor, bottom: torch.Tensor, path: Path) -> Path:
-    """Two rows of images (top above bottom) as one PNG, written atomically."""
-    grid = image_grid(torch.cat([top, bottom]), rows=2, scale=max(1, 128 // top.shape[-1]))
-    buf = io.BytesIO()
-    grid.save(buf, format="PNG")
-    atomic_write_bytes(path, buf.getvalue())
-    return path
-
-
-def sample_with_without(model: str, base: str | None, loras: list[tuple[Path, float]], prompts: list[str],
-                        seed: int = 0, steps: int = 20, guidance: float | None = None, device: str = "auto",
-                        path: Path = Path("sample.png")) -> Path:
-    """`lora-lab sample`: the base model's images, and the same seed's images with LoRA files applied at
-    run time at their strengths (stacked when several), as a two-row grid PNG."""
-
-    pipe = build_pipeline(model, base if base is not None else shipped_base(model))
-    pipe.to(resolve_device(device))
-    kw = {} if guidance is None else {"guidance": guidance}
-    without = sample(pipe, prompts, seed=seed, steps=steps, **kw)
-    with_loras = sample(pipe, prompts, seed=seed, steps=steps, loras=[(str(p), s) for p, s in loras], **kw)
-    return _save_pair_grid(without, with_loras, path)

@@ -53,6 +53,12 @@ def dynamic_map(signed: bool = True, device: torch.device | str | None = None) -
 
 
 @functools.cache
+def zero_code(signed: bool = True) -> int:
+    """The code of 0.0 in the map (what a zero-initialised 8-bit state holds)."""
+    return int(torch.searchsorted(_dynamic_map_cpu(signed), 0.0))
+
+
+@functools.cache
 def _on_device(signed: bool, device: torch.device) -> torch.Tensor:
     return _dynamic_map_cpu(signed).to(device)
 

@@ -4,20 +4,23 @@ LoRA files (formats/), the trainer and the planner all depend on it and it depen
     kinds.py     ModelKind per kind: classes, text encoders, objective, blocks to checkpoint, how it encodes
                  and predicts; KINDS, model_kind(name), kind_of(pipe)
     inputs.py    what the denoisers take besides latents: Flux's packing and ids, guidance, SDXL's time ids
-    builders.py  tiny configs of the real diffusers classes, offline tokenizers, build_pipeline (tiny or a
-                 local folder), denoiser, encode_prompts / encode_images / decode_latents, predict
+    builders.py  tiny configs of the real diffusers classes, offline tokenizers, denoiser, encode_prompts /
+                 encode_images / decode_latents, predict
+    loading.py   a denoiser built without memory and filled module by module from its weights, in the base
+                 dtype, quantized as it loads
+    bases.py     where a base comes from (tiny, a folder, real:NAME), opened for training; build_pipeline
     real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev), build_real
 
 diffusers and transformers are imported where a class is needed (they take seconds to import).
 """
 
+from .bases import build_pipeline, open_base
 from .builders import (
     DATA_DIR,
     DIGIT_NAMES,
     RESOLUTION,
     TEXT_LEN,
     build_components,
-    build_pipeline,
     build_tokenizer,
     decode_latents,
     default_resolution,
@@ -32,7 +35,7 @@ from .real import REAL_CONFIGS, REAL_MODELS, build_real, real_kind
 
 __all__ = [
     "COMPONENTS", "DATA_DIR", "DIGIT_NAMES", "KINDS", "REAL_CONFIGS", "REAL_MODELS", "RESOLUTION", "TEXT_LEN",
-    "ModelKind", "ModelLoadError", "build_components", "build_pipeline", "build_real", "build_tokenizer",
+    "ModelKind", "ModelLoadError", "build_components", "build_pipeline", "open_base", "build_real", "build_tokenizer",
     "decode_latents", "default_resolution", "denoiser", "encode_images", "encode_prompts", "kind_of",
     "model_kind", "predict", "real_kind", "shipped_base",
 ]

@@ -5,11 +5,6 @@ API (stable; the trainer `diffusion/trainer.py` and the CLI build on it):
     CONFIGS[kind]                      -> {component name: config literal dict} (kinds.KINDS: the kinds)
     build_tokenizer("clip" | "t5")     -> a CLIPTokenizer / T5Tokenizer made offline from `WORDS`
     build_components(kind, seed=0)     -> {name: module} ready for the pipeline class, random init from `seed`
-    build_pipeline(kind, base=None, seed=0, dtype=None)
-                                       -> StableDiffusionPipeline | StableDiffusionXLPipeline |
-                                          StableDiffusion3Pipeline | FluxPipeline
-                                          (tiny components when base is None; else a local diffusers
-                                          folder, or a single .safetensors/.ckpt file)
     shipped_base(kind)                 -> Path of the pre-trained tiny base in data/base/<kind>, or None
     denoiser(pipe)                     -> pipe.unet or pipe.transformer (the module a LoRA trains)
     encode_prompts(pipe, prompts)      -> {"prompt_embeds": (B, T, D), "pooled_prompt_embeds": (B, P)?}
@@ -30,11 +25,12 @@ Flux's 2x2 latent packing, rotary position ids and guidance embedding) at a size
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
-from ..quiet import quiet_loading
+from .._moved import old_name
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -179,11 +175,12 @@ def _t5_model(cfg: dict, tokenizer):
 
 # ----------------------------------------------------------------------------- building
 
-def build_components(kind: str, seed: int = 0) -> dict:
+def build_components(kind: str, seed: int = 0, only: Collection[str] | None = None) -> dict:
     """The keyword arguments of the kind's pipeline class: tiny modules, randomly initialised from `seed`.
 
     Every module is built after `torch.manual_seed(seed + i)` for its own fixed i, so one component's
-    weights do not depend on which others were built first. Modules are in eval mode, fp32, CPU.
+    weights do not depend on which others were built first (`only`: build just these modules; the
+    scheduler, tokenizers and extras always come). Modules are in eval mode, fp32, CPU.
     """
     import diffusers
 
@@ -195,17 +192,25 @@ def build_components(kind: str, seed: int = 0) -> dict:
         torch.manual_seed(seed + i)
         return make().eval()
 
-    out: dict = {"vae": seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))}
-    out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
+    out: dict = {}
+    if wanted("vae"):
+        out["vae"] = seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))
+    if wanted(spec.component):
+        out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
         if enc.arch == "t5":
-            out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
             out[enc.tokenizer] = t5_tok
         else:
             projection = enc.arch == "clip_projection"
-            out[enc.component] = seeded(
-                enc.seed, lambda c=cfg[enc.component], p=projection: _clip_text_model(c, clip_tok, p))
+            if wanted(enc.component):
+                out[enc.component] = seeded(
+                    enc.seed, lambda c=cfg[enc.component], p=projection: _clip_text_model(c, clip_tok, p))
             # the second CLIP tokenizer a copy
             out[enc.tokenizer] = clip_tok if i == 0 else copy.deepcopy(clip_tok)
     out.update(spec.pipeline_extras)
@@ -224,43 +229,6 @@ def shipped_base(kind: str) -> Path | None:
     model_kind(kind)
     path = DATA_DIR / "base" / kind
     return path if (path / "model_index.json").is_file() else None
-
-
-def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0,
-                   dtype: torch.dtype | None = None):
-    """The real diffusers pipeline of `kind`.
-
-    base=None: tiny components with random weights from `seed` (see `build_components`).
-    base=a folder: `PipelineClass.from_pretrained(folder)` (a diffusers folder with model_index.json,
-    e.g. the tiny base in data/base/<kind>, or a real SDXL/SD3.5/Flux download).
-    base=a .safetensors/.ckpt file: `PipelineClass.from_single_file(file)` (diffusers needs the original
-    model's config for this; without a hub it must be in its local cache).
-    """
-    cls = pipeline_class(kind)
-    if base is None:
-        pipe = cls(**build_components(kind, seed))
-    else:
-        path = Path(base)
-        if not path.exists():
-            raise ModelLoadError(f"{path}: no such base model folder or file")
-        kwargs = {"torch_dtype": dtype} if dtype is not None else {}
-        try:
-            if path.is_dir():
-                if not (path / "model_index.json").is_file():
-                    raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json)")
-                with quiet_loading():
-                    pipe = cls.from_pretrained(str(path), local_files_only=True, **kwargs)
-            else:
-                with quiet_loading():
-                    pipe = cls.from_single_file(str(path), local_files_only=True, **kwargs)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # diffusers raises many types here (OSError, ValueError, KeyError, ...)
-            raise ModelLoadError(f"{path}: cannot load as a {kind} pipeline ({type(e).__name__}: {e})") from e
-    if dtype is not None:
-        pipe.to(dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def default_resolution(pipe) -> int:
@@ -328,3 +296,6 @@ def predict(kind: str | ModelKind, model: torch.nn.Module, latents: torch.Tensor
     x = latents.to(dtype)
     ctx = embeds["prompt_embeds"].to(x.device, dtype)
     return spec.predict(model, x, t, ctx, embeds, guidance, vae_scale_factor)
+
+
+__getattr__ = old_name(__name__, {"build_pipeline": "lora_lab.models.bases:build_pipeline"})  # moved in 0.2

@@ -106,7 +106,20 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "flux-dev": {"transformer": ("FluxTransformer2DModel", FLUX_DEV), "vae": ("AutoencoderKL", VAE_FLUX),
                  "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("T5EncoderModel", T5_XXL)},
 }
+# The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
+# lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
+_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+         "prediction_type": "epsilon", "timestep_spacing": "leading", "steps_offset": 1}
+REAL_SCHEDULERS = {
+    "sd15": _DDPM,
+    "sdxl": _DDPM,
+    "sd35-medium": {"num_train_timesteps": 1000, "shift": 3.0},
+    "sd35-large": {"num_train_timesteps": 1000, "shift": 3.0},
+    "flux-dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                 "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+}
 REAL_MODELS = tuple(REAL_CONFIGS)
+REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}

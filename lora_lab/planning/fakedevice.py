@@ -25,9 +25,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-from ..functional import dynamic_map
+from ..functional.blockwise import dynamic_map, quantize_blocks, zero_code
 from ..models import model_kind
 
 ATTENTION = ("auto", "flash", "efficient", "math", "native")
@@ -74,6 +75,15 @@ class DeviceRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(func, args, kwargs)
+        if func is torch.Tensor.backward:
+            # a mode steps aside while it handles a call, and torch.autograd.backward would hand the call to
+            # it again: the engine, run with the mode entered, keeps the rules in the backward too, where
+            # gradient checkpointing recomputes the forward (loss.backward() in the trainer's own step)
+            loss, gradient = args[0], (args[1] if len(args) > 1 else kwargs.get("gradient"))
+            with self:
+                _engine_run_backward((loss,), (torch.ones_like(loss) if gradient is None else gradient,), False,
+                                     False, (), allow_unreachable=True, accumulate_grad=True)
+            return None
         if (self.cuda_autocast and getattr(func, "__name__", "") in CUDA_FP32_OPS
                 and torch.is_autocast_enabled("cpu")):
             args = tuple(_up(a) for a in args)
@@ -121,6 +131,9 @@ def warm_caches() -> None:
 
     for signed in (True, False):
         dynamic_map(signed)
+        zero_code(signed)
+        for keep_nonzero in (False, True) if not signed else (False,):  # the 8-bit optimizers' rounding tables
+            quantize_blocks(torch.zeros(4), signed, keep_nonzero=keep_nonzero)
     # import the model classes outside the fake mode (import-time tensors must be real)
     for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL"):
         getattr(diffusers, name)

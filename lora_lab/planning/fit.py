@@ -2,8 +2,9 @@
 of options.
 
     fit_vram("24GiB", "sdxl", resolution=1024, batch_size=4) -> FitResult (chosen plan, why, every plan tried)
-    options_table(plans, vram)                              -> one line per option: peak, largest part, fits
+    options_table(plans, vram)                              -> one line per option: peak, its phase, fits
     fit_config(train_config, "24GiB")                       -> the TrainConfig `lora-lab train --vram` runs
+    plan_train_config(train_config)                         -> the plan `lora-lab train --dry-run` prints
 
 Options are tried cheapest in time first: no recomputation before recomputation, fp32 AdamW (the faster
 step) before 8-bit, and the largest micro-batch that fits, with gradient accumulation for the rest.
@@ -18,11 +19,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._moved import old_name
-from ..diffusion.trainer import resolve_device
+from ..diffusion.distributed import resolve_device
 from ..models import default_resolution, shipped_base
+from ..models.real import REAL_PREFIX
 from . import planner
+from .measure import dataset_len, distinct_captions
 from .planner import MemoryPlan, PlanError, folder_vae_scale, format_bytes, parse_bytes
-from .step import dataset_len
 
 # The order `fit_vram` tries options in, cheapest in time first: no recomputation before recomputation,
 # fp32 Adam (fastest step) before 8-bit.
@@ -40,35 +42,37 @@ class FitResult:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum."""
+        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum, vae_tiling."""
         o = self.chosen.options
-        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum")}
+        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum", "vae_tiling")}
 
     def reason(self) -> str:
         s = self.settings
         skipped = [p for p in self.tried if not p.fits(self.vram)]
         why = ("; faster options did not fit: " + ", ".join(
-            f"{_label(p.options)} {format_bytes(p.peak)}" for p in skipped)) if skipped else ""
+            f"{_label(p.options)} {format_bytes(p.peak)} ({p.peak_phase})" for p in skipped)) if skipped else ""
         return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
-                f"{format_bytes(self.vram)} (batch {s['batch_size']} x {s['grad_accum']} accumulation){why}")
+                f"{format_bytes(self.vram)}, in {self.chosen.why()} (batch {s['batch_size']} x "
+                f"{s['grad_accum']} accumulation){why}")
 
 
 def _label(options: dict) -> str:
     ck = planner.checkpointing_words(options["gradient_checkpointing"]) or "no checkpointing"
     q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
-    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}"
+    tiles = ", vae tiling" if options.get("vae_tiling") else ""
+    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}{tiles}"
 
 
 def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str:
-    """One line per plan: the option, its predicted peak, the part that dominates it, and whether it fits."""
+    """One line per plan: the option, its predicted peak, the phase that sets it, and whether it fits."""
     vram = parse_bytes(vram) if vram is not None else None
-    head = (f"{'option':<44} {'predicted peak':>15}  {'largest part':<34}"
-            + (f" fits {format_bytes(vram)}" if vram else ""))
+    width = max([len("option"), *(len(_label(p.options)) for p in plans)])
+    head = f"{'option':<{width}}  {'predicted peak':>14}  {'set by':<12}" + (f"  fits {format_bytes(vram)}" if vram else "")
     rows = [head]
     for p in plans:
-        row = f"{_label(p.options):<44} {format_bytes(p.peak):>15}  {p.dominant():<34}"
+        row = f"{_label(p.options):<{width}}  {format_bytes(p.peak):>14}  {p.peak_phase:<12}"
         if vram:
-            row += " yes" if p.fits(vram) else " no"
+            row += "  yes" if p.fits(vram) else "  no"
         rows.append(row)
     return "\n".join(rows)
 
@@ -76,35 +80,42 @@ def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str
 def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
              plans: list[MemoryPlan] | tuple = (), checkpointing: bool | str = True,
              **plan_options) -> FitResult:
-    """The fastest training configuration whose predicted peak fits `vram` (e.g. "24GiB"), a card's memory.
+    """The fastest training configuration whose every phase fits `vram` (e.g. "24GiB"), a card's memory.
 
     Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
     forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit; within those,
     the largest micro-batch (a power of two dividing `batch_size`, the effective batch) that fits, with
-    gradient accumulation making up the rest. Raises PlanError naming the smallest peak found and its
-    largest part when nothing fits. `plan_options` go to `plan_memory`; `plans` are plans already made
-    (e.g. the table `lora-lab plan` prints): one whose options are those of an option tried is used as it
-    is, not planned again. checkpointing: the policy of the options with checkpointing (True = "full").
+    gradient accumulation making up the rest. Where only the sample phase does not fit, the same option with
+    the samples decoded in tiles (vae_tiling) is planned. Raises PlanError naming the smallest peak found and
+    what sets it when nothing fits. `plan_options` go to `plan_memory`; `plans` are plans already made (e.g.
+    the table `lora-lab plan` prints): one whose options are those of an option tried is used as it is, not
+    planned again. checkpointing: the policy of the options with checkpointing (True = "full").
     """
     vram = parse_bytes(vram)
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise PlanError(f"fit_vram: batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
+        raise PlanError(f"fit_vram: batch_size must be an integer from 1 to 4096, got {batch_size!r}")
     micro = [b for b in (2**i for i in range(batch_size.bit_length()))
              if batch_size % b == 0][::-1]  # largest first
     for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
         if key in plan_options:
             raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
     tried: list[MemoryPlan] = []
+
+    def planned(**kw) -> MemoryPlan:
+        options = planner.plan_options(model, **kw) if plans else None
+        p = next((q for q in plans if q.options == options), None) or planner.plan_memory(model, **kw)
+        tried.append(p)
+        return p
+
     for ckpt in CHECKPOINTING_ORDER:
         for opt in OPTIMIZER_ORDER:
             def plan(b, ckpt=ckpt, opt=opt):
                 kw = {"batch_size": b, "grad_accum": batch_size // b,
-                      "gradient_checkpointing": ckpt and checkpointing,
-                      "optimizer": opt,
-                      **plan_options}
-                options = planner.plan_options(model, **kw) if plans else None
-                p = next((q for q in plans if q.options == options), None) or planner.plan_memory(model, **kw)
-                tried.append(p)
+                      "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt, **plan_options}
+                p = planned(**kw)
+                others = [v for phase, v in p.phases.items() if phase != "sample"]
+                if not p.fits(vram) and not kw.get("vae_tiling") and max(others) <= vram:
+                    p = planned(**{**kw, "vae_tiling": True})  # only sampling did not fit: decode in tiles
                 return p
             smallest = plan(micro[-1])
             if not smallest.fits(vram):
@@ -118,41 +129,61 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
     best = min(tried, key=lambda p: p.peak)
     raise PlanError(
         f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
-        f"({_label(best.options)}), of which {best.dominant()} is "
-        f"{format_bytes(best.parts[best.dominant()])}; "
-        "lower the resolution or the rank, or use a larger GPU"
+        f"({_label(best.options)}), in {best.why()}; lower the resolution or the rank, quantize the base "
+        "(--base-quantization nf4), or use a larger GPU"
         + ("" if checkpointing in (True, "full")
            else f", or a checkpointing policy that keeps less than {checkpointing} "
            "(full, every_k, budget:F)"))
 
 
-def fit_config(config, vram: int | str):
-    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size and
-    grad_accum chosen by `fit_vram` for its base (the shipped tiny base, or --base, a local diffusers folder)
-    on its device; config.batch_size * config.grad_accum is the effective batch kept.
-    Returns (config, why)."""
+def plan_size(config) -> tuple[str, str]:
+    """(model, size) of plan_memory for a TrainConfig's base: a real model, a local folder, or the tiny base."""
     base = config.base if config.base is not None else shipped_base(config.model)
+    if base is not None and str(base).startswith(REAL_PREFIX):
+        return str(base).removeprefix(REAL_PREFIX), "real"
+    return config.model, "tiny" if base is None or Path(base) == shipped_base(config.model) else str(base)
+
+
+def plan_config(config, **extra) -> dict[str, Any]:
+    """The plan_memory options of a TrainConfig on its device (what `train --dry-run` and `--vram` plan)."""
+    model, size = plan_size(config)
     device = resolve_device(config.device).type
     resolution = config.resolution
-    if base is None:  # the trainer builds the tiny model of this kind from a seed
-        size = "tiny"
-    elif (Path(base) / "model_index.json").is_file():
-        size = str(base)
-        if resolution is None:
-            sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
-            sample = json.loads((Path(base) / sub / "config.json").read_text()).get("sample_size")
-            resolution = default_resolution(SimpleNamespace(
-                vae_scale_factor=folder_vae_scale(Path(base)),
-                unet=SimpleNamespace(config=SimpleNamespace(sample_size=sample))))
-    else:
-        raise PlanError(f"--vram needs a diffusers folder as the base (got {base}); "
-                        "single-file checkpoints are not planned")
-    dataset_size = dataset_len(config, resolution) if device == "cpu" else 0
-    result = fit_vram(vram, config.model, batch_size=config.batch_size * config.grad_accum, size=size,
-                 resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
-                 mixed_precision={"no": "fp32"}.get(config.mixed_precision, config.mixed_precision),
-                 base_dtype="fp32", device=device, dataset_size=dataset_size,
-                 base_quantization=config.base_quantization)
+    if resolution is None and size not in ("real", "tiny"):
+        sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
+        sample = json.loads((Path(size) / sub / "config.json").read_text()).get("sample_size")
+        resolution = default_resolution(SimpleNamespace(
+            vae_scale_factor=folder_vae_scale(Path(size)),
+            unet=SimpleNamespace(config=SimpleNamespace(sample_size=sample))))
+    options = dict(size=size, resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
+                   mixed_precision=config.mixed_precision, base_dtype=config.base_dtype,
+                   base_quantization=config.base_quantization, keep_encoders=config.keep_encoders,
+                   vae_tiling=config.vae_tiling, sample_steps=config.sample_steps, device=device,
+                   **_dataset_options(config, size, resolution), **extra)
+    return {"model": model, **options}
+
+
+def _dataset_options(config, size: str, resolution: int | None) -> dict[str, int]:
+    """The examples a run of `config` caches, and their distinct captions (a real-size plan: one)."""
+    if size == "real":
+        return {"dataset_size": 1}
+    return {"dataset_size": dataset_len(config, resolution or 16),
+            "distinct_captions": distinct_captions(config, resolution or 16)}
+
+
+def plan_train_config(config) -> MemoryPlan:
+    """`lora-lab train --dry-run`: the plan of exactly this run (its options as given)."""
+    options = plan_config(config, batch_size=config.batch_size, grad_accum=config.grad_accum,
+                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing)
+    return planner.plan_memory(**options)
+
+
+def fit_config(config, vram: int | str):
+    """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size, grad_accum
+    (and vae_tiling) chosen by `fit_vram` for its base on its device; config.batch_size * config.grad_accum is
+    the effective batch kept. Returns (config, why)."""
+    options = plan_config(config)
+    result = fit_vram(vram, options.pop("model"), batch_size=config.batch_size * config.grad_accum, **options)
     return replace(config, **result.settings), result.reason()
 
 

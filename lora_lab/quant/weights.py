@@ -34,6 +34,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import LoraLabError
 from ..functional.blockwise import as_blocks, dequantize_blockwise, quantize_blockwise
@@ -119,42 +120,100 @@ def stored_layout(fmt: str, shape: tuple[int, int],
             "scale": ((out if fmt == "fp8-row" else 1,), torch.float32)}
 
 
+CHUNK = 1 << 20  # values quantized at a time: each chunk's fp32 temporaries are a few MiB, whatever the weight
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (a memory plan's): shapes and dtypes, no values to check or read."""
+    return isinstance(t, FakeTensor)
+
+
 def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) -> dict[str, torch.Tensor]:
     """A 2-D weight (out, in) -> its stored tensors in `fmt` (see the module docstring), on w's device.
 
-    On the meta device the tensors are empty meta tensors of the stored shapes and dtypes.
+    The weight is read in chunks of about `CHUNK` values (whole rows, or whole blocks), so the temporaries stay
+    small next to the weight: what quantizing a base layer by layer while loading it needs. The codes equal
+    those of one pass over the whole weight. On the meta device the tensors are empty meta tensors of the
+    stored shapes and dtypes; fake tensors (a plan) are not checked for finite values.
     """
     block_size = check_format(fmt, block_size)
     if w.dim() != 2:
         raise QuantizationError(f"quantize_weight needs a 2-D (out, in) weight, got shape {tuple(w.shape)}")
+    layout = stored_layout(fmt, tuple(w.shape), block_size)
     if w.is_meta:
-        return {k: torch.empty(s, dtype=dt, device="meta")
-                for k, (s, dt) in stored_layout(fmt, tuple(w.shape), block_size).items()}
-    if not w.is_floating_point() or not bool(w.isfinite().all()):
-        raise QuantizationError("quantize_weight needs a finite floating-point weight "
-                                f"(shape {tuple(w.shape)}, {w.dtype})")
+        return {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in layout.items()}
+    if not w.is_floating_point():
+        raise QuantizationError(f"quantize_weight needs a floating-point weight (shape {tuple(w.shape)}, {w.dtype})")
+    out = {k: torch.empty(s, dtype=dt, device=w.device) for k, (s, dt) in layout.items()}
     w = w.detach()
-    if fmt in ("int8", "int8-block"):
-        rows = w.float() if fmt == "int8" else as_blocks(w.reshape(-1).float(), block_size)  # (rows, len)
-        scale = rows.abs().amax(dim=1) / INT8_HALF_RANGE  # (rows,)
-        # times 1 / scale (not / scale), as torchao does, so that codes agree bit for bit
-        q = (rows * (1.0 / scale.clamp(min=1e-38))[:, None]).round_().clamp_(-128, 127).to(torch.int8)
-        return {"qweight": q.reshape(-1)[: w.numel()].view(w.shape), "scale": scale}
-    if fmt == "nf4":
-        _, mid, _ = _nf4_tables(w.device)
-        absmax, scaled = _absmax_scaled(as_blocks(w.reshape(-1).float(), block_size))
-        codes = torch.bucketize(scaled.view(-1)[: w.numel()], mid).to(torch.uint8)  # nearest; a tie goes down
-        codes = F.pad(codes, (0, codes.numel() % 2), value=7)  # 7 is the code of 0.0
+    check = not _is_fake(w)
+    if fmt in ("int8", "fp8-row"):  # a scale per row: whole rows at a time
+        step = max(1, CHUNK // max(w.shape[1], 1))
+        for r in range(0, w.shape[0], step):
+            rows = _finite(w[r: r + step].float(), check, w.shape)
+            quantize = _int8_rows if fmt == "int8" else _fp8_rows
+            out["qweight"][r: r + step], out["scale"][r: r + step] = quantize(rows, rows.abs().amax(1, keepdim=True))
+        return out
+    flat = w.reshape(-1)
+    if fmt == "fp8":  # one scale: its absmax first, then the codes
+        absmax = torch.zeros((), dtype=torch.float32, device=w.device)
+        for c in range(0, flat.numel(), CHUNK):
+            absmax = torch.maximum(absmax, _finite(flat[c: c + CHUNK].float(), check, w.shape).abs().amax())
+        q_flat = out["qweight"].view(-1)
+        for c in range(0, flat.numel(), CHUNK):
+            q, scale = _fp8_rows(flat[c: c + CHUNK].float()[None], absmax.reshape(1, 1))
+            q_flat[c: c + CHUNK] = q.view(-1)
+        out["scale"] = absmax.reshape(1) / FP8_MAX
+        return out
+    step = max(1, CHUNK // block_size) * block_size  # whole blocks at a time (nf4: even, so bytes align)
+    absmax = torch.empty(-(-flat.numel() // block_size), dtype=torch.float32, device=w.device)  # nf4's
+    for c in range(0, flat.numel(), step):
+        blocks = as_blocks(_finite(flat[c: c + step].float(), check, w.shape), block_size)
+        b = slice(c // block_size, c // block_size + len(blocks))
+        if fmt == "int8-block":
+            q, out["scale"][b] = _int8_rows(blocks, blocks.abs().amax(dim=1, keepdim=True))
+            out["qweight"].view(-1)[c: c + step] = q.view(-1)[: min(step, flat.numel() - c)]
+        else:
+            absmax[b], scaled = _absmax_scaled(blocks)
+            codes = _nf4_codes(scaled.view(-1)[: flat.numel() - c], w.device)
+            out["qweight"][c // 2: c // 2 + codes.numel() // 2] = (codes[0::2] << 4) | codes[1::2]
+    if fmt == "nf4":  # the absmax double-quantized: 8-bit codes of absmax - mean, in blocks of 256
         offset = absmax.mean()
-        qabsmax, absmax2 = quantize_blockwise(absmax - offset, signed=True, block_size=NF4_ABSMAX_BLOCK)
-        return {"qweight": (codes[0::2] << 4) | codes[1::2], "qabsmax": qabsmax, "absmax2": absmax2,
-                "offset": offset}
-    w32 = w.float()
-    absmax = w32.abs().amax(dim=1, keepdim=True) if fmt == "fp8-row" else w32.abs().amax().reshape(1, 1)
-    scale = absmax / FP8_MAX  # (out, 1) or (1, 1)
+        if check and not bool(offset.isfinite()):  # the fp32 sum overflowed (|w| near the fp32 limit)
+            offset = absmax.double().mean().float()
+        codes, out["absmax2"] = quantize_blockwise(absmax - offset, signed=True, block_size=NF4_ABSMAX_BLOCK)
+        out["qabsmax"] = codes.clone()  # its own storage: the codes are a slice of a buffer of whole blocks
+        out["offset"] = offset
+    return out
+
+
+def _finite(x: torch.Tensor, check: bool, shape: tuple) -> torch.Tensor:
+    if check and not bool(x.isfinite().all()):
+        raise QuantizationError(f"quantize_weight needs a finite weight; the (out, in) = {tuple(shape)} weight "
+                                "holds NaN or inf")
+    return x
+
+
+def _int8_rows(rows: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (r, len) fp32 and their absmax (r, 1) -> (int8 codes (r, len), scales (r,))."""
+    scale = absmax[:, 0] / INT8_HALF_RANGE
+    # times 1 / scale (not / scale), as torchao does, so that codes agree bit for bit
+    return (rows * (1.0 / scale.clamp(min=1e-38))[:, None]).round_().clamp_(-128, 127).to(torch.int8), scale
+
+
+def _fp8_rows(rows: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (r, len) fp32 and the absmax they share (r, 1) -> (float8 e4m3 codes (r, len), scales (r,))."""
+    scale = absmax / FP8_MAX
     # round to nearest even
-    q = (w32 / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return {"qweight": q, "scale": scale.reshape(-1)}
+    return (rows / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(-1)
+
+
+def _nf4_codes(scaled: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Values scaled to [-1, 1] -> the index of the nearest NF4 value (a tie goes down), uint8, padded to an even
+    count with the code of 0.0 (7)."""
+    _, mid, _ = _nf4_tables(device)
+    codes = torch.bucketize(scaled, mid).to(torch.uint8)
+    return F.pad(codes, (0, codes.numel() % 2), value=7)
 
 
 def dequantize_weight(

@@ -1,0 +1,260 @@
+"""Where a base model comes from, and its pipeline opened with the denoiser's weights still to load.
+
+    opened = open_base(kind, base, dtype)       # base: None | a diffusers folder | "real:NAME"
+    opened.pipe                                 # the diffusers pipeline: text encoders and VAE on the host in
+                                                # `dtype`, the denoiser a skeleton (parameters on the meta
+                                                # device)
+    loading.fill(denoiser(opened.pipe), opened.source, dtype=..., device=..., quantization=...)
+    opened.reload()                             # the text encoders and VAE built again (after a CPU run dropped them)
+    build_pipeline(kind, base, seed, dtype)     # the whole pipeline loaded, on the CPU
+
+Bases:
+    None          the tiny configs of builders.py with weights from `seed` (the trainer passes the base
+                  shipped in data/base/<kind> instead, where one ships)
+    a folder      a diffusers pipeline folder (model_index.json): data/base/<kind>, or a local download
+    "real:NAME"   the published configs of models/real.py (sd15, sdxl, sd35-medium, sd35-large, flux-dev) with
+                  seeded random weights: a real-size run to measure, or (with shapes_only) to plan
+
+`shapes_only=True` (inside a FakeTensorMode: a plan) builds every module from its config and reads no weight
+file: the text encoders and VAE get fake weights, the denoiser's source is `FakeWeights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..errors import WeightFileError
+from ..quiet import quiet_loading
+from .builders import CONFIGS, build_components, build_tokenizer, denoiser, pipeline_class
+from .kinds import ModelKind, ModelLoadError, model_kind
+from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
+from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
+
+CLIP_TOKENS = 77  # the real CLIP encoders' positions
+
+
+@dataclass
+class OpenedBase:
+    """A base opened for training: the pipeline (its denoiser a skeleton), where the denoiser's weights come
+    from, and how to build the text encoders and VAE again."""
+
+    pipe: object
+    source: object  # a loading.*Weights
+    reload: Callable[[], dict] = field(repr=False)
+    base: str | None = None  # what config.json records: the folder, "real:NAME", or None (tiny, from the seed)
+
+
+def check_base(base: str | Path | None, kind: ModelKind) -> None:
+    """Raise ModelLoadError where `base` cannot be a base of `kind` (before anything is built)."""
+    if base is None:
+        return
+    text = str(base)
+    if text.startswith(REAL_PREFIX):
+        name = text.removeprefix(REAL_PREFIX)
+        if real_kind(name) != kind.name:
+            raise ModelLoadError(f"base {text!r} is a {real_kind(name)} model, not {kind.name}")
+        return
+    path = Path(text)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such base model folder")
+    if not (path.is_dir() and (path / "model_index.json").is_file()):
+        raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json)")
+
+
+def open_base(kind: str | ModelKind, base: str | Path | None, dtype: torch.dtype, seed: int = 0,
+              shapes_only: bool = False) -> OpenedBase:
+    """The pipeline of `base` with its text encoders and VAE in `dtype` on the host and its denoiser a skeleton;
+    see the module docstring."""
+    kind = model_kind(kind)
+    check_base(base, kind)
+    if base is None:
+        return _open_tiny(kind, dtype, seed, shapes_only)
+    if str(base).startswith(REAL_PREFIX):
+        return _open_real(kind, str(base).removeprefix(REAL_PREFIX), dtype, seed, shapes_only)
+    return _open_folder(kind, Path(base), dtype, shapes_only)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Modules built inside get their floating tensors in `dtype` directly (no fp32 copy to cast; and under a
+    FakeTensorMode, where a module's `.to(dtype)` cannot swap its fake parameters)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` in `dtype`, in eval mode: each floating tensor in another dtype replaced by its cast (tensor by
+    tensor, which fake tensors allow and `module.to(dtype)` does not)."""
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())  # e.g. T5's "wo": kept fp32, as loaded
+    for path, m in module.named_modules():
+        if keep and any(k in path.split(".") for k in keep):
+            continue
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)
+    return module.eval()
+
+
+def _assemble(kind: ModelKind, components: dict, dtype: torch.dtype):
+    """The pipeline of `components` (the denoiser replaced by its skeleton), encoders and VAE cast to dtype."""
+    for name in _encoder_names(kind):
+        components[name] = _cast(components[name], dtype)
+    pipe = pipeline_class(kind.name)(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool) -> OpenedBase:
+    """The tiny base from `seed`: a few MB, built with real tensors (in a plan too), fp32 then cast to dtype, so
+    that every dtype starts from the same values. The denoiser is built when it is loaded."""
+    def reload() -> dict:
+        with unset_fake_temporarily():
+            return {n: _cast(m, dtype) for n, m in build_components(kind.name, seed, only=_encoder_names(kind)).items()
+                    if n in _encoder_names(kind)}
+
+    config = dict(CONFIGS[kind.name][kind.component])
+
+    def build_denoiser() -> torch.nn.Module:  # the whole fp32 denoiser on the host first (a plan: fake)
+        if shapes_only:
+            return fill(skeleton(kind.denoiser_class(), config), FakeWeights(), dtype=torch.float32, device="cpu")
+        with unset_fake_temporarily():
+            return build_components(kind.name, seed, only=[kind.component])[kind.component]
+
+    with unset_fake_temporarily():
+        components = build_components(kind.name, seed, only=_encoder_names(kind))
+        components[kind.component] = skeleton(kind.denoiser_class(), config)
+        pipe = _assemble(kind, components, dtype)
+    source = ModuleWeights(build_denoiser)
+    return OpenedBase(pipe, source, reload, None)
+
+
+def _encoder_names(kind: ModelKind) -> list[str]:
+    return [e.component for e in kind.text_encoders] + ["vae"]
+
+
+def _open_folder(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: bool) -> OpenedBase:
+    """A diffusers pipeline folder: every model built from its config (no memory) and filled from its
+    safetensors by `loading.fill` (memory-mapped, tensor by tensor: no second copy in memory while loading),
+    the denoiser left to fill on the training device; tokenizers and the scheduler read by their own
+    classes."""
+    def guarded(read: Callable):
+        try:
+            with quiet_loading():
+                return read()
+        except (ModelLoadError, WeightFileError):
+            raise
+        except Exception as e:  # diffusers, transformers, safetensors raise many types (OSError, ValueError, ...)
+            raise ModelLoadError(f"{path}: cannot load as a {kind.name} pipeline ({type(e).__name__}: {e})") from e
+
+    def load(names: list[str] | None) -> dict:
+        return guarded(lambda: _folder_components(kind, path, dtype, shapes_only, names))
+
+    components = load(None)
+    source = FakeWeights() if shapes_only else guarded(lambda: FolderWeights(path / kind.component))
+    return OpenedBase(_assemble(kind, components, dtype), source, lambda: load(_encoder_names(kind)), str(path))
+
+
+def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: bool,
+                       names: list[str] | None) -> dict:
+    """The components of a pipeline folder (only `names`, if given); the denoiser a skeleton. With shapes_only,
+    no weight file is read (a plan: the models get fake weights)."""
+    import diffusers
+    import transformers
+
+    index = json.loads((path / "model_index.json").read_text())
+    out: dict = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[1] is None or (names and name not in names):
+            continue
+        lib = {"diffusers": diffusers, "transformers": transformers}.get(spec[0])
+        cls = getattr(lib, spec[1], None) if lib else None
+        if cls is None:
+            continue
+        sub = path / name
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            config = (cls.load_config(str(sub)) if lib is diffusers
+                      else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
+            model = skeleton(cls, config, meta_buffers=name == kind.component)
+            if name != kind.component:
+                fill(model, FakeWeights() if shapes_only else FolderWeights(sub), dtype=dtype, device="cpu")
+            out[name] = model
+        else:  # schedulers, tokenizers: small, read from their files (real tensors, in a plan too)
+            with unset_fake_temporarily():
+                out[name] = cls.from_pretrained(str(sub), local_files_only=True)
+    if names is None:
+        for key, value in kind.pipeline_extras:
+            out.setdefault(key, value)
+    return out
+
+
+def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes_only: bool) -> OpenedBase:
+    import diffusers
+
+    cfgs = REAL_CONFIGS[name]
+
+    def encoders() -> dict:
+        out = {}
+        with _default_dtype(dtype):
+            for enc in kind.text_encoders:
+                torch.manual_seed(seed + enc.seed)
+                cls_name, cfg = cfgs[enc.component]
+                out[enc.component] = _real_text_encoder(cls_name, cfg, _real_tokenizer(kind, enc.arch))
+            torch.manual_seed(seed + 1)
+            out["vae"] = diffusers.AutoencoderKL(**cfgs["vae"][1]).eval()
+        return out
+
+    components = encoders()
+    for enc in kind.text_encoders:
+        components[enc.tokenizer] = _real_tokenizer(kind, enc.arch)
+    den_name, den_cfg = cfgs[kind.component]
+    components[kind.component] = skeleton(getattr(diffusers, den_name), den_cfg)
+    with unset_fake_temporarily():  # a scheduler's tables are real in a plan too: its set-up reads them
+        components["scheduler"] = getattr(diffusers, kind.scheduler)(**REAL_SCHEDULERS[name])
+    components.update(kind.pipeline_extras)
+    source = FakeWeights() if shapes_only else RandomWeights(seed)
+    return OpenedBase(_assemble(kind, components, dtype), source, encoders, f"{REAL_PREFIX}{name}")
+
+
+def _real_tokenizer(kind: ModelKind, arch: str):
+    """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens)."""
+    tok = build_tokenizer("t5" if arch == "t5" else "clip")
+    tok.model_max_length = kind.t5_tokens if arch == "t5" else CLIP_TOKENS
+    return tok
+
+
+def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
+    import transformers
+
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if class_name.startswith("T5"):
+        return transformers.T5EncoderModel(transformers.T5Config(**cfg, **ids, decoder_start_token_id=0)).eval()
+    config = transformers.CLIPTextConfig(**cfg, bos_token_id=tokenizer.bos_token_id, **ids)
+    return getattr(transformers, class_name)(config).eval()
+
+
+def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dtype: torch.dtype | None = None):
+    """The real diffusers pipeline of `kind`, every component loaded, on the CPU, in `dtype` (default fp32).
+
+    base=None: tiny components with random weights from `seed` (see `builders.build_components`); a diffusers
+    pipeline folder (model_index.json: data/base/<kind>, or a real SDXL / SD3.5 / Flux download); or
+    "real:NAME" (the published architecture with seeded random weights). The trainer opens its base the same
+    way (`open_base`), and loads the denoiser onto its device itself.
+    """
+    dtype = dtype or torch.float32
+    opened = open_base(kind, base, dtype, seed)
+    fill(denoiser(opened.pipe), opened.source, dtype=dtype, device="cpu")
+    return opened.pipe

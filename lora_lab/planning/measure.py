@@ -1,0 +1,190 @@
+"""A real training run measured phase by phase: what plans are checked against.
+
+    measure_run(TrainConfig(...))            -> {phase: peak bytes} of a real run on the CPU (LiveBytes)
+    measure_run(config, tracker="torch")     -> the same by PyTorch's MemTracker
+    measure_run(config, tracker="cuda")      -> the same from torch.cuda.max_memory_allocated (a GPU run)
+    measure_phases(config, ("live", "torch")) -> {tracker: {phase: peak bytes}} from one run
+    measure_training_step(TrainConfig(...))  -> {"peak", "optimizer_state", "dataset_size"}: the second step
+
+Before measuring, the process-wide lookup tables are made (`fakedevice.warm_caches`), as a plan makes them.
+On the CPU, `memory.LiveBytes` counts every tensor storage at the dispatch level from the first op that
+makes or reads it until it is freed (as a plan counts fake tensors); `train(config, phase=...)` enters each
+phase of the run, and each phase's peak is the largest live total while it runs. On a GPU,
+`torch.cuda.reset_peak_memory_stats` at each phase's start and `max_memory_allocated` at its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..diffusion import trainer
+from ..diffusion.data import ImageCaptionDataset
+from ..diffusion.trainer import PHASES, train
+from ..memory import LiveBytes, optimizer_state_bytes
+from .fakedevice import warm_caches
+
+
+class CudaPhases:
+    """Each phase's peak of `torch.cuda.max_memory_allocated` (phases do not nest in the trainer)."""
+
+    def __init__(self, device: torch.device | str = "cuda"):
+        self.device = torch.device(device)
+        self.phase_peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
+
+
+class TorchPhases:
+    """Each phase's peak by PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` (a second counter
+    beside LiveBytes, any device). MemTracker keeps one peak for its whole context: each phase starts it again
+    from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for). MemTracker
+    hooks every parameter's gradient, which a frozen one refuses: on a module with frozen parameters it is
+    told not to (the adapter's gradients are still counted, as the tensors they are); and it refuses a model
+    called a second time: its per-module statistics (not used here) start again then."""
+
+    def __init__(self):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        class FrozenAware(MemTracker):
+            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+                hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
+                return super()._track_module_params_and_buffers(module, hooks)
+
+            def _pre_fw_hook(self, module, inputs):  # a model called again (the next step) starts afresh
+                try:
+                    super()._pre_fw_hook(module, inputs)
+                except NotImplementedError:
+                    self.reset_mod_stats()
+                    super()._pre_fw_hook(module, inputs)
+
+        self.tracker = FrozenAware()
+        self.phase_peaks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.tracker.__exit__(*exc)
+
+    def track(self, modules) -> None:
+        self.tracker.track_external(*modules)
+
+    def _total(self, kind: str) -> int:
+        return sum(snap["Total"] for dev, snap in self.tracker.get_tracker_snapshot(kind).items()
+                   if dev.type != "meta")  # a skeleton's meta tensors take no memory
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        now = self.tracker.get_tracker_snapshot()
+        self.tracker._peak_mem_snap = now
+        self.tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
+        try:
+            yield
+        finally:
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self._total("peak"))
+
+
+def measure_run(config, tracker: str = "live") -> dict[str, int]:
+    """Run `train(config)` and return each phase's peak of device memory: "live" (LiveBytes, any device; a CPU
+    run counts the host), "torch" (PyTorch's MemTracker, likewise) or "cuda" (max_memory_allocated). Phases the
+    run does not go through are 0."""
+    return measure_phases(config, (tracker,))[tracker]
+
+
+def measure_phases(config, trackers=("live", "torch")) -> dict[str, dict[str, int]]:
+    """One run of `train(config)` counted by several trackers at once: {tracker: {phase: peak bytes}}. The
+    process-wide lookup tables (quantization codes) are made first, as a plan makes them."""
+    warm_caches()
+    make = {"live": LiveBytes, "torch": TorchPhases,
+            "cuda": lambda: CudaPhases(config.device if config.device != "auto" else "cuda")}
+    counters = {name: make[name]() for name in trackers}
+    opened_base = trainer.open_run_base
+
+    def counted_from_the_start(*args, **kwargs):  # the base's tensors are in memory once it is opened,
+        opened, resolution = opened_base(*args, **kwargs)  # also those no op reads (the VAE's decoder)
+        modules = [m for m in opened.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        for counter in counters.values():
+            if isinstance(counter, TorchPhases):
+                counter.track(modules)
+            elif isinstance(counter, LiveBytes):
+                counter.track(t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
+        return opened, resolution
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        with contextlib.ExitStack() as stack:
+            for counter in counters.values():
+                stack.enter_context(counter.phase(name))
+            yield
+
+    trainer.open_run_base = counted_from_the_start
+    try:
+        with contextlib.ExitStack() as stack:
+            for counter in counters.values():
+                if not isinstance(counter, CudaPhases):
+                    stack.enter_context(counter)
+            train(config, phase=phase)
+    finally:
+        trainer.open_run_base = opened_base
+    return {name: {p: c.phase_peaks.get(p, 0) for p in PHASES} for name, c in counters.items()}
+
+
+def measure_training_step(config) -> dict[str, int]:
+    """Run `train(config)` for 2 steps on the CPU and measure its second step with `LiveBytes`.
+
+    Returns {"peak": live bytes at the peak between the end of optimizer step 1 and the end of step 2
+    (everything live then: the denoiser, cached data, adapter, optimizer state, activations),
+    "optimizer_state": `optimizer_state_bytes` after step 2, "dataset_size": examples cached}. For checking
+    plans (`device="cpu"`) against the trainer on tiny models.
+    """
+    config = replace(config, steps=2, sample_steps=0, progress=False, save_every=0, device="cpu")
+    warm_caches()
+    tracker = LiveBytes()
+    result: dict[str, int] = {}
+    steps = [0]
+
+    def after_step(opt, args, kwargs):
+        steps[0] += 1
+        if steps[0] == 1:
+            tracker.reset_peak()
+        elif steps[0] == 2:
+            result["peak"] = tracker.peak
+            result["optimizer_state"] = optimizer_state_bytes(opt)
+
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        with tracker:
+            train(config)
+    finally:
+        handle.remove()
+    result["dataset_size"] = dataset_len(config)
+    return result
+
+
+def dataset_len(config, resolution: int | None = None) -> int:
+    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or 16)."""
+    return len(_dataset(config, resolution))
+
+
+def distinct_captions(config, resolution: int | None = None) -> int:
+    """Different captions among the examples `dataset_len` counts."""
+    return len(set(_dataset(config, resolution).captions))
+
+
+def _dataset(config, resolution: int | None) -> ImageCaptionDataset:
+    size = resolution or config.resolution or 16
+    return ImageCaptionDataset(config.dataset_dir(), size, skip_bad=config.skip_bad_images)

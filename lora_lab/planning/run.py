@@ -1,0 +1,277 @@
+"""A training run planned on fake tensors: the trainer's own stages, and each phase's peak of device memory.
+
+    planned = plan_run(TrainConfig(model="sdxl", base="real:sdxl", resolution=1024, ...), device="cuda")
+    planned.phases    {"cache": bytes, "load": ..., "train step": ..., "save": ..., "sample": ...}
+    planned.parts     the training step's peak in parts (frozen weights, adapter, optimizer state, ...)
+
+The stages are the trainer's (`lora_lab.diffusion.trainer`), in its order: `open_run_base` (configs only,
+no weight file is read), `encode_data` on examples of the planned size, `load_denoiser` from fake weights,
+`add_trainable`, the step (`diffusion.step.accumulate_grads`, then the mixed precision's `step`), the host
+copy of the adapter that `save_outputs` writes, and the `sample` of `sample_outputs`. They run under
+`fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned GPU's attention
+kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
+
+What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBytes.exclude`), the text
+encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
+host copies made while saving. On the CPU the host is the device, and all of it counts. The plan encodes
+one group of examples (what one VAE call takes, `diffusion.data.ENCODE_PIXELS`) and counts the cache of
+the others; it runs two micro-batches at most (a third has the same memory as the second).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..checkpointing import disable_checkpointing, enable_checkpointing
+from ..diffusion.config import TrainConfig
+from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples, unconditional_embeds
+from ..diffusion.distributed import DistEnv
+from ..diffusion.encoders import Encoders
+from ..diffusion.objectives import objective_for
+from ..diffusion.sampling import vae_decoding
+from ..diffusion.step import accumulate_grads, draw_step
+from ..diffusion.trainer import (
+    PHASES,
+    add_trainable,
+    encode_data,
+    load_denoiser,
+    open_run_base,
+)
+from ..lora import lora_state_dict
+from ..memory import LiveBytes, _tensors
+from ..models import decode_latents, default_resolution, denoiser, encode_prompts, model_kind, predict
+from ..optim import Adam8bit
+from .fakedevice import DeviceRules, fake_device
+
+CPU = torch.device("cpu")  # the fake device every planned tensor is on
+
+
+@dataclass
+class RunPeaks:
+    """What `plan_run` counted: each phase's peak, and the training step's peak in parts."""
+
+    phases: dict[str, int]
+    parts: dict[str, int]  # add up to phases["train step"]
+    step_phase: str  # where in the step the peak is: "forward" | "backward" | "optimizer step"
+    saved_activations: int  # everything the forward saved for backward (exact, saved-tensor hooks)
+    gradients: int
+    attention: dict[str, int] = field(default_factory=dict)  # the attention backends that ran, and how often
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors`, keyed by identity (fake tensors have no addresses)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+class PlannedExamples:
+    """Examples of one size with `distinct` different captions, as `diffusion.data.encode_examples` reads a
+    dataset."""
+
+    def __init__(self, n: int, resolution: int, distinct: int):
+        self.sizes = [(resolution, resolution)] * n
+        self.captions = [f"a photo {i % distinct}" for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> dict:
+        h, w = self.sizes[i]
+        return {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
+
+
+def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "auto", dataset_size: int = 1,
+             distinct_captions: int | None = None, checkpoint_options: dict | None = None) -> RunPeaks:
+    """Run the trainer's stages for `config` on fake tensors under the rules of `device` ("cuda": its
+    attention kernels and autocast; "cpu") and return each phase's peak of device memory. dataset_size: the
+    examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for `enable_checkpointing` beside the config's policy.
+    Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...)."""
+    config = replace(config, device="cpu", progress=False,
+                     optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
+    kind = model_kind(config.model)
+    dtype = config.base_torch_dtype(torch.device(device))
+    on_host = device != "cpu"  # where the dataset's cache and the released encoders go
+    tracker = LiveBytes()
+    rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
+    with fake_device(), rules, torch.random.fork_rng(devices=[]):
+        opened, resolution = open_run_base(config, kind, dtype, shapes_only=True)
+        encoders = Encoders(opened.pipe, CPU, opened.reload, keep=config.keep_encoders)
+        pipe = opened.pipe
+        with tracker:
+            with tracker.phase("cache"):
+                tracker.track(_encoder_tensors(encoders))  # on the device now, also the parts no op reads
+                data, cached = _cache(config, encoders, resolution, dataset_size, distinct_captions or dataset_size,
+                                      tracker, on_host)
+            with tracker.phase("load"):
+                load_denoiser(config, opened, CPU, dtype)
+            with tracker.phase("train step"):
+                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options)
+            with tracker.phase("save"), (tracker.elsewhere() if on_host else contextlib.nullcontext()):
+                lora_state_dict(denoiser(pipe))  # the host copy save_outputs writes
+            if config.sample_steps:
+                with tracker.phase("sample"):
+                    _sample(config, encoders, tracker)
+    tracker.phase_peaks.setdefault("sample", 0)
+    persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(), *denoiser(pipe).buffers())
+                                                  if not t.requires_grad),
+                  "resident (VAE, text encoders)": storage_bytes(_encoder_tensors(encoders)) if config.keep_encoders
+                  else 0,
+                  "adapter weights": step["adapters"], "optimizer state": step["state"], "cached data": cached}
+    gradients = step["grads"] if step["phase"] == "optimizer step" else 0
+    peak = tracker.phase_peaks["train step"]
+    parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
+    parts["working set at peak"] = peak - sum(parts.values())
+    return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
+                    step["grads"], dict(rules.used))
+
+
+def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_size: int, distinct: int,
+           tracker: LiveBytes, on_host: bool) -> tuple[EncodedExamples, int]:
+    """The trainer's caching of one VAE call's group of examples; the cache of all `dataset_size` examples
+    counted on the device only on the CPU. Returns the cached examples and their bytes on the device.
+
+    With more examples than a group, the others are counted where they are live: the latents of the groups
+    before the last while it goes through the VAE; every latent and the other examples' text embeddings while
+    the captions go through the text encoders (the peak of that part is its own sub-phase)."""
+    group = min(dataset_size, ENCODE_BATCH, max(1, ENCODE_PIXELS // resolution**2))
+    examples = PlannedExamples(group, resolution, min(distinct, group))
+    data, _, _ = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None), encoders, resolution,
+                             examples=examples, phase=tracker.phase)
+    captions_peak = tracker.phase_peaks.pop("cache captions")
+    if on_host:
+        tracker.exclude([*data.latents, *data.embeds.values()])
+        return data, 0
+    latent = storage_bytes(data.latents) // group
+    embed = storage_bytes(data.embeds.values()) // group
+    rest = dataset_size - group
+    if rest:
+        tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"] + latent * rest,
+                                           captions_peak + (latent + embed) * rest)
+        tracker.current += (latent + embed) * rest
+    return data, (latent + embed) * dataset_size
+
+
+def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
+    return [t for name in encoders.names for m in [getattr(encoders.pipe, name)] if m is not None
+            for t in (*m.parameters(), *m.buffers())]
+
+
+def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker: LiveBytes,
+                checkpoint_options: dict | None) -> tuple[dict, object]:
+    """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most two
+    micro-batches (the second with the first's gradients live), measured in parts."""
+    _, learner = add_trainable(config, kind, pipe, CPU)
+    model = denoiser(pipe)
+    if checkpoint_options:
+        disable_checkpointing(model)
+        enable_checkpointing(model, kind.checkpoint_blocks(),
+                             **{"policy": config.checkpointing_policy(), **checkpoint_options})
+        model.train()
+    params = learner.params
+    _first_step_state(learner.optimizer)
+    out = {"adapters": storage_bytes(params),
+           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
+    accum = min(config.grad_accum, 2)
+    config = replace(config, grad_accum=accum)
+    enough = EncodedExamples(*(_repeat(data, config.batch_size * accum)))
+    forwards, peaks = [0], {}
+
+    def before_forward(module, args):
+        forwards[0] += 1
+        if forwards[0] == accum:  # the last micro-batch: everything earlier is live in it
+            tracker.reset_peak()
+            tracker.in_forward = True
+
+    def after_forward(module, args, output):
+        if forwards[0] == accum:
+            tracker.in_forward = False
+            peaks["forward"] = (tracker.peak, tracker.saved_at_peak)
+
+    objective = objective_for(pipe)
+    with unset_fake_temporarily():  # the indices of the examples drawn are read: real (and small) tensors
+        draws = draw_step(config, objective, enough, None, None, 0)
+    hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(tracker.mark_saved, lambda x: x):
+            accumulate_grads(config, kind, pipe, objective, enough, None, None, learner, 0, DistEnv(), draws)
+    finally:
+        for h in hooks:
+            h.remove()
+    peaks["backward"] = (tracker.peak, tracker.saved_at_peak)
+    out["grads"] = storage_bytes(p.grad for p in params if p.grad is not None)
+    learner.precision.step(learner.optimizer, config.max_grad_norm)
+    peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
+    out["phase"] = next(p for p in peaks if peaks[p][0] == tracker.peak)
+    out["saved_at_peak"], out["saved"] = peaks[out["phase"]][1], tracker.saved_bytes
+    return out, learner  # the learner lives on through saving and sampling, as in the trainer
+
+
+def _first_step_state(optimizer) -> None:
+    """The optimizer's state as after its first step (every later step runs with it live). lora_lab's 8-bit
+    AdamW gets its state's layout, and its steps are not run: on fake tensors its many small ops take minutes,
+    and its temporaries are a few MiB (`functional.adam.CHUNK_BLOCKS` blocks at a time)."""
+    if isinstance(optimizer, Adam8bit):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p] = _adam8bit_state(optimizer, p)
+        optimizer.step = lambda closure=None: None
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:
+    if p.numel() < optimizer.min_8bit_size:
+        return {"step": 1, "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
+    n_blocks = -(-p.numel() // optimizer.block_size)
+    state: dict = {"step": 1}
+    for name in ("exp_avg", "exp_avg_sq"):
+        state[name] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
+        state[f"{name}_absmax"] = torch.empty(n_blocks, dtype=torch.float32, device=p.device)
+    return state
+
+
+def _repeat(data: EncodedExamples, n: int) -> tuple:
+    """The cached examples repeated to at least `n` (what one step draws)."""
+    k = -(-n // len(data.latents))
+    return (data.latents * k, {key: v.repeat(k, *[1] * (v.dim() - 1)) for key, v in data.embeds.items()},
+            data.captions * k, data.sizes * k)
+
+
+def _sample(config: TrainConfig, encoders: Encoders, tracker: LiveBytes) -> None:
+    """What the trainer's sample grid holds on the device: the text encoders and VAE back, the prompts encoded,
+    one denoiser call on the guidance batch (every sampling step costs the same) and the decode, each by the
+    function `diffusion.sampling.sample` uses. diffusers' sampling loop itself cannot run on fake tensors (its
+    scheduler reads timestep values), so this phase is the one the plan models: `bench_planner.py --real-cpu`
+    checks it against a measured run."""
+    model = denoiser(encoders.pipe)
+    if config.checkpointing_policy():
+        disable_checkpointing(model)
+    model.eval()
+    kind = model_kind(config.model)
+    prompts = (config.sample_prompts or ["a photo"])[:1]  # sample_grid samples one prompt at a time
+    with encoders.on_device() as pipe, torch.no_grad():
+        tracker.track(_encoder_tensors(encoders))  # back on the device, also the parts no op reads
+        embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in encode_prompts(pipe, prompts).items()}
+        if kind.name != "flux":  # classifier-free guidance: the unconditional input beside each prompt's
+            empty = unconditional_embeds(pipe)
+            embeds = {k: torch.cat([empty[k].to(v).expand_as(v), v]) for k, v in embeds.items()}
+        size = default_resolution(pipe) // pipe.vae_scale_factor
+        channels = model.config.in_channels // kind.latent_packing**2
+        latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=pipe.dtype)
+        t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
+        out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
+        del latents
+        with vae_decoding(pipe.vae, config.vae_tiling):
+            decode_latents(pipe, out[: len(prompts)])
