@@ -96,24 +96,34 @@ def _encoder_refs(pipe) -> list:
     return [weakref.ref(next(getattr(pipe, n).parameters())) for n in ("text_encoder", "text_encoder_2", "vae")]
 
 
-def test_encoders_leave_the_device_after_caching_and_come_back_to_sample(tmp_path, monkeypatch):
+def test_encoders_leave_the_device_after_caching_and_only_the_vae_comes_back_to_sample(tmp_path, monkeypatch):
     """During the training steps, the text encoders and VAE are gone (a CPU run drops them: the host is its
-    device); they are back while sampling and in the pipeline returned. --keep-encoders keeps them."""
+    device); while sampling only the VAE is back (the sample prompts were encoded while caching); the pipeline
+    returned is whole. --keep-encoders keeps them all."""
     from lora_lab.diffusion import trainer
 
     seen = {}
-    real_loop = trainer.run_loop
+    real_loop, real_grid = trainer.run_loop, trainer.sample_grid
+    names = ("text_encoder", "text_encoder_2", "vae")
 
     def spy_loop(config, kind, pipe, *args, **kwargs):
-        seen["during steps"] = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "vae")]
+        seen["during steps"] = [getattr(pipe, n) for n in names]
         return real_loop(config, kind, pipe, *args, **kwargs)
 
+    def spy_grid(pipe, *args, **kwargs):
+        seen["sampling"] = [getattr(pipe, n) is not None for n in names]
+        return real_grid(pipe, *args, **kwargs)
+
     monkeypatch.setattr(trainer, "run_loop", spy_loop)
-    result = train(TrainConfig(model="sdxl", output=str(tmp_path / "a"), **FAST))
+    monkeypatch.setattr(trainer, "sample_grid", spy_grid)
+    sampled = {**FAST, "sample_steps": 1}
+    result = train(TrainConfig(model="sdxl", output=str(tmp_path / "a"), **sampled))
     assert seen["during steps"] == [None, None, None]
-    assert all(getattr(result.pipe, n) is not None for n in ("text_encoder", "text_encoder_2", "vae"))
-    kept = train(TrainConfig(model="sdxl", output=str(tmp_path / "b"), keep_encoders=True, **FAST))
-    assert all(m is not None for m in seen["during steps"]) and kept.pipe.vae is not None
+    assert seen["sampling"] == [False, False, True]
+    assert all(getattr(result.pipe, n) is not None for n in names)
+    kept = train(TrainConfig(model="sdxl", output=str(tmp_path / "b"), keep_encoders=True, **sampled))
+    assert all(m is not None for m in seen["during steps"]) and seen["sampling"] == [True, True, True]
+    assert kept.pipe.vae is not None
 
 
 def test_device_bytes_during_the_steps_are_the_denoiser_adapter_optimizer_and_cache(tmp_path):

@@ -514,3 +514,36 @@ def test_nf4_stored_tensors_hold_no_padding():
     for shape in [(128, 32), (300, 64), (4096, 64)]:
         for name, t in quantize_weight(torch.randn(shape), "nf4").items():
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (shape, name)
+
+
+def test_quantize_base_refuses_what_it_cannot_quantize_with_its_own_error():
+    """An empty Linear, a block size that would allocate terabytes, a targets string that is not a regex, and
+    something that is not a module: each a QuantizationError naming it, before any allocation."""
+    from torch import nn
+
+    from lora_lab.quant import QuantizationError, quantize_base
+
+    def frozen(*layers):
+        return nn.Sequential(*layers).requires_grad_(False)
+
+    for fmt in ("int8", "fp8", "fp8-row", "nf4"):
+        with pytest.raises(QuantizationError, match="holds no values"):
+            quantize_base(frozen(nn.Linear(0, 4)), fmt)
+    with pytest.raises(QuantizationError, match="block_size must be an int from 1 to"):
+        quantize_base(frozen(nn.Linear(4, 4)), "int8-block", block_size=2**40)
+    with pytest.raises(QuantizationError, match="not a regular expression"):
+        quantize_base(frozen(nn.Linear(4, 4)), "int8", targets="(")
+    with pytest.raises(QuantizationError, match="needs a torch.nn.Module"):
+        quantize_base(None, "int8")
+
+
+def test_nf4_of_weights_near_the_fp32_limit_stays_finite():
+    """Finite weights of |w| up to 3e38: the absmax's double quantization (its mean, summed in fp32, overflows)
+    must not turn them into NaN or inf."""
+    from lora_lab.quant.weights import dequantize_weight, quantize_weight
+
+    w = torch.full((4, 64), 2e38)
+    w[0] = -3e38
+    back = dequantize_weight(quantize_weight(w, "nf4"), "nf4", (4, 64))
+    assert torch.isfinite(back).all()
+    assert torch.allclose(back, w, rtol=0.02)

@@ -9,8 +9,8 @@ Training needs them only to cache the dataset's latents and text embeddings, and
 between they would hold device memory for nothing (T5-XXL alone is 8.9 GiB in bf16). Where they go:
 
     training on a GPU   host memory (`to("cpu")`), and back with `to(device)`
-    training on the CPU the host is the device: they are dropped, and `reload()` builds them again from the
-                        base (its files, or its seed) when sampling needs them
+    training on the CPU the host is the device: they are dropped, and `reload(names)` builds them again from
+                        the base (its files, or its seed) when sampling needs them
 
 `keep=True` (`--keep-encoders`) leaves them on the device throughout.
 """
@@ -35,7 +35,7 @@ def component_names(pipe) -> list[str]:
 class Encoders:
     """Where a pipeline's text encoders and VAE are, and moving them for the phases that need them."""
 
-    def __init__(self, pipe, device: torch.device, reload: Callable[[], dict], keep: bool = False):
+    def __init__(self, pipe, device: torch.device, reload: Callable[[list[str]], dict], keep: bool = False):
         self.pipe, self.device, self.reload, self.keep = pipe, torch.device(device), reload, keep
         self.names = component_names(pipe)
         self.host: dict[str, torch.nn.Module] = {}  # released to host memory (GPU runs)
@@ -57,18 +57,21 @@ class Encoders:
             setattr(self.pipe, name, None)
         gc.collect()  # modules in reference cycles go now, not at some later collection
 
-    def restore(self) -> None:
-        """Back on the device (from host memory, or built again from the base)."""
-        built = self.reload() if self.dropped and not self.host else {}
+    def restore(self, names: list[str] | None = None) -> None:
+        """Back on the device (from host memory, or built again from the base): all, or only `names`."""
+        names = self.names if names is None else names
+        missing = [n for n in names if getattr(self.pipe, n) is None and n not in self.host]
+        built = self.reload(missing) if missing else {}
         gc.collect()  # the loaders' garbage goes before the phase that needs the encoders
-        for name in self.names:
+        for name in names:
             if getattr(self.pipe, name) is None:
                 setattr(self.pipe, name, _on(self.host.pop(name, None) or built[name], self.device))
 
     @contextlib.contextmanager
-    def on_device(self):
-        """The encoders and VAE on the device for the block, released again after it (unless kept)."""
-        self.restore()
+    def on_device(self, names: list[str] | None = None):
+        """The encoders and VAE (or only `names`, e.g. ["vae"] to decode) on the device for the block, released
+        again after it (unless kept)."""
+        self.restore(names)
         try:
             yield self.pipe
         finally:

@@ -1,7 +1,8 @@
 """Sampling with and without LoRAs, and image grids.
 
 API:
-    sample(pipe, prompts, seed=0, steps=20, guidance=4.0, height=None, width=None, loras=())
+    prompt_inputs(pipe, prompts) -> the embeddings the sampler takes instead of the text encoders
+    sample(pipe, prompts, seed=0, steps=20, guidance=4.0, height=None, width=None, loras=(), inputs=None)
         -> images (N, 3, H, W) in [0, 1]; one fixed generator per call: the same seed and prompts give
         the same images. loras: [(lora file or LoraFile, strength), ...] applied for this call only.
     loras_applied(pipe, loras)  context manager: LoRA files on the denoiser at run time (lora_lab's
@@ -27,6 +28,7 @@ from ..merge import apply_loras
 from ..models import build_pipeline, default_resolution, denoiser, encode_prompts, shipped_base
 from ..models.kinds import kind_of, model_kind, t5_length
 from ..modules import swap_module
+from .data import unconditional_embeds
 from .distributed import resolve_device
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -54,16 +56,28 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
             swap_module(model, path, model.get_submodule(path).base)
 
 
+def prompt_inputs(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """What the pipeline's sampler takes for `prompts` instead of its text encoders: the prompts' embeddings
+    (`encode_prompts`) and, for classifier-free guidance, the unconditional input beside each (negative_*: "" encoded
+    for sd15/sd3, zero embeddings for SDXL, as the pipeline makes it; Flux has none). (N, ...) each, fp32,
+    on the host: encoded once (a training run does it while caching), sampled from without the text encoders."""
+    embeds = encode_prompts(pipe, prompts)
+    if model_kind(kind_of(pipe)).name == "flux":  # guidance-distilled: no unconditional branch
+        return embeds
+    empty = unconditional_embeds(pipe)
+    return {**embeds, **{f"negative_{k}": empty[k].expand_as(v) for k, v in embeds.items()}}
+
+
 @torch.no_grad()
 def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guidance: float = 4.0,
            height: int | None = None, width: int | None = None, loras: Sequence[tuple] = (),
-           tiled: bool = False) -> torch.Tensor:
+           tiled: bool = False, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Images for `prompts` from the pipeline's own sampler: (N, 3, H, W) in [0, 1], fp32, CPU.
 
-    The prompts are encoded with `encode_prompts` (what training caches), then the pipeline runs with
-    `prompt_embeds`. guidance: classifier-free guidance scale (sd15/sdxl/sd3; 1 = off; the unconditional
-    input is the pipeline's own: "" encoded for sd15/sd3, zero embeddings for SDXL), or Flux's
-    guidance-embedding value (Flux is guidance-distilled: no second pass).
+    The prompts are encoded with `prompt_inputs` (what training caches), then the pipeline runs with
+    `prompt_embeds` and its negative counterparts; `inputs` (their `prompt_inputs`, encoded before) skips the
+    text encoders, which may then be off the device. guidance: classifier-free guidance scale (sd15/sdxl/sd3;
+    1 = off), or Flux's guidance-embedding value (Flux is guidance-distilled: no second pass).
     loras: LoRA files with strengths, applied at run time for this call only (see `loras_applied`).
     The VAE decodes one image at a time (slicing: the same images, less memory), in tiles with `tiled`.
     """
@@ -71,8 +85,9 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     kind = model_kind(kind_of(pipe))
     height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
     width = width or default_resolution(pipe)
-    embeds = encode_prompts(pipe, prompts)
-    embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in embeds.items()}
+    inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
+    dtype = denoiser(pipe).dtype
+    embeds = {k: v.to(pipe.device, dtype) for k, v in inputs.items()}
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
     with loras_applied(pipe, loras), vae_decoding(pipe.vae, tiled):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
@@ -121,16 +136,24 @@ def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
 
 
 def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
-                guidance: float | None = None, tiled: bool = False) -> Path:
+                guidance: float | None = None, tiled: bool = False,
+                inputs: dict[str, torch.Tensor] | None = None) -> Path:
     """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
 
     Each image is sampled on its own, from the same seed in both rows, so only the adapter differs; one at a
-    time, the sampler's memory does not grow with the number of prompts.
+    time, the sampler's memory does not grow with the number of prompts. inputs: the prompts' `prompt_inputs`
+    (then the text encoders need not be on the device).
     """
+    inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
     kw = {"tiled": tiled} if guidance is None else {"guidance": guidance, "tiled": tiled}
+
+    def one(i: int) -> torch.Tensor:
+        return sample(pipe, [prompts[i]], seed=seed, steps=steps, inputs={k: v[i: i + 1] for k, v in inputs.items()},
+                      **kw)
+
     with lora_disabled(denoiser(pipe)):
-        without = torch.cat([sample(pipe, [p], seed=seed, steps=steps, **kw) for p in prompts])  # (P, 3, H, W)
-    with_lora = torch.cat([sample(pipe, [p], seed=seed, steps=steps, **kw) for p in prompts])
+        without = torch.cat([one(i) for i in range(len(prompts))])  # (P, 3, H, W)
+    with_lora = torch.cat([one(i) for i in range(len(prompts))])
     return _save_pair_grid(without, with_lora, path)
 
 

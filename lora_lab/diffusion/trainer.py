@@ -25,7 +25,8 @@ The stages of `train`, each taking and returning plain values, and the memory ph
                                                   module at a time, quantized as they arrive (`models/loading.py`)
     "train step"  add_trainable, open_run, run_loop
     "save"        save_outputs                    the LoRA files (kohya/ComfyUI and diffusers/PEFT)
-    "sample"      sample_outputs                  the with/without grid, the encoders and VAE back for it
+    "sample"      sample_outputs                  the with/without grid, the VAE back for it (the prompts were
+                                                  encoded while caching)
 
 `train(config, phase=...)` enters `phase(name)` around each phase: how a run is measured
 (`memory.LiveBytes.phase`, `torch.cuda.max_memory_allocated`), and how `lora_lab.planning` plans the same
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -62,7 +63,7 @@ from .data import EncodedExamples, encode_dataset, encode_examples, folder_finge
 from .distributed import DistEnv, resolve_device
 from .encoders import Encoders
 from .objectives import objective_for
-from .sampling import sample_grid
+from .sampling import prompt_inputs, sample_grid
 from .state import (
     NON_FINITE_ADVICE,
     Learner,
@@ -126,7 +127,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     opened, resolution = open_run_base(config, kind, dtype)
     encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keep_encoders)
     with phase("cache"):
-        data, reg, empty = encode_data(config, encoders, resolution)
+        data, reg, empty, samples = encode_data(config, encoders, resolution)
     with phase("load"):
         load_denoiser(config, opened, device, dtype)
     pipe = opened.pipe
@@ -139,7 +140,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     with phase("save"):
         outputs = save_outputs(config, kind, pipe, run, env)
     with phase("sample"):
-        outputs.update(sample_outputs(config, encoders, run, env, data.captions))
+        outputs.update(sample_outputs(config, encoders, run, env, samples))
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
                        seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
@@ -170,12 +171,22 @@ def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
     return opened, resolution
 
 
-def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None, phase=None
-                ) -> tuple[EncodedExamples, EncodedExamples | None, dict | None]:
-    """The examples (and the regularization examples, or None) as cached latents and text embeddings, and
-    what a dropped caption becomes (None without caption dropout), with the text encoders and VAE on the
-    device for it; then they leave the device (`--keep-encoders` keeps them). `examples` replaces the
-    dataset folder (a memory plan's examples of the right sizes, with `phase` around their captions' part)."""
+class Cached(NamedTuple):
+    """What the cache phase leaves on the host: the dataset's latents and embeddings, the regularization set's
+    (or None), what a dropped caption becomes (None without caption dropout), and the sample prompts with their
+    `prompt_inputs` (None when the run samples nothing)."""
+
+    data: EncodedExamples
+    reg: EncodedExamples | None
+    empty: dict | None
+    samples: tuple[list[str], dict] | None
+
+
+def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None, phase=None) -> Cached:
+    """The examples (and the regularization examples) as cached latents and text embeddings, with the text
+    encoders and VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the
+    VAE back); then they leave the device (`--keep-encoders` keeps them). `examples` replaces the dataset
+    folder (a memory plan's examples of the right sizes, with `phase` around their captions' part)."""
     options = {"buckets": config.buckets, "skip_bad": config.skip_bad_images, "seed": config.seed}
     with encoders.on_device() as pipe:
         data = (encode_examples(pipe, examples, config.seed, phase) if examples is not None
@@ -183,7 +194,9 @@ def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, exampl
         reg = (None if config.reg_dataset is None
                else encode_dataset(pipe, config.reg_dataset, resolution, **options))
         empty = unconditional_embeds(pipe) if config.caption_dropout else None
-    return data, reg, empty
+        prompts = config.sample_prompts or list(dict.fromkeys(data.captions))[:SAMPLE_PROMPTS]
+        samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
+    return Cached(data, reg, empty, samples)
 
 
 def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device, dtype: torch.dtype) -> None:
@@ -292,18 +305,19 @@ def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env:
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
-                   captions: list[str]) -> dict[str, Path]:
-    """The samples with and without the LoRA (rank 0), the text encoders and VAE on the device for them."""
+                   samples: tuple[list[str], dict] | None) -> dict[str, Path]:
+    """The samples with and without the LoRA (rank 0) from the sample prompts encoded while caching: only the
+    VAE comes back to the device for them."""
     outputs = {}
-    if env.main and config.sample_steps:
+    if env.main and samples is not None:
         model = denoiser(encoders.pipe)
         if config.checkpointing_policy():
             disable_checkpointing(model)
         model.eval()
-        prompts = config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
-        with encoders.on_device() as pipe:
+        prompts, inputs = samples
+        with encoders.on_device(["vae"]) as pipe:
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
-                                             run.output / "samples.png", tiled=config.vae_tiling)
+                                             run.output / "samples.png", tiled=config.vae_tiling, inputs=inputs)
     env.barrier()
     return outputs
 

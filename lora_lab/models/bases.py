@@ -5,7 +5,7 @@
                                                 # `dtype`, the denoiser a skeleton (parameters on the meta
                                                 # device)
     loading.fill(denoiser(opened.pipe), opened.source, dtype=..., device=..., quantization=...)
-    opened.reload()                             # the text encoders and VAE built again (after a CPU run dropped them)
+    opened.reload(["vae"])                      # components built again (after a CPU run dropped them)
     build_pipeline(kind, base, seed, dtype)     # the whole pipeline loaded, on the CPU
 
 Bases:
@@ -47,7 +47,7 @@ class OpenedBase:
 
     pipe: object
     source: object  # a loading.*Weights
-    reload: Callable[[], dict] = field(repr=False)
+    reload: Callable[[list[str]], dict] = field(repr=False)  # names -> those text encoders / the VAE, built again
     base: str | None = None  # what config.json records: the folder, "real:NAME", or None (tiny, from the seed)
 
 
@@ -121,10 +121,10 @@ def _assemble(kind: ModelKind, components: dict, dtype: torch.dtype):
 def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool) -> OpenedBase:
     """The tiny base from `seed`: a few MB, built with real tensors (in a plan too), fp32 then cast to dtype, so
     that every dtype starts from the same values. The denoiser is built when it is loaded."""
-    def reload() -> dict:
+    def reload(names: list[str]) -> dict:
         with unset_fake_temporarily():
-            return {n: _cast(m, dtype) for n, m in build_components(kind.name, seed, only=_encoder_names(kind)).items()
-                    if n in _encoder_names(kind)}
+            return {n: _cast(m, dtype) for n, m in build_components(kind.name, seed, only=names).items()
+                    if n in names}
 
     config = dict(CONFIGS[kind.name][kind.component])
 
@@ -165,7 +165,7 @@ def _open_folder(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: b
 
     components = load(None)
     source = FakeWeights() if shapes_only else guarded(lambda: FolderWeights(path / kind.component))
-    return OpenedBase(_assemble(kind, components, dtype), source, lambda: load(_encoder_names(kind)), str(path))
+    return OpenedBase(_assemble(kind, components, dtype), source, load, str(path))
 
 
 def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: bool,
@@ -206,15 +206,17 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
 
     cfgs = REAL_CONFIGS[name]
 
-    def encoders() -> dict:
+    def encoders(names: list[str] | None = None) -> dict:
         out = {}
         with _default_dtype(dtype):
             for enc in kind.text_encoders:
-                torch.manual_seed(seed + enc.seed)
-                cls_name, cfg = cfgs[enc.component]
-                out[enc.component] = _real_text_encoder(cls_name, cfg, _real_tokenizer(kind, enc.arch))
-            torch.manual_seed(seed + 1)
-            out["vae"] = diffusers.AutoencoderKL(**cfgs["vae"][1]).eval()
+                if names is None or enc.component in names:
+                    torch.manual_seed(seed + enc.seed)
+                    cls_name, cfg = cfgs[enc.component]
+                    out[enc.component] = _real_text_encoder(cls_name, cfg, _real_tokenizer(kind, enc.arch))
+            if names is None or "vae" in names:
+                torch.manual_seed(seed + 1)
+                out["vae"] = diffusers.AutoencoderKL(**cfgs["vae"][1]).eval()
         return out
 
     components = encoders()

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..checkpointing import disable_checkpointing, enable_checkpointing
 from ..diffusion.config import TrainConfig
-from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples, unconditional_embeds
+from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples
 from ..diffusion.distributed import DistEnv
 from ..diffusion.encoders import Encoders
 from ..diffusion.objectives import objective_for
@@ -43,7 +43,7 @@ from ..diffusion.trainer import (
 )
 from ..lora import lora_state_dict
 from ..memory import LiveBytes, _tensors
-from ..models import decode_latents, default_resolution, denoiser, encode_prompts, model_kind, predict
+from ..models import decode_latents, default_resolution, denoiser, model_kind, predict
 from ..optim import Adam8bit
 from .fakedevice import DeviceRules, fake_device
 
@@ -107,7 +107,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
         with tracker:
             with tracker.phase("cache"):
                 tracker.track(_encoder_tensors(encoders))  # on the device now, also the parts no op reads
-                data, cached = _cache(config, encoders, resolution, dataset_size, distinct_captions or dataset_size,
+                data, cached, samples = _cache(config, encoders, resolution, dataset_size, distinct_captions or dataset_size,
                                       tracker, on_host)
             with tracker.phase("load"):
                 load_denoiser(config, opened, CPU, dtype)
@@ -117,7 +117,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
                 lora_state_dict(denoiser(pipe))  # the host copy save_outputs writes
             if config.sample_steps:
                 with tracker.phase("sample"):
-                    _sample(config, encoders, tracker)
+                    _sample(config, encoders, samples, tracker)
     tracker.phase_peaks.setdefault("sample", 0)
     persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(), *denoiser(pipe).buffers())
                                                   if not t.requires_grad),
@@ -133,21 +133,23 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
 
 
 def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_size: int, distinct: int,
-           tracker: LiveBytes, on_host: bool) -> tuple[EncodedExamples, int]:
+           tracker: LiveBytes, on_host: bool) -> tuple[EncodedExamples, int, tuple | None]:
     """The trainer's caching of one VAE call's group of examples; the cache of all `dataset_size` examples
-    counted on the device only on the CPU. Returns the cached examples and their bytes on the device.
+    counted on the device only on the CPU. Returns the cached examples, their bytes on the device, and the
+    sample prompt (one: the grid samples one at a time) with its inputs.
 
     With more examples than a group, the others are counted where they are live: the latents of the groups
     before the last while it goes through the VAE; every latent and the other examples' text embeddings while
     the captions go through the text encoders (the peak of that part is its own sub-phase)."""
     group = min(dataset_size, ENCODE_BATCH, max(1, ENCODE_PIXELS // resolution**2))
     examples = PlannedExamples(group, resolution, min(distinct, group))
-    data, _, _ = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None), encoders, resolution,
-                             examples=examples, phase=tracker.phase)
+    data, _, _, samples = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None,
+                                              sample_prompts=(config.sample_prompts or ["a photo"])[:1]),
+                                      encoders, resolution, examples=examples, phase=tracker.phase)
     captions_peak = tracker.phase_peaks.pop("cache captions")
     if on_host:
-        tracker.exclude([*data.latents, *data.embeds.values()])
-        return data, 0
+        tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ())])
+        return data, 0, samples
     latent = storage_bytes(data.latents) // group
     embed = storage_bytes(data.embeds.values()) // group
     rest = dataset_size - group
@@ -155,7 +157,7 @@ def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_siz
         tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"] + latent * rest,
                                            captions_peak + (latent + embed) * rest)
         tracker.current += (latent + embed) * rest
-    return data, (latent + embed) * dataset_size
+    return data, (latent + embed) * dataset_size, samples
 
 
 def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
@@ -249,29 +251,29 @@ def _repeat(data: EncodedExamples, n: int) -> tuple:
             data.captions * k, data.sizes * k)
 
 
-def _sample(config: TrainConfig, encoders: Encoders, tracker: LiveBytes) -> None:
-    """What the trainer's sample grid holds on the device: the text encoders and VAE back, the prompts encoded,
-    one denoiser call on the guidance batch (every sampling step costs the same) and the decode, each by the
-    function `diffusion.sampling.sample` uses. diffusers' sampling loop itself cannot run on fake tensors (its
-    scheduler reads timestep values), so this phase is the one the plan models: `bench_planner.py --real-cpu`
-    checks it against a measured run."""
+def _sample(config: TrainConfig, encoders: Encoders, samples: tuple, tracker: LiveBytes) -> None:
+    """What the trainer's sample grid holds on the device: the VAE back, the prompt's inputs (encoded while
+    caching) on the device, one denoiser call on the guidance batch (every sampling step costs the same) and
+    the decode, each by the function `diffusion.sampling.sample` uses. diffusers' sampling loop itself cannot
+    run on fake tensors (its scheduler reads timestep values), so this phase is the one the plan models:
+    `bench_planner.py --real-cpu` checks it against a measured run."""
     model = denoiser(encoders.pipe)
     if config.checkpointing_policy():
         disable_checkpointing(model)
     model.eval()
     kind = model_kind(config.model)
-    prompts = (config.sample_prompts or ["a photo"])[:1]  # sample_grid samples one prompt at a time
-    with encoders.on_device() as pipe, torch.no_grad():
+    _, inputs = samples
+    with encoders.on_device(["vae"]) as pipe, torch.no_grad():
         tracker.track(_encoder_tensors(encoders))  # back on the device, also the parts no op reads
-        embeds = {k: v.to(pipe.device, pipe.dtype) for k, v in encode_prompts(pipe, prompts).items()}
-        if kind.name != "flux":  # classifier-free guidance: the unconditional input beside each prompt's
-            empty = unconditional_embeds(pipe)
-            embeds = {k: torch.cat([empty[k].to(v).expand_as(v), v]) for k, v in embeds.items()}
+        inputs = {k: v.to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
+        embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}
+        if kind.name != "flux":  # classifier-free guidance: the unconditional input beside the prompt's
+            embeds = {k: torch.cat([inputs[f"negative_{k}"], v]) for k, v in embeds.items()}
         size = default_resolution(pipe) // pipe.vae_scale_factor
         channels = model.config.in_channels // kind.latent_packing**2
-        latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=pipe.dtype)
+        latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=model.dtype)
         t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
         out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
         del latents
         with vae_decoding(pipe.vae, config.vae_tiling):
-            decode_latents(pipe, out[: len(prompts)])
+            decode_latents(pipe, out[:1])

@@ -15,6 +15,7 @@ transient cost is one dequantized weight at a time.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -185,6 +186,13 @@ def quantize_base(
     Works on the meta device (the stored shapes only): how the memory planner counts a quantized base.
     """
     block_size = check_format(fmt, block_size)
+    if not isinstance(model, nn.Module):
+        raise QuantizationError(f"quantize_base needs a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise QuantizationError(f"quantize_base: targets {targets!r} is not a regular expression ({e})") from e
     modules = dict(model.named_modules())
     found, trainable, merged = [], [], []
     for name, m in modules.items():

@@ -63,6 +63,9 @@ class QuantizationError(LoraLabError, ValueError):
 # ----------------------------------------------------------------------------- the formats' math
 
 
+MAX_BLOCK = 1 << 16  # values sharing one scale, at most (bitsandbytes uses 64 to 4096)
+
+
 def check_format(fmt: str, block_size: int | None) -> int | None:
     """The block size to use for `fmt` (None for formats without blocks); raises on bad input."""
     if fmt not in FORMATS:
@@ -73,8 +76,8 @@ def check_format(fmt: str, block_size: int | None) -> int | None:
         return None
     if block_size is None:
         return DEFAULT_BLOCK[fmt]
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise QuantizationError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK:
+        raise QuantizationError(f"block_size must be an int from 1 to {MAX_BLOCK}, got {block_size!r}")
     if fmt == "nf4" and block_size % 2:
         raise QuantizationError(f"nf4 packs two codes a byte: block_size must be even, got {block_size}")
     return block_size
@@ -144,6 +147,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         return {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in layout.items()}
     if not w.is_floating_point():
         raise QuantizationError(f"quantize_weight needs a floating-point weight (shape {tuple(w.shape)}, {w.dtype})")
+    if w.numel() == 0:
+        raise QuantizationError(f"quantize_weight: the weight of shape {tuple(w.shape)} holds no values")
     out = {k: torch.empty(s, dtype=dt, device=w.device) for k, (s, dt) in layout.items()}
     w = w.detach()
     check = not _is_fake(w)
