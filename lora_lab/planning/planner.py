@@ -217,16 +217,7 @@ def plan_options(
         if size not in ("real", "tiny"):
             raise PlanError("plan_memory: give the resolution when planning for a local folder")
         resolution = RESOLUTION if size == "tiny" else (512 if kind == "sd15" else 1024)
-    allowed = set(inspect.signature(enable_checkpointing).parameters) - {"model", "blocks"}
-    unknown = sorted(set(checkpoint_options or {}) - allowed)
-    if unknown:
-        raise PlanError(
-            f"checkpoint_options {unknown}: enable_checkpointing takes {', '.join(sorted(allowed))}")
-    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's
-    # reuse)
-    if isinstance(gradient_checkpointing, str):
-        gradient_checkpointing = {"full": True, "none": False}.get(gradient_checkpointing,
-                                                                   gradient_checkpointing)
+    gradient_checkpointing = _check_checkpointing(gradient_checkpointing, checkpoint_options)
     options = {"model": model, "size": size, "kind": kind, "resolution": resolution, "batch_size": batch_size,
                "grad_accum": grad_accum, "rank": rank, "dora": dora, "conv": conv, "optimizer": optimizer,
                "gradient_checkpointing": gradient_checkpointing,
@@ -238,6 +229,20 @@ def plan_options(
                "distinct_captions": distinct_captions}
     train_config(options)  # TrainConfig checks the training options
     return options
+
+
+def _check_checkpointing(gradient_checkpointing: bool | str, checkpoint_options: dict | None) -> bool | str:
+    """PlanError for a checkpoint option enable_checkpointing does not take; returns the policy."""
+    allowed = set(inspect.signature(enable_checkpointing).parameters) - {"model", "blocks"}
+    unknown = sorted(set(checkpoint_options or {}) - allowed)
+    if unknown:
+        raise PlanError(
+            f"checkpoint_options {unknown}: enable_checkpointing takes {', '.join(sorted(allowed))}")
+    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's
+    # reuse)
+    if isinstance(gradient_checkpointing, str):
+        return {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing)
+    return gradient_checkpointing
 
 
 def _check_run_options(attention: str, device: str, dataset_size: int, distinct_captions: int | None) -> int:
