@@ -65,7 +65,8 @@ def real_table(rows, rank: int) -> None:
                         base_quantization=q[0] if q else None)
         phases = " | ".join(gib(p.phases[ph]) for ph in PHASE_COLUMNS)
         print(f"| {model} | {res} | {q[0] + ' | ' if q else ''}{'yes' if ckpt else 'no'} | {opt} | "
-              f"{p.attention} | {phases} | **{gib(p.peak)}** ({p.peak_phase}) | {p.seconds:.0f} |", flush=True)
+              f"{p.attention} | {phases} | **{gib(p.peak)}** ({p.peak_phase}) | {p.seconds:.0f} |",
+              flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\nmax resident memory of this process: {rss:.2f} GiB")
 

@@ -5,9 +5,9 @@
 
 1. The Triton kernels compiled: tests/test_kernels.py without the interpreter (TRITON_INTERPRET unset).
 2. benchmarks/bench_kernels.py: the kernels timed against PyTorch, PEFT and bitsandbytes.
-3. The planner at real size against the GPU's own count: the real SDXL architecture (`base="real:sdxl"`, seeded
-   random weights) trained for 3 steps in bf16 at 512 and 1024 px, checkpointing on and off, NF4 base on and
-   off, each phase's `torch.cuda.max_memory_allocated` (`planning.measure_run(config, "cuda")`) against
+3. The planner at real size against the GPU's own count: the real SDXL architecture (`base="real:sdxl"`,
+   seeded random weights) trained for 3 steps in bf16 at 512 and 1024 px, checkpointing on and off, NF4 base
+   on and off, each phase's `torch.cuda.max_memory_allocated` (`planning.measure_run(config, "cuda")`) against
    `plan_memory` of the same run.
 
 On a machine without CUDA it says so and exits 0 (nothing is run).
@@ -40,7 +40,8 @@ def kernel_tests() -> dict:
 
 
 def kernel_bench() -> dict:
-    proc = subprocess.run([sys.executable, "benchmarks/bench_kernels.py"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_kernels.py"], cwd=ROOT, capture_output=True,
+                          text=True)
     return {"passed": proc.returncode == 0, "table": proc.stdout, "error": proc.stderr[-2000:]}
 
 
@@ -60,10 +61,11 @@ def planner_rows(resolutions: list[int]) -> list[dict]:
             for quantization in (None, "nf4"):
                 for ckpt in (False, True):
                     config = TrainConfig(model="sdxl", base="real:sdxl", base_dtype="bf16", dataset=str(data),
-                                         output=f"{tmp}/run", resolution=res, rank=16, steps=3, sample_steps=2,
-                                         sample_prompts=["a photo"], gradient_checkpointing=ckpt,
-                                         optimizer="adamw8bit", mixed_precision="bf16",
-                                         base_quantization=quantization, progress=False, device="cuda")
+                                         output=f"{tmp}/run", resolution=res, rank=16, steps=3,
+                                         sample_steps=2, sample_prompts=["a photo"],
+                                         gradient_checkpointing=ckpt, optimizer="adamw8bit",
+                                         mixed_precision="bf16", base_quantization=quantization,
+                                         progress=False, device="cuda")
                     measured = measure_run(config, "cuda")
                     plan = plan_memory("sdxl", size="real", device="cuda", resolution=res, rank=16,
                                        base_dtype="bf16", gradient_checkpointing=ckpt, optimizer="adamw8bit",
@@ -84,8 +86,9 @@ def table(report: dict) -> str:
         for phase in PHASES:
             m, p = row["measured"][phase], row["planned"][phase]
             err = f"{100 * (p / m - 1):+.1f}%" if m else "-"
-            lines.append(f"| {row['resolution']} | {row['base']} | {'yes' if row['checkpointing'] else 'no'} | "
-                         f"{phase} | {m / 2**30:.2f} | {p / 2**30:.2f} | {err} |")
+            lines.append(
+                f"| {row['resolution']} | {row['base']} | {'yes' if row['checkpointing'] else 'no'} | "
+                f"{phase} | {m / 2**30:.2f} | {p / 2**30:.2f} | {err} |")
     return "\n".join(lines)
 
 
@@ -97,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("make gpu: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to run. "
-              "The kernels and the planner are checked on the CPU by `make test`.")
+        print(
+            "make gpu: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to run. "
+            "The kernels and the planner are checked on the CPU by `make test`.")
         return 0
     from lora_lab.fileio import atomic_write_bytes
 

@@ -171,8 +171,9 @@ class LiveBytes(TorchDispatchMode):
     `in_forward` was set: their bytes are `saved_bytes`, the live part of them `saved_live`, and
     `saved_at_peak` is that part at the moment of the peak. `phase(name)` keeps the peak of each named phase
     of a run in `phase_peaks` (the largest over its repeats; a phase inside another counts in both), and
-    `exclude(tensors)` stops counting tensors that live elsewhere (a GPU run's host-side cache, in a plan). `lora_lab.planning` counts a planned training
-    step with it; `lora_lab.planning.measure_training_step` a real one.
+    `exclude(tensors)` stops counting tensors that live elsewhere (a GPU run's host-side cache, in a plan).
+    `lora_lab.planning` counts a planned training step with it; `lora_lab.planning.measure_training_step` a
+    real one.
     """
 
     def __init__(self):
@@ -253,7 +254,8 @@ class LiveBytes(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Record the peak of live bytes while the block runs as `phase_peaks[name]` (the largest of its runs)."""
+        """Record the peak of live bytes while the block runs as `phase_peaks[name]` (the largest of its
+        runs)."""
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
         self._phases.append(name)
         try:

@@ -1,5 +1,5 @@
-"""`make gpu` on a machine without CUDA: it says so and exits 0, running nothing (the GPU path runs where a GPU is
-lent: benchmarks/gpu_check.py)."""
+"""`make gpu` on a machine without CUDA: it says so and exits 0, running nothing (the GPU path runs where a
+GPU is lent: benchmarks/gpu_check.py)."""
 
 import json
 import subprocess

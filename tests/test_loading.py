@@ -1,5 +1,5 @@
-"""Loading a base for training: the denoiser module by module in the base dtype, quantized as it loads, from the
-same sources the trainer uses; the text encoders and VAE on the device only while they work."""
+"""Loading a base for training: the denoiser module by module in the base dtype, quantized as it loads, from
+the same sources the trainer uses; the text encoders and VAE on the device only while they work."""
 
 import weakref
 
@@ -46,7 +46,8 @@ def test_quantized_loading_never_holds_the_full_precision_denoiser():
     full = sum(p.numel() * 4 for p in denoiser(opened.pipe).parameters())
     tracker = LiveBytes()
     with tracker:
-        model = fill(denoiser(opened.pipe), opened.source, dtype=torch.float32, device="cpu", quantization="nf4")
+        model = fill(denoiser(opened.pipe), opened.source, dtype=torch.float32, device="cpu",
+                     quantization="nf4")
     quantized = model_bytes(model)
     assert quantized < 0.6 * full
     # the largest layer in fp32, its fp32 working copy and the chunk's codes
@@ -93,7 +94,8 @@ def test_auto_base_dtype_is_fp32_on_the_cpu_and_bf16_on_cuda():
 
 
 def _encoder_refs(pipe) -> list:
-    return [weakref.ref(next(getattr(pipe, n).parameters())) for n in ("text_encoder", "text_encoder_2", "vae")]
+    return [weakref.ref(next(getattr(pipe, n).parameters()))
+            for n in ("text_encoder", "text_encoder_2", "vae")]
 
 
 def test_encoders_leave_the_device_after_caching_and_only_the_vae_comes_back_to_sample(tmp_path, monkeypatch):
@@ -127,8 +129,8 @@ def test_encoders_leave_the_device_after_caching_and_only_the_vae_comes_back_to_
 
 
 def test_device_bytes_during_the_steps_are_the_denoiser_adapter_optimizer_and_cache(tmp_path):
-    """Live bytes at the end of a training step, measured: the denoiser, its adapter, the optimizer's state and
-    the cached dataset, nothing else (within the small tensors the loop keeps: lr, losses, rng)."""
+    """Live bytes at the end of a training step, measured: the denoiser, its adapter, the optimizer's state
+    and the cached dataset, nothing else (within the small tensors the loop keeps: lr, losses, rng)."""
     from lora_lab.diffusion import trainer
     from lora_lab.memory import optimizer_state_bytes
 
@@ -149,8 +151,8 @@ def test_device_bytes_during_the_steps_are_the_denoiser_adapter_optimizer_and_ca
     def spy_encode(config, encoders, resolution, examples=None):
         out = real_encode(config, encoders, resolution, examples)
         train_pipe.append(encoders.pipe)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a group's latents share one
-                    for t in [*out[0].latents, *out[0].embeds.values()]}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*out[0].latents, *out[0].embeds.values()]}  # a group's latents share one
         parts["cache"] = sum(storages.values())
         return out
 

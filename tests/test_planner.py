@@ -28,12 +28,15 @@ from lora_lab.planning.run import RunPeaks
 TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 
-@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"), ("sdxl", True, "adamw8bit", "bf16")])
+@pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"),
+                                              ("sdxl", True, "adamw8bit", "bf16")])
 def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
-    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8, gradient_checkpointing=ckpt,
-                                                 optimizer=opt, mixed_precision=mp))
-    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8, gradient_checkpointing=ckpt,
-                       optimizer=opt, mixed_precision=mp, dataset_size=measured["dataset_size"])
+    measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8,
+                                                 gradient_checkpointing=ckpt, optimizer=opt,
+                                                 mixed_precision=mp))
+    plan = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
+                       gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
+                       dataset_size=measured["dataset_size"])
     assert plan.step_peak == pytest.approx(measured["peak"], rel=TOLERANCE)
     assert plan.parts["optimizer state"] == measured["optimizer_state"]  # exact, optimizer_state_bytes
     assert sum(plan.parts.values()) == plan.step_peak
@@ -150,7 +153,8 @@ def test_fit_tries_fast_options_first(monkeypatch):
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw"
     r = fit_vram(10, "sdxl")
     assert r.settings["gradient_checkpointing"] and r.settings["optimizer"] == "adamw8bit"
-    with pytest.raises(PlanError, match=r"smallest predicted peak is .* in the train step, of which activations"):
+    with pytest.raises(PlanError,
+                       match=r"smallest predicted peak is .* in the train step, of which activations"):
         fit_vram(5, "sdxl")
 
 
@@ -175,8 +179,8 @@ def _counting_plan_run(monkeypatch, peak_of=None):
         if peak_of is None:
             return real(config, **kw)
         peak = peak_of(config)
-        return RunPeaks({p: peak if p == "train step" else 0 for p in PHASES}, {"activations": peak}, "backward",
-                        0, 0, {"flash": 1})
+        return RunPeaks({p: peak if p == "train step" else 0 for p in PHASES}, {"activations": peak},
+                        "backward", 0, 0, {"flash": 1})
 
     monkeypatch.setattr(planner, "plan_run", counting)
     return calls
@@ -264,7 +268,8 @@ def test_bad_options_are_clear_errors(monkeypatch):
         plan_memory("sdxl", size="tiny", dataset_size=-10**6)
     assert calls == []  # each refused before anything was planned
     with pytest.raises(PlanError, match="rank=100000: larger than the targeted layer"):
-        plan_memory("sd15", rank=100000, sample_steps=0)  # the real SD1.5's narrowest layer: what train checks
+        plan_memory("sd15", rank=100000, sample_steps=0)  # the real SD1.5's narrowest layer:
+                                                          # what train checks
     with pytest.raises(PlanError, match="rank="):
         plan_memory("sd15", size="tiny", rank=10**30)
     with pytest.raises(PlanError, match="resolution=1000: the flux base needs a multiple of 16"):
@@ -300,13 +305,13 @@ def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
 
 
 def test_a_real_size_dry_run_plans_the_base_in_the_dtype_it_names(tmp_path, capsys):
-    """`train --dry-run --base real:sd15 --base-dtype bf16`: the published SD1.5 UNet (859.5M parameters) planned
-    in bf16 (2 bytes each), no weight file opened, nothing written."""
+    """`train --dry-run --base real:sd15 --base-dtype bf16`: the published SD1.5 UNet (859.5M parameters)
+    planned in bf16 (2 bytes each), no weight file opened, nothing written."""
     from lora_lab.cli import main
 
     out = tmp_path / "out"
-    assert main(["train", "--model", "sd15", "--base", "real:sd15", "--base-dtype", "bf16", "--resolution", "256",
-                 "--output", str(out), "--dry-run", "--sample-steps", "0"]) == 0
+    assert main(["train", "--model", "sd15", "--base", "real:sd15", "--base-dtype", "bf16", "--resolution",
+                 "256", "--output", str(out), "--dry-run", "--sample-steps", "0"]) == 0
     text = capsys.readouterr().out
     frozen = next(line for line in text.splitlines() if "frozen weights" in line)
     assert frozen.split()[-2:] == ["1.60", "GiB"], frozen  # 859,520,964 x 2 B
@@ -387,7 +392,8 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
 
     calls = _counting_plan_run(monkeypatch, lambda c: (10 if c.gradient_checkpointing else 30) * 2**30)
     assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "budget:0.3", "--vram", "24GiB"]) == 0
-    assert [c.gradient_checkpointing for c in calls] == [False, False, "budget:0.3", "budget:0.3"]  # fit reused them
+    assert [c.gradient_checkpointing for c in calls] == [False, False, "budget:0.3",
+                                                         "budget:0.3"]  # fit reused them
     assert "chose checkpointing budget:0.3, adamw, batch 1" in capsys.readouterr().out
     # nothing fits: the error also points at a policy that keeps less (the project's one exit code: 2)
     assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "selective", "--vram", "4GiB"]) == 2

@@ -46,7 +46,8 @@ from ..models import RESOLUTION, encode_images, encode_prompts
 # `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
-ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image, 4 of 512 x 512
+ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image,
+                         # 4 of 512 x 512
 
 
 class DatasetError(LoraLabError, ValueError):
@@ -312,7 +313,8 @@ class EncodedExamples:
 
 def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = False, skip_bad: bool = False,
                    seed: int = 0) -> EncodedExamples:
-    """Every example of `folder` once through the pipeline's frozen VAE and text encoders (`encode_examples`)."""
+    """Every example of `folder` once through the pipeline's frozen VAE and text encoders
+    (`encode_examples`)."""
     ds = ImageCaptionDataset(folder, resolution, buckets=aspect_buckets(resolution) if buckets else None,
                              skip_bad=skip_bad)
     return encode_examples(pipe, ds, seed)

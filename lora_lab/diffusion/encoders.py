@@ -69,8 +69,8 @@ class Encoders:
 
     @contextlib.contextmanager
     def on_device(self, names: list[str] | None = None):
-        """The encoders and VAE (or only `names`, e.g. ["vae"] to decode) on the device for the block, released
-        again after it (unless kept)."""
+        """The encoders and VAE (or only `names`, e.g. ["vae"] to decode) on the device for the block,
+        released again after it (unless kept)."""
         self.restore(names)
         try:
             yield self.pipe

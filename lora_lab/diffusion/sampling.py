@@ -9,7 +9,8 @@ API:
         `apply_loras(..., mode="runtime")`), the original modules put back on exit, even on error.
     image_grid(images, rows, scale=1, pad=1) -> PIL.Image (images in [0, 1], (N, 3, H, W), row-major)
     to_pil(image) -> PIL.Image
-    sample_grid(pipe, prompts, seed, steps, path)   a PNG: the base's images above, with the trained LoRA below
+    sample_grid(pipe, prompts, seed, steps, path)   a PNG: the base's images above,
+        with the trained LoRA below
     sample_with_without(model, base, loras, prompts, ...)   `lora-lab sample`: the same with LoRA files
 """
 
@@ -58,9 +59,10 @@ def loras_applied(pipe, loras: Sequence[tuple] = ()):
 
 def prompt_inputs(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     """What the pipeline's sampler takes for `prompts` instead of its text encoders: the prompts' embeddings
-    (`encode_prompts`) and, for classifier-free guidance, the unconditional input beside each (negative_*: "" encoded
-    for sd15/sd3, zero embeddings for SDXL, as the pipeline makes it; Flux has none). (N, ...) each, fp32,
-    on the host: encoded once (a training run does it while caching), sampled from without the text encoders."""
+    (`encode_prompts`) and, for classifier-free guidance, the unconditional input beside each (negative_*: ""
+    encoded for sd15/sd3, zero embeddings for SDXL, as the pipeline makes it; Flux has none). (N, ...) each,
+    fp32, on the host: encoded once (a training run does it while caching), sampled from without the text
+    encoders."""
     embeds = encode_prompts(pipe, prompts)
     if model_kind(kind_of(pipe)).name == "flux":  # guidance-distilled: no unconditional branch
         return embeds
@@ -83,7 +85,8 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     kind = model_kind(kind_of(pipe))
-    height = height or default_resolution(pipe)  # 16 for the tiny bases, the model's native size for real ones
+    height = height or default_resolution(pipe)  # 16 for the tiny bases,
+                                                 # the model's native size for real ones
     width = width or default_resolution(pipe)
     inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
     dtype = denoiser(pipe).dtype
@@ -128,7 +131,8 @@ def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
     grid = Image.new("RGB", (cols * (w + pad) + pad, rows * (h + pad) + pad), (128, 128, 128))
     for i, img in enumerate(images):
         r, k = divmod(i, cols)
-        grid.paste(to_pil(img).resize((w, h), Image.Resampling.NEAREST), (pad + k * (w + pad), pad + r * (h + pad)))
+        grid.paste(to_pil(img).resize((w, h), Image.Resampling.NEAREST),
+                   (pad + k * (w + pad), pad + r * (h + pad)))
     return grid
 
 
@@ -148,8 +152,8 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
     kw = {"tiled": tiled} if guidance is None else {"guidance": guidance, "tiled": tiled}
 
     def one(i: int) -> torch.Tensor:
-        return sample(pipe, [prompts[i]], seed=seed, steps=steps, inputs={k: v[i: i + 1] for k, v in inputs.items()},
-                      **kw)
+        return sample(pipe, [prompts[i]], seed=seed, steps=steps,
+                      inputs={k: v[i: i + 1] for k, v in inputs.items()}, **kw)
 
     with lora_disabled(denoiser(pipe)):
         without = torch.cat([one(i) for i in range(len(prompts))])  # (P, 3, H, W)

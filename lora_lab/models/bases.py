@@ -47,8 +47,10 @@ class OpenedBase:
 
     pipe: object
     source: object  # a loading.*Weights
-    reload: Callable[[list[str]], dict] = field(repr=False)  # names -> those text encoders / the VAE, built again
-    base: str | None = None  # what config.json records: the folder, "real:NAME", or None (tiny, from the seed)
+    reload: Callable[[list[str]], dict] = field(repr=False)  # names -> those text encoders / the VAE,
+                                                             # built again
+    base: str | None = None  # what config.json records: the folder,
+                             # "real:NAME", or None (tiny, from the seed)
 
 
 def check_base(base: str | Path | None, kind: ModelKind) -> None:
@@ -70,8 +72,8 @@ def check_base(base: str | Path | None, kind: ModelKind) -> None:
 
 def open_base(kind: str | ModelKind, base: str | Path | None, dtype: torch.dtype, seed: int = 0,
               shapes_only: bool = False) -> OpenedBase:
-    """The pipeline of `base` with its text encoders and VAE in `dtype` on the host and its denoiser a skeleton;
-    see the module docstring."""
+    """The pipeline of `base` with its text encoders and VAE in `dtype` on the host and its denoiser a
+    skeleton; see the module docstring."""
     kind = model_kind(kind)
     check_base(base, kind)
     if base is None:
@@ -94,8 +96,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`module` in `dtype`, in eval mode: each floating tensor in another dtype replaced by its cast (tensor by
-    tensor, which fake tensors allow and `module.to(dtype)` does not)."""
+    """`module` in `dtype`, in eval mode: each floating tensor in another dtype replaced by its cast (tensor
+    by tensor, which fake tensors allow and `module.to(dtype)` does not)."""
     keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())  # e.g. T5's "wo": kept fp32, as loaded
     for path, m in module.named_modules():
         if keep and any(k in path.split(".") for k in keep):
@@ -110,7 +112,8 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _assemble(kind: ModelKind, components: dict, dtype: torch.dtype):
-    """The pipeline of `components` (the denoiser replaced by its skeleton), encoders and VAE cast to dtype."""
+    """The pipeline of `components` (the denoiser replaced by its skeleton), encoders and VAE cast to
+    dtype."""
     for name in _encoder_names(kind):
         components[name] = _cast(components[name], dtype)
     pipe = pipeline_class(kind.name)(**components)
@@ -119,8 +122,8 @@ def _assemble(kind: ModelKind, components: dict, dtype: torch.dtype):
 
 
 def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool) -> OpenedBase:
-    """The tiny base from `seed`: a few MB, built with real tensors (in a plan too), fp32 then cast to dtype, so
-    that every dtype starts from the same values. The denoiser is built when it is loaded."""
+    """The tiny base from `seed`: a few MB, built with real tensors (in a plan too), fp32 then cast to dtype,
+    so that every dtype starts from the same values. The denoiser is built when it is loaded."""
     def reload(names: list[str]) -> dict:
         with unset_fake_temporarily():
             return {n: _cast(m, dtype) for n, m in build_components(kind.name, seed, only=names).items()
@@ -130,7 +133,8 @@ def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool
 
     def build_denoiser() -> torch.nn.Module:  # the whole fp32 denoiser on the host first (a plan: fake)
         if shapes_only:
-            return fill(skeleton(kind.denoiser_class(), config), FakeWeights(), dtype=torch.float32, device="cpu")
+            return fill(skeleton(kind.denoiser_class(), config), FakeWeights(), dtype=torch.float32,
+                        device="cpu")
         with unset_fake_temporarily():
             return build_components(kind.name, seed, only=[kind.component])[kind.component]
 
@@ -157,8 +161,10 @@ def _open_folder(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: b
                 return read()
         except (ModelLoadError, WeightFileError):
             raise
-        except Exception as e:  # diffusers, transformers, safetensors raise many types (OSError, ValueError, ...)
-            raise ModelLoadError(f"{path}: cannot load as a {kind.name} pipeline ({type(e).__name__}: {e})") from e
+        except Exception as e:  # diffusers, transformers, safetensors raise many types
+                                # (OSError, ValueError, ...)
+            raise ModelLoadError(
+                f"{path}: cannot load as a {kind.name} pipeline ({type(e).__name__}: {e})") from e
 
     def load(names: list[str] | None) -> dict:
         return guarded(lambda: _folder_components(kind, path, dtype, shapes_only, names))
@@ -170,15 +176,16 @@ def _open_folder(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: b
 
 def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: bool,
                        names: list[str] | None) -> dict:
-    """The components of a pipeline folder (only `names`, if given); the denoiser a skeleton. With shapes_only,
-    no weight file is read (a plan: the models get fake weights)."""
+    """The components of a pipeline folder (only `names`, if given); the denoiser a skeleton. With
+    shapes_only, no weight file is read (a plan: the models get fake weights)."""
     import diffusers
     import transformers
 
     index = json.loads((path / "model_index.json").read_text())
     out: dict = {}
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec[1] is None or (names and name not in names):
+        if (name.startswith("_") or not isinstance(spec, list) or spec[1] is None
+                or (names and name not in names)):
             continue
         lib = {"diffusers": diffusers, "transformers": transformers}.get(spec[0])
         cls = getattr(lib, spec[1], None) if lib else None
@@ -243,12 +250,14 @@ def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
 
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     if class_name.startswith("T5"):
-        return transformers.T5EncoderModel(transformers.T5Config(**cfg, **ids, decoder_start_token_id=0)).eval()
+        return transformers.T5EncoderModel(transformers.T5Config(**cfg, **ids,
+                                                                 decoder_start_token_id=0)).eval()
     config = transformers.CLIPTextConfig(**cfg, bos_token_id=tokenizer.bos_token_id, **ids)
     return getattr(transformers, class_name)(config).eval()
 
 
-def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0, dtype: torch.dtype | None = None):
+def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0,
+                   dtype: torch.dtype | None = None):
     """The real diffusers pipeline of `kind`, every component loaded, on the CPU, in `dtype` (default fp32).
 
     base=None: tiny components with random weights from `seed` (see `builders.build_components`); a diffusers

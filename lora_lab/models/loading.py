@@ -1,6 +1,7 @@
 """Loading a denoiser onto the device one module at a time, in the base dtype, quantized on the way.
 
-    model = skeleton(cls, config)                     # the module tree: parameters on the meta device, no memory
+    model = skeleton(cls, config)                     # the module tree: parameters on the meta device,
+                                                      # no memory
     fill(model, source, dtype=torch.bfloat16, device="cuda", quantization="nf4")
 
 `fill` reads each submodule's parameters from `source`, casts them to `dtype` and puts them on `device`, one
@@ -11,7 +12,8 @@ through a weight in chunks). Sources:
 
     FolderWeights(folder)    a diffusers component folder's safetensors (memory-mapped; sharded or not)
     ModuleWeights(build)     the tensors of a module built on the host when first read (a tiny base's seed)
-    RandomWeights(seed)      seeded N(0, 0.02) weights, zero biases, unit norms: a real-size model for measuring
+    RandomWeights(seed)      seeded N(0, 0.02) weights, zero biases, unit norms:
+                             a real-size model for measuring
     FakeWeights()            empty tensors: under a FakeTensorMode, the shapes and dtypes a plan counts
 
 The skeleton is built on the meta device; every parameter and buffer is then read from the source (a
@@ -34,11 +36,11 @@ from .kinds import ModelLoadError
 
 
 def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
-    """A model of class `cls` from its `config` (a diffusers config dict, or a transformers config object) with
-    its parameters on the meta device (no memory, no init work), in eval mode and frozen: the shapes a plan or
-    a check reads, and what `fill` loads weights into. meta_buffers: the buffers on the meta device too (a
-    denoiser: SD3.5's position table alone is 0.9 GB to compute; every buffer is in its weights), else made
-    by the constructor (a text encoder's position ids, which its weights do not hold)."""
+    """A model of class `cls` from its `config` (a diffusers config dict, or a transformers config object)
+    with its parameters on the meta device (no memory, no init work), in eval mode and frozen: the shapes a
+    plan or a check reads, and what `fill` loads weights into. meta_buffers: the buffers on the meta device
+    too (a denoiser: SD3.5's position table alone is 0.9 GB to compute; every buffer is in its weights), else
+    made by the constructor (a text encoder's position ids, which its weights do not hold)."""
     build = (lambda: cls.from_config(config)) if isinstance(config, dict) else (lambda: cls(config))
     if meta_buffers:
         with torch.device("meta"):
@@ -100,7 +102,8 @@ class FolderWeights:
                     return [single]
         pickles = sorted(p.name for p in folder.glob("*.bin"))
         raise ModelLoadError(f"{folder}: no safetensors weights" + (
-            f" (only {pickles}: pickle files are not read, since loading them can run code)" if pickles else ""))
+            f" (only {pickles}: pickle files are not read, since loading them can run code)"
+            if pickles else ""))
 
     def keys(self) -> set[str]:
         return set(self.where)
@@ -155,7 +158,8 @@ class RandomWeights:
 
 
 class FakeWeights:
-    """Empty tensors of each parameter's shape: under a FakeTensorMode they are fake (no memory, no values)."""
+    """Empty tensors of each parameter's shape: under a FakeTensorMode they are fake (no memory, no
+    values)."""
 
     def keys(self) -> None:
         return None
@@ -173,7 +177,8 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
     (floating tensors; the model's `_keep_in_fp32_modules` stay fp32, as transformers loads them), each
     nn.Linear quantized to `quantization` as it arrives. A parameter tied to another (T5's shared embedding)
     is loaded once, under whichever of its names the weights hold. Raises ModelLoadError naming the tensors
-    the source lacks or has that the model does not. Returns `model` (QuantLinears replace quantized Linears)."""
+    the source lacks or has that the model does not. Returns `model` (QuantLinears replace quantized
+    Linears)."""
     device = torch.device(device)
     wanted = dict(model.state_dict(keep_vars=True))
     names_of: dict[int, list[str]] = {}  # a tensor's names: one, or several where it is tied

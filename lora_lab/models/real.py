@@ -108,8 +108,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
-_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-         "prediction_type": "epsilon", "timestep_spacing": "leading", "steps_offset": 1}
+_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+         "beta_schedule": "scaled_linear", "prediction_type": "epsilon", "timestep_spacing": "leading",
+         "steps_offset": 1}
 REAL_SCHEDULERS = {
     "sd15": _DDPM,
     "sdxl": _DDPM,

@@ -81,8 +81,8 @@ class DeviceRules(TorchFunctionMode):
             # gradient checkpointing recomputes the forward (loss.backward() in the trainer's own step)
             loss, gradient = args[0], (args[1] if len(args) > 1 else kwargs.get("gradient"))
             with self:
-                _engine_run_backward((loss,), (torch.ones_like(loss) if gradient is None else gradient,), False,
-                                     False, (), allow_unreachable=True, accumulate_grad=True)
+                _engine_run_backward((loss,), (torch.ones_like(loss) if gradient is None else gradient,),
+                                     False, False, (), allow_unreachable=True, accumulate_grad=True)
             return None
         if (self.cuda_autocast and getattr(func, "__name__", "") in CUDA_FP32_OPS
                 and torch.is_autocast_enabled("cpu")):
@@ -132,7 +132,8 @@ def warm_caches() -> None:
     for signed in (True, False):
         dynamic_map(signed)
         zero_code(signed)
-        for keep_nonzero in (False, True) if not signed else (False,):  # the 8-bit optimizers' rounding tables
+        for keep_nonzero in (False, True) if not signed else (False,):  # the 8-bit optimizers'
+                                                                        # rounding tables
             quantize_blocks(torch.zeros(4), signed, keep_nonzero=keep_nonzero)
     # import the model classes outside the fake mode (import-time tensors must be real)
     for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL"):

@@ -42,15 +42,18 @@ class FitResult:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum, vae_tiling."""
+        """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum,
+        vae_tiling."""
         o = self.chosen.options
-        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum", "vae_tiling")}
+        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum",
+                                  "vae_tiling")}
 
     def reason(self) -> str:
         s = self.settings
         skipped = [p for p in self.tried if not p.fits(self.vram)]
         why = ("; faster options did not fit: " + ", ".join(
-            f"{_label(p.options)} {format_bytes(p.peak)} ({p.peak_phase})" for p in skipped)) if skipped else ""
+            f"{_label(p.options)} {format_bytes(p.peak)} ({p.peak_phase})"
+            for p in skipped)) if skipped else ""
         return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
                 f"{format_bytes(self.vram)}, in {self.chosen.why()} (batch {s['batch_size']} x "
                 f"{s['grad_accum']} accumulation){why}")
@@ -67,7 +70,8 @@ def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str
     """One line per plan: the option, its predicted peak, the phase that sets it, and whether it fits."""
     vram = parse_bytes(vram) if vram is not None else None
     width = max([len("option"), *(len(_label(p.options)) for p in plans)])
-    head = f"{'option':<{width}}  {'predicted peak':>14}  {'set by':<12}" + (f"  fits {format_bytes(vram)}" if vram else "")
+    head = f"{'option':<{width}}  {'predicted peak':>14}  {'set by':<12}" + (f"  fits {format_bytes(vram)}"
+                                                                             if vram else "")
     rows = [head]
     for p in plans:
         row = f"{_label(p.options):<{width}}  {format_bytes(p.peak):>14}  {p.peak_phase:<12}"
@@ -137,7 +141,8 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
 
 
 def plan_size(config) -> tuple[str, str]:
-    """(model, size) of plan_memory for a TrainConfig's base: a real model, a local folder, or the tiny base."""
+    """(model, size) of plan_memory for a TrainConfig's base: a real model, a local folder, or the tiny
+    base."""
     base = config.base if config.base is not None else shipped_base(config.model)
     if base is not None and str(base).startswith(REAL_PREFIX):
         return str(base).removeprefix(REAL_PREFIX), "real"

@@ -50,10 +50,10 @@ class CudaPhases:
 class TorchPhases:
     """Each phase's peak by PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` (a second counter
     beside LiveBytes, any device). MemTracker keeps one peak for its whole context: each phase starts it again
-    from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for). MemTracker
-    hooks every parameter's gradient, which a frozen one refuses: on a module with frozen parameters it is
-    told not to (the adapter's gradients are still counted, as the tensors they are); and it refuses a model
-    called a second time: its per-module statistics (not used here) start again then."""
+    from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for).
+    MemTracker hooks every parameter's gradient, which a frozen one refuses: on a module with frozen
+    parameters it is told not to (the adapter's gradients are still counted, as the tensors they are); and it
+    refuses a model called a second time: its per-module statistics (not used here) start again then."""
 
     def __init__(self):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -100,8 +100,8 @@ class TorchPhases:
 
 def measure_run(config, tracker: str = "live") -> dict[str, int]:
     """Run `train(config)` and return each phase's peak of device memory: "live" (LiveBytes, any device; a CPU
-    run counts the host), "torch" (PyTorch's MemTracker, likewise) or "cuda" (max_memory_allocated). Phases the
-    run does not go through are 0."""
+    run counts the host), "torch" (PyTorch's MemTracker, likewise) or "cuda" (max_memory_allocated). Phases
+    the run does not go through are 0."""
     return measure_phases(config, (tracker,))[tracker]
 
 
@@ -176,7 +176,8 @@ def measure_training_step(config) -> dict[str, int]:
 
 
 def dataset_len(config, resolution: int | None = None) -> int:
-    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or 16)."""
+    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or
+    16)."""
     return len(_dataset(config, resolution))
 
 

@@ -1,6 +1,8 @@
-"""Memory planning: the peak memory of each phase of a LoRA training run, from the real model graph, before it.
+"""Memory planning: the peak memory of each phase of a LoRA training run, from the real model graph,
+before it.
 
-    plan_memory(model="sdxl", resolution=1024, rank=16, ...) -> MemoryPlan   (each phase's peak, the step's parts)
+    plan_memory(model="sdxl", resolution=1024, rank=16, ...) -> MemoryPlan
+                                                                 (each phase's peak, the step's parts)
     plan_options(model, ...)                                  -> the options a plan is made for, checked
     parse_bytes("24GiB")                                      -> 25769803776
     (fitting a card's memory: `planning/fit.py`; the run itself: `planning/run.py`)
@@ -178,8 +180,8 @@ def plan_options(
     distinct_captions: int | None = None,
     resident: str | None = None,
 ) -> dict[str, Any]:
-    """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and its
-    `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
+    """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and
+    its `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
 
     model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev) or a tiny kind
     (`size="tiny"`: sd15 | sdxl | sd3 | flux, what the trainer trains by default: the pre-trained base
@@ -215,23 +217,32 @@ def plan_options(
         if size not in ("real", "tiny"):
             raise PlanError("plan_memory: give the resolution when planning for a local folder")
         resolution = RESOLUTION if size == "tiny" else (512 if kind == "sd15" else 1024)
-    allowed = set(inspect.signature(enable_checkpointing).parameters) - {"model", "blocks"}
-    unknown = sorted(set(checkpoint_options or {}) - allowed)
-    if unknown:
-        raise PlanError(f"checkpoint_options {unknown}: enable_checkpointing takes {', '.join(sorted(allowed))}")
-    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's
-    # reuse)
-    if isinstance(gradient_checkpointing, str):
-        gradient_checkpointing = {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing)
+    gradient_checkpointing = _check_checkpointing(gradient_checkpointing, checkpoint_options)
     options = {"model": model, "size": size, "kind": kind, "resolution": resolution, "batch_size": batch_size,
                "grad_accum": grad_accum, "rank": rank, "dora": dora, "conv": conv, "optimizer": optimizer,
-               "gradient_checkpointing": gradient_checkpointing, "checkpoint_options": dict(checkpoint_options or {}),
-               "mixed_precision": {"fp32": "no"}.get(mixed_precision, mixed_precision), "base_dtype": base_dtype,
-               "base_quantization": base_quantization, "keep_encoders": keep_encoders, "vae_tiling": vae_tiling,
-               "sample_steps": sample_steps, "attention": attention, "device": device, "dataset_size": dataset_size,
+               "gradient_checkpointing": gradient_checkpointing,
+               "checkpoint_options": dict(checkpoint_options or {}),
+               "mixed_precision": {"fp32": "no"}.get(mixed_precision, mixed_precision),
+               "base_dtype": base_dtype, "base_quantization": base_quantization,
+               "keep_encoders": keep_encoders, "vae_tiling": vae_tiling, "sample_steps": sample_steps,
+               "attention": attention, "device": device, "dataset_size": dataset_size,
                "distinct_captions": distinct_captions}
     train_config(options)  # TrainConfig checks the training options
     return options
+
+
+def _check_checkpointing(gradient_checkpointing: bool | str, checkpoint_options: dict | None) -> bool | str:
+    """PlanError for a checkpoint option enable_checkpointing does not take; returns the policy."""
+    allowed = set(inspect.signature(enable_checkpointing).parameters) - {"model", "blocks"}
+    unknown = sorted(set(checkpoint_options or {}) - allowed)
+    if unknown:
+        raise PlanError(
+            f"checkpoint_options {unknown}: enable_checkpointing takes {', '.join(sorted(allowed))}")
+    # one spelling per policy (True is "full", False is "none"), so that equal options compare equal (fit's
+    # reuse)
+    if isinstance(gradient_checkpointing, str):
+        return {"full": True, "none": False}.get(gradient_checkpointing, gradient_checkpointing)
+    return gradient_checkpointing
 
 
 def _check_run_options(attention: str, device: str, dataset_size: int, distinct_captions: int | None) -> int:
@@ -255,27 +266,31 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
     base = f"{REAL_PREFIX}{options['model']}" if size == "real" else None if size == "tiny" else str(size)
     try:
         return TrainConfig(model=options["kind"], base=base, resolution=options["resolution"],
-                           batch_size=options["batch_size"], grad_accum=options["grad_accum"], rank=options["rank"],
-                           dora=options["dora"], conv=options["conv"], optimizer=options["optimizer"],
+                           batch_size=options["batch_size"], grad_accum=options["grad_accum"],
+                           rank=options["rank"], dora=options["dora"], conv=options["conv"],
+                           optimizer=options["optimizer"],
                            gradient_checkpointing=options["gradient_checkpointing"],
                            mixed_precision=options["mixed_precision"], base_dtype=options["base_dtype"],
-                           base_quantization=options["base_quantization"], keep_encoders=options["keep_encoders"],
-                           vae_tiling=options["vae_tiling"], sample_steps=options["sample_steps"], progress=False,
-                           device="cpu")
+                           base_quantization=options["base_quantization"],
+                           keep_encoders=options["keep_encoders"], vae_tiling=options["vae_tiling"],
+                           sample_steps=options["sample_steps"], progress=False, device="cpu")
     except LoraLabError as e:
         raise PlanError(f"plan_memory: {e}") from e
-    except (TypeError, ValueError, OverflowError) as e:  # a value of a type TrainConfig's checks do not expect
+    except (TypeError, ValueError, OverflowError) as e:  # a value of a type
+                                                         # TrainConfig's checks do not expect
         raise PlanError(f"plan_memory: {e}") from e
 
 
 def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
     """Predict the peak memory of each phase of a training run of lora_lab's trainer for `model` with these
-    options (each explained, with its default, by `plan_options`); PlanError for a run the trainer would refuse."""
+    options (each explained, with its default, by `plan_options`); PlanError for a run the trainer would
+    refuse."""
     t0 = time.perf_counter()
     known = set(inspect.signature(plan_options).parameters) - {"model"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise PlanError(f"plan_memory: unknown option(s) {unknown}; the options are {', '.join(sorted(known))}")
+        raise PlanError(
+            f"plan_memory: unknown option(s) {unknown}; the options are {', '.join(sorted(known))}")
     options = plan_options(model, **options)
     config = train_config(options)
     try:
@@ -284,7 +299,8 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
             # real tensors that does not apply (the plan counts what the rules compute)
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             run = plan_run(config, device=options["device"], attention=options["attention"],
-                           dataset_size=options["dataset_size"], distinct_captions=options["distinct_captions"],
+                           dataset_size=options["dataset_size"],
+                           distinct_captions=options["distinct_captions"],
                            checkpoint_options=options["checkpoint_options"])
     except LoraLabError as e:  # what the trainer refuses for this base (rank, resolution, ...)
         raise PlanError(f"plan_memory: {e}") from e
@@ -296,9 +312,9 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
     if used == "native":
         used = f"native ({options['device']})"
     return MemoryPlan(model=model, size=str(options["size"]), options=options, attention=used, phases=phases,
-                      parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase, step_phase=run.step_phase,
-                      saved_activations=run.saved_activations, gradients=run.gradients,
-                      seconds=time.perf_counter() - t0)
+                      parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase,
+                      step_phase=run.step_phase, saved_activations=run.saved_activations,
+                      gradients=run.gradients, seconds=time.perf_counter() - t0)
 
 
 def folder_vae_scale(path: Path) -> int:

@@ -91,7 +91,8 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
              distinct_captions: int | None = None, checkpoint_options: dict | None = None) -> RunPeaks:
     """Run the trainer's stages for `config` on fake tensors under the rules of `device` ("cuda": its
     attention kernels and autocast; "cpu") and return each phase's peak of device memory. dataset_size: the
-    examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for `enable_checkpointing` beside the config's policy.
+    examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for
+    `enable_checkpointing` beside the config's policy.
     Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...)."""
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
@@ -107,8 +108,8 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
         with tracker:
             with tracker.phase("cache"):
                 tracker.track(_encoder_tensors(encoders))  # on the device now, also the parts no op reads
-                data, cached, samples = _cache(config, encoders, resolution, dataset_size, distinct_captions or dataset_size,
-                                      tracker, on_host)
+                data, cached, samples = _cache(config, encoders, resolution, dataset_size,
+                                               distinct_captions or dataset_size, tracker, on_host)
             with tracker.phase("load"):
                 load_denoiser(config, opened, CPU, dtype)
             with tracker.phase("train step"):
@@ -119,11 +120,13 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
                 with tracker.phase("sample"):
                     _sample(config, encoders, samples, tracker)
     tracker.phase_peaks.setdefault("sample", 0)
-    persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(), *denoiser(pipe).buffers())
+    persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
+                                                             *denoiser(pipe).buffers())
                                                   if not t.requires_grad),
-                  "resident (VAE, text encoders)": storage_bytes(_encoder_tensors(encoders)) if config.keep_encoders
-                  else 0,
-                  "adapter weights": step["adapters"], "optimizer state": step["state"], "cached data": cached}
+                  "resident (VAE, text encoders)": storage_bytes(_encoder_tensors(encoders))
+                  if config.keep_encoders else 0,
+                  "adapter weights": step["adapters"], "optimizer state": step["state"],
+                  "cached data": cached}
     gradients = step["grads"] if step["phase"] == "optimizer step" else 0
     peak = tracker.phase_peaks["train step"]
     parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
@@ -167,8 +170,8 @@ def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
 
 def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker: LiveBytes,
                 checkpoint_options: dict | None) -> tuple[dict, object]:
-    """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most two
-    micro-batches (the second with the first's gradients live), measured in parts."""
+    """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most
+    two micro-batches (the second with the first's gradients live), measured in parts."""
     _, learner = add_trainable(config, kind, pipe, CPU)
     model = denoiser(pipe)
     if checkpoint_options:
