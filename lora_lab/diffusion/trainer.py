@@ -50,7 +50,6 @@ from .data import EncodedExamples, encode_dataset, folder_fingerprint, unconditi
 from .objectives import objective_for
 from .sampling import image_grid, sample
 from .state import (
-    NON_FINITE_ADVICE,
     Learner,
     NonFiniteLossError,
     ResumeError,
@@ -201,11 +200,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
                 group["lr"] = lr
             loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step, env)
             if not math.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); "
-                    "training stopped. "
-                    f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
-                )
+                raise NonFiniteLossError(f"loss is {loss} at step {run.step + 1} of {config.steps} "
+                                         f"(lr {lr:.3g}); training stopped: {run.stopped_advice()}")
             learner.precision.step(learner.optimizer, config.max_grad_norm)
             run.step += 1
             run.losses.append(loss)
