@@ -63,6 +63,10 @@ def test_a_declared_range_takes_what_it_says(comment, good, bad):
 def test_bounds_may_name_another_parameter_and_a_comment_without_a_range_declares_none():
     spec = parse_range("int in [1, HIDDEN]: rank")
     assert range_error(spec, 64, {"HIDDEN": 64}) is None and range_error(spec, 65, {"HIDDEN": 64})
+    spec = parse_range("list of 0..8 int in [256, 2048], multiple of 64, only with MODELS: sweep MODELS[0]")
+    assert range_error(spec, [], {"MODELS": []}) is None
+    assert range_error(spec, [512], {"MODELS": ["sdxl"]}) is None
+    assert range_error(spec, [512], {"MODELS": []}) == "needs MODELS (empty here)"
     assert parse_range("the point where d(x^2)/dx is taken") is None
     assert parse_range("float; inf = no limit") is not None  # a type alone, then the description
     for old_or_broken in ("float > 0", "int at least 1", "int in [1, 2: x", "one of nf4 | int8",
@@ -89,6 +93,8 @@ def test_every_notebook_declares_the_range_of_each_parameter_and_its_default_is_
     ("08_memory_plan", {"VALIDATE": [["sd15"]]}, r"VALIDATE=.*item 0 .*not a list of 4 items"),
     ("08_memory_plan", {"MODELS": ["sdxl", "../x"]}, r"MODELS=.*item 1 .*not one of the choices"),
     ("08_memory_plan", {"RESOLUTION": 1000}, r"RESOLUTION=1000: not a multiple of 64"),
+    ("08_memory_plan", {"MODELS": [], "SWEEP_RESOLUTIONS": [512]},
+     r"SWEEP_RESOLUTIONS=\[512\]: needs MODELS"),
     ("09_quantized_base", {"FEATURES": 0}, r"FEATURES=0: out of range; .* int in \[512, 4096\]"),
     ("09_quantized_base", {"FEATURES": -5}, r"FEATURES=-5: out of range"),
     ("09_quantized_base", {"FEATURES": 1000000}, r"FEATURES=1000000: out of range"),
@@ -211,7 +217,8 @@ def _usable(name: str, ns: dict) -> None:
         assert ns["FEATURES"] ** 2 * 4 <= 64 * 2**20 and ns["TOKENS"] * ns["FEATURES"] * 4 <= 64 * 2**20
         assert ns["RANK"] <= ns["FEATURES"] and ns["BATCH_SIZE"] <= 256 and ns["REPS"] >= 1
     else:
-        assert ns["MODELS"] and set(ns["MODELS"]) <= set(REAL_MODELS) and parse_bytes(ns["BUDGET"]) > 0
+        assert set(ns["MODELS"]) <= set(REAL_MODELS) and parse_bytes(ns["BUDGET"]) > 0
+        assert ns["MODELS"] or not ns["SWEEP_RESOLUTIONS"]  # the sweep plans MODELS[0]
         assert all(r % 64 == 0 and r <= 2048 for r in [ns["RESOLUTION"], *ns["SWEEP_RESOLUTIONS"]])
         assert all(len(v) == 4 and v[0] in KINDS for v in ns["VALIDATE"])
 

@@ -13,6 +13,7 @@ checked before the notebook uses the value (`Record.start`).
 
 The grammar (the range ends at the first ':' or ';' after it, or at the end of the comment):
 
+    declared := range [", only with" NAME]      (a value that is not empty or 0 needs NAME not empty or 0)
     range := "bool" | "int" [interval] [", multiple of" INT] | "float" [interval]
            | "one of" LITERAL ("|" LITERAL)* | "str matching" "REGEX" (fully matched, written as is)
            | "list of" INT ".." INT range | "[" range ("," range)* "]"
@@ -133,6 +134,18 @@ class _ListOf:
 
 
 @dataclass
+class _OnlyWith:
+    spec: Any
+    other: str  # the parameter a non-empty value needs non-empty
+
+    def why(self, value: Any, params: dict[str, Any]) -> str | None:
+        why = self.spec.why(value, params)
+        if why is None and value and not params.get(self.other):
+            return f"needs {self.other} (empty here)"
+        return why
+
+
+@dataclass
 class _Record:
     items: list
 
@@ -239,6 +252,15 @@ def parse_range(comment: str):
     p = _Parser(comment)
     try:
         spec = p.spec()
+        if p.peek()[1] == "," and p.peek(1)[1] == "only":
+            p.take(",")
+            p.take("only")
+            p.take("with")
+            kind, other = p.peek()
+            if not (kind == "name" and other.isupper()):
+                return None
+            p.i += 1
+            spec = _OnlyWith(spec, other)
     except (RangeSyntaxError, ValueError, SyntaxError):  # ast.literal_eval of a choice
         return None
     return spec if p.peek()[1] in (":", ";", "") else None
