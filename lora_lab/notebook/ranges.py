@@ -9,6 +9,7 @@ checked before the notebook uses the value (`Record.start`).
     BUDGET = "24GiB"  # str matching "[1-9][0-9]{0,3}GiB": the card's memory
     MODELS = ["sdxl"]  # list of 1..5 one of "sd15" | "sdxl": the models to plan
     VALIDATE = [["sd15", False]]  # list of 0..4 [one of "sd15" | "sdxl", bool]: each item a fixed record
+    SWEEP = [512]  # list of 0..8 int in [256, 2048], only with MODELS: a non-empty sweep needs MODELS
     USE_X = True  # bool: ...
 
 The grammar (the range ends at the first ':' or ';' after it, or at the end of the comment):
