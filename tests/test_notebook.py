@@ -123,6 +123,36 @@ def test_record_finish_writes_json_then_fails_on_a_failed_claim(tmp_path, monkey
         Record("empty", parameters={}).finish()
 
 
+def test_a_claim_over_a_nan_fails_and_so_does_a_nan_among_the_numbers(tmp_path, monkeypatch):
+    """Notebook 09 with TOKENS 0 passed 11/11 claims while recording NaN errors: bool(nan) is True, and a
+    claim that compares other numbers said nothing of the NaN ones. Both now fail the record."""
+    import numpy as np
+    import torch
+
+    monkeypatch.setenv("LORA_LAB_REPORTS", str(tmp_path))
+    nb = Record("nan", parameters={})
+    for held in (math.nan, np.float64("nan"), torch.tensor(math.nan)):
+        assert nb.claim("over a NaN", held) is False
+    assert nb.claims["over a NaN"] == {"held": False, "detail": "(over a NaN)"}
+    nb = Record("nan", parameters={})
+    nb.claim("bytes per parameter <= 1.02", True)
+    nb.number("relative_error", {"int8": math.nan, "nf4": 0.1})
+    with pytest.raises(ClaimFailed, match="no recorded number is NaN"):
+        nb.finish()
+    data = json.loads((tmp_path / "nan.json").read_text())
+    assert not data["passed"]
+    assert data["claims"]["no recorded number is NaN"]["detail"] == "NaN in relative_error"
+
+
+def test_a_batch_run_shows_no_kernel_noise_in_the_terminal(tmp_path, capfd):
+    """ipykernel's "Kernel is running over TCP without encryption" warning reached every batch run's terminal
+    (the kernel's stderr is the runner's)."""
+    good = _tiny_notebook(tmp_path / "tiny.ipynb", "N == 2")
+    assert run_notebook(good, tmp_path / "out")["passed"]
+    err = capfd.readouterr().err
+    assert "without encryption" not in err and "IPKernelApp" not in err, err
+
+
 def _tiny_notebook(path, claim_src):
     nb = nbformat.v4.new_notebook()
     params = nbformat.v4.new_code_cell("N = 2  # int\nX = 0.5  # float")

@@ -433,6 +433,8 @@ def test_nan_weights_are_never_checkpointed(dataset, tmp_path, monkeypatch):
     ("flux", {"rank": 65}, r"TrainConfig.rank=65: larger than the targeted layer .* use --rank \d+ or less"),
     ("sd3", {"resolution": 136},
      r"TrainConfig.resolution=136: larger than the sd3 base's position embedding"),
+    ("flux", {"resolution": 4096}, r"TrainConfig.resolution=4096: the tiny flux base takes 128 pixels"),
+    ("sdxl", {"resolution": 136}, r"TrainConfig.resolution=136: the tiny sdxl base takes 128 pixels"),
 ])
 def test_rank_and_resolution_the_base_cannot_take(dataset, tmp_path, model, change, message):
     with pytest.raises(TrainConfigError, match=message):

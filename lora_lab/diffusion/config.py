@@ -14,7 +14,16 @@ import torch
 from .._moved import warn
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
-from ..models import DATA_DIR, KINDS, ModelKind, ModelLoadError, denoiser, model_kind
+from ..models import (
+    DATA_DIR,
+    KINDS,
+    TINY_MAX_RESOLUTION,
+    ModelKind,
+    ModelLoadError,
+    denoiser,
+    is_tiny,
+    model_kind,
+)
 from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
@@ -282,7 +291,8 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:
     """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
-    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
+    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding; the
+    tiny bases: at most TINY_MAX_RESOLUTION)."""
     model = denoiser(pipe)
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
               if name and matches_targets(name, config.adapter_targets())
@@ -303,3 +313,7 @@ def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution
         raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {kind.name} base's "
                                f"position embedding takes "
                                f"({max_patches * patch * vae_factor} pixels at most)")
+    if is_tiny(pipe) and resolution > TINY_MAX_RESOLUTION:  # 4096 would end in an out-of-memory
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the tiny {kind.name} base takes "
+                               f"{TINY_MAX_RESOLUTION} pixels at most (8 x its native "
+                               f"{TINY_MAX_RESOLUTION // 8})")
