@@ -63,9 +63,6 @@ def _midpoints(signed: bool, device: torch.device) -> torch.Tensor:
     return (q[1:] + q[:-1]) / 2  # (255,) a value rounds to the map entry whose interval holds it
 
 
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # which uint16 of an fp32 holds sign, exponent, 7 bits
-
-
 @functools.cache
 def _rounding_tables(signed: bool, device: torch.device,
                      keep_nonzero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,20 +117,33 @@ def quantize_blockwise(
 
 
 def quantize_blocks(
-    x: torch.Tensor, signed: bool = True, block_size: int = BLOCK_SIZE, keep_nonzero: bool = False
+    x: torch.Tensor, signed: bool = True, block_size: int = BLOCK_SIZE, keep_nonzero: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_blockwise` without its input check, for values known to fit the map (Adam's moments).
 
     keep_nonzero (unsigned map only): a positive value gets the smallest non-zero code, never 0
-    (see `_rounding_tables`).
+    (see `_rounding_tables`). out: (codes, absmax) to write into (codes uint8 with x's numel, absmax fp32 of
+    the block count), as the 8-bit optimizer's step does into its state, chunk by chunk.
     """
     blocks = as_blocks(x.detach().reshape(-1).float(), block_size)  # (nb, bs)
-    absmax = blocks.abs().amax(dim=1)  # (nb,)
+    # |x| only where x can be negative: the unsigned map's values are >= 0
+    absmax = torch.amax(blocks.abs() if signed else blocks, dim=1,
+                        **({} if out is None else {"out": out[1]}))  # (nb,)
     scaled = (blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]).view(-1)  # in [-1, 1]
     base, threshold = _rounding_tables(signed, x.device, keep_nonzero)
-    top16 = scaled.view(torch.uint16)[_HIGH_HALF::2].to(torch.int32)  # (n,) bucket of each value
-    codes = base.index_select(0, top16).add_(scaled > threshold.index_select(0, top16))
-    return codes[: x.numel()].view(x.shape), absmax
+    top16 = scaled.view(torch.int32) >> 16  # (n,) bucket of each value: sign, exponent, 7 bits
+    if signed:
+        top16 &= 0xFFFF  # negative values' sign bit was extended by the shift
+    if out is None:
+        codes = base.index_select(0, top16).add_(scaled > threshold.index_select(0, top16))
+        return codes[: x.numel()].view(x.shape), absmax
+    codes, _ = out
+    n = codes.numel()
+    top16, scaled = top16[:n], scaled[:n]  # without the zero padding of a ragged last block
+    torch.index_select(base, 0, top16, out=codes)  # base + (scaled > threshold), straight into the codes
+    codes.add_(scaled > threshold.index_select(0, top16))
+    return out
 
 
 def dequantize_blockwise(
@@ -143,3 +153,26 @@ def dequantize_blockwise(
     values = _on_device(signed, codes.device).index_select(0, codes.reshape(-1).int())  # (n,)
     blocks = as_blocks(values, block_size).mul_(absmax[:, None])  # (nb, bs)
     return blocks.view(-1)[: codes.numel()].view(codes.shape)
+
+
+@functools.cache
+def _pair_values(signed: bool, device: torch.device) -> torch.Tensor:
+    """(65536,) int64: the map values of both codes of each uint16 (two consecutive uint8 codes) as one
+    8-byte word, so that dequantizing takes one lookup per two codes. 512 KiB, made once per device."""
+    q = _dynamic_map_cpu(signed)
+    pair = torch.arange(65536)
+    first, second = (pair & 255, pair >> 8) if sys.byteorder == "little" else (pair >> 8, pair & 255)
+    return torch.stack([q[first], q[second]], dim=1).view(torch.int64).view(-1).to(device)
+
+
+def dequantize_blocks_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool = True,
+                           block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """`dequantize_blockwise` into `out` (fp32, codes' numel, contiguous): the 8-bit optimizer's hot path,
+    with one lookup per pair of codes where it can (an even count of contiguous codes and block size)."""
+    flat = codes.reshape(-1)
+    n = flat.numel()
+    if n % 2 or block_size % 2 or n % block_size:
+        return out.copy_(dequantize_blockwise(flat, absmax, signed, block_size))
+    pairs = out.view(torch.int64)  # (n / 2,) the two fp32 values of each pair of codes
+    torch.index_select(_pair_values(signed, codes.device), 0, flat.view(torch.uint16).int(), out=pairs)
+    return out.view(-1, block_size).mul_(absmax[:, None]).view(-1)
