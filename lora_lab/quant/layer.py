@@ -25,17 +25,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from ..kernels import BACKENDS, resolve_backend
 from ..layers import Linear
 from ..memory import model_bytes
 from ..modules import matches_targets, parent_name, swap_module
 from .weights import (
     QuantizationError,
+    _nf4_tables,
     check_format,
     dequantize_weight,
     dequantized_rows,
+    nf4_absmax,
     quantize_weight,
     stored_layout,
 )
+
+KERNEL_FORMATS = ("int8", "nf4")  # the formats lora_lab.kernels.quant multiplies by (backend "triton")
 
 # ----------------------------------------------------------------------------- the layer
 
@@ -102,10 +107,15 @@ class QuantLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-                 block_size: int | None = None):
+                 block_size: int | None = None, backend: str = "torch"):
         super().__init__()
         self.fmt = fmt
         self.block_size = check_format(fmt, block_size)
+        if backend not in BACKENDS or backend != "torch" and fmt not in KERNEL_FORMATS:
+            raise QuantizationError(f"QuantLinear backend {backend!r}: one of {BACKENDS}; 'triton' and "
+                                    f"'auto' for the formats with a kernel, {KERNEL_FORMATS} (got {fmt!r})")
+        # "torch": the PyTorch path (default); "triton": lora_lab.kernels.quant; "auto": Triton on CUDA
+        self.backend = backend
         if weight.dim() != 2:
             raise QuantizationError(f"QuantLinear needs a 2-D weight, got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
@@ -172,6 +182,14 @@ class QuantLinear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias, in x's dtype; autograd keeps nothing of it (see _DequantLinear)."""
+        if resolve_backend(self.backend, x.device) == "triton":
+            # imported here: on a CPU the kernels need TRITON_INTERPRET=1 before their first import
+            from ..kernels.quant import quant_linear
+
+            nf4 = self.fmt == "nf4"
+            scales = nf4_absmax(self.stored()) if nf4 else self.scale
+            values = _nf4_tables(self.device)[0] if nf4 else None
+            return quant_linear(x, self.qweight, scales, self.shape, values, self.block_size or 1)
         return _DequantLinear.apply(x, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
