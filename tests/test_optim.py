@@ -94,15 +94,16 @@ def test_quantize_round_trip(signed, n):
 @pytest.mark.parametrize("signed,keep_nonzero", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("n", [9, 341, 4096, 20_003])
 def test_quantize_and_dequantize_into_buffers_give_the_same_codes_and_values(signed, keep_nonzero, n):
-    """The optimizer's hot path writes codes and absmax into its state and dequantizes two codes a lookup:
-    the same codes, absmax and values as the allocating functions, ragged last blocks and odd counts too."""
+    """The optimizer's hot path writes codes and absmax into its state from a scratch buffer, and values
+    into a buffer: the same codes, absmax and values as the allocating functions, ragged last blocks too."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
     x = x if signed else x.abs()
     x[:3] = 0.0 if signed else torch.tensor([0.0, 1e-30, 1e-39])  # zero, tiny and subnormal values
     codes, absmax = quantize_blocks(x, signed, keep_nonzero=keep_nonzero)
     into = (torch.full((n,), 7, dtype=torch.uint8), torch.full((-(-n // 256),), -1.0))
-    out = quantize_blocks(x, signed, keep_nonzero=keep_nonzero, out=into)
+    scratch = x.clone()
+    out = quantize_blocks(scratch, signed, keep_nonzero=keep_nonzero, out=into)  # scratch is overwritten
     assert out is into and torch.equal(into[0], codes) and torch.equal(into[1], absmax)
     assert torch.equal(codes.long(), _nearest_codes(x, signed, 256)) or keep_nonzero
     buf, values = torch.full((n,), float("nan")), dequantize_blockwise(codes, absmax, signed)
