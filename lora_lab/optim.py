@@ -8,7 +8,7 @@ torch.optim.AdamW, vectorised over the whole tensor), and quantizes again. Tenso
 fp32 moments (their state is small and quantizing them costs more accuracy than memory).
 State: 2 bytes + 8/256 bytes per value instead of 8.
 
-On the CPU the quantized step runs on one torch thread (`lora_lab.threads.one_thread`): its ~25 ops a
+On the CPU the quantized step runs on one torch thread (`lora_lab.threads.one_thread`): its ~20 ops a
 chunk of 262,144 values each wait at a thread barrier on two threads, and collapse (10-40x) when another
 process keeps a core busy; on one thread it keeps its core (docs/measurements.md, "Busy machine").
 """

@@ -1,6 +1,6 @@
 """How many torch threads lora_lab's many-small-op work runs on, decided here and only here.
 
-On a machine with few cores, work made of many small or medium ops (the 8-bit Adam step's ~25 ops a chunk,
+On a machine with few cores, work made of many small or medium ops (the 8-bit Adam step's ~20 ops a chunk,
 tiny-model training in the notebooks) runs 10-40x slower on two intra-op threads as soon as another process
 keeps one core busy: every op waits at a thread barrier for the thread that lost its core. On one thread it
 does not collapse: it keeps the core it has. The measured gains of a second thread for this work are small
