@@ -1,5 +1,6 @@
 """A quantized frozen base in Triton: the matmul dequantizes its weight tile by tile, never whole;
-`reference_quant_matmul` is the PyTorch formula (lora_lab.quant's dequantize_weight, then a matmul).
+`reference_quant_linear` is the PyTorch formula (`reference_quant_weight`: the whole weight from the codes,
+value for value what lora_lab.quant's dequantize_weight gives, tested; then a matmul).
 
     y  = x dequant(Q)^T         x (M, K), Q: the stored codes of W (N, K)
     dx = g dequant(Q)           g = dL/dy (M, N); no dW: the base is frozen
