@@ -1,6 +1,6 @@
 """A notebook's wall time on a quiet and on a busy machine, with the notebook thread policy and without it.
 
-    python benchmarks/bench_notebooks.py [--rounds 1] [NAME ...]      # default: 07_diffusion_lora
+    python benchmarks/bench_notebooks.py [--rounds 1] [--threads 1] [NAME ...]   # default: 07_diffusion_lora
 
 Each run executes the notebook as `make run` does (`python -m lora_lab.notebook NAME`, papermill, a fresh
 kernel) into a temporary folder, in four settings interleaved per round:
@@ -9,6 +9,7 @@ kernel) into a temporary folder, in four settings interleaved per round:
   quiet, 2 threads     LORA_LAB_THREADS=2: torch's default on this 2-core machine, what kernels ran before
   busy,  2 threads
 Prints wall seconds (the runner's, kernel start included) and the notebook's own training seconds.
+`--threads 1` runs only the two 1-thread settings (the 2-thread ones can take 10x longer on a shared machine).
 
 Target (issue 30): notebook 07 with one core busy within 1.5x of `make run`'s time for it on a quiet machine.
 JupyterLab runs the same kernel and cells (`make test-lab` drives 07 in Chromium); this times papermill.
@@ -50,13 +51,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["07_diffusion_lora"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", choices=("1", "2"), help="only the settings with this many threads")
     args = ap.parse_args(argv)
+    settings = [s for s in SETTINGS if args.threads in (None, s[1])]
     print(f"{machine_load()} at the start", flush=True)
     times: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench_notebooks_") as tmp:
         for r in range(args.rounds):
             for name in args.names:
-                for load, threads in SETTINGS:
+                for load, threads in settings:
                     out = Path(tmp) / f"{name}_{load}_{threads}_{r}"
                     with one_core_busy() if load == "busy" else contextlib.nullcontext():
                         before = machine_load()
@@ -64,11 +67,11 @@ def main(argv=None) -> int:
                     print(f"  {name}, {load}, {threads} thread(s): {wall:.1f} s (training {train} s; "
                           f"{before} before)", flush=True)
                     times.setdefault((name, load, threads), []).append((wall, train))
-    print("\n| notebook | setting | wall s | training s | / quiet, 1 thread |")
+    print(f"\n| notebook | setting | wall s | training s | / {settings[0][0]}, {settings[0][1]} thread(s) |")
     print("| --- | --- | ---: | ---: | ---: |")
     for name in args.names:
-        base = statistics.median(w for w, _ in times[name, "quiet", "1"])
-        for load, threads in SETTINGS:
+        base = statistics.median(w for w, _ in times[name, settings[0][0], settings[0][1]])
+        for load, threads in settings:
             runs = times[name, load, threads]
             wall = statistics.median(w for w, _ in runs)
             train = statistics.median(t or 0.0 for _, t in runs)
