@@ -6,6 +6,7 @@ import math
 
 import nbformat
 import pytest
+import torch
 
 from lora_lab.notebook import NotebookParameterError, check_parameters
 from lora_lab.notebook.parameters import literal_assignments as _literal_assignments
@@ -87,6 +88,23 @@ def test_report_dir_is_the_repository_reports_folder_whatever_the_cwd(tmp_path, 
     assert report_dir() == REPO / "reports"
     monkeypatch.setenv("LORA_LAB_REPORTS", str(tmp_path / "elsewhere"))
     assert report_dir() == tmp_path / "elsewhere"
+
+
+def test_record_start_sets_the_notebook_thread_policy_and_records_it(monkeypatch):
+    """A notebook's kernel runs its tiny models on lora_lab.threads.notebook_threads() threads (1 unless
+    $LORA_LAB_THREADS says), set by Record.start and written with the results."""
+    before = torch.get_num_threads()
+    try:
+        for env, expected in ((None, 1), ("2", 2)):
+            torch.set_num_threads(2 if expected == 1 else 1)
+            if env is None:
+                monkeypatch.delenv("LORA_LAB_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("LORA_LAB_THREADS", env)
+            record = Record.start("x", {"A": 1})
+            assert torch.get_num_threads() == expected and record.to_json()["torch_threads"] == expected
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_parameters_from_history_finds_defaults_and_papermill_injection():

@@ -23,6 +23,11 @@ A notebook writes only inside the reports folder: `fresh_report_folder(name)` is
 
 Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
 notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `--out` sets it).
+
+`Record.start` also sets the kernel's torch threads to `lora_lab.threads.notebook_threads()` (1, or
+$LORA_LAB_THREADS): the notebooks train tiny models, whose many small ops gain little from a second thread
+and collapse on two when another process keeps a core busy (JupyterLab beside a browser, a shared 2-vCPU
+machine). The count is recorded with the results.
 """
 
 from __future__ import annotations
@@ -38,8 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes
+from ..threads import notebook_threads
 from .parameters import (
     NotebookParameterError,
     as_declared,
@@ -120,6 +128,7 @@ class Record:
     claims: dict[str, dict[str, Any]] = field(default_factory=dict)
     figures: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    threads: int = field(default_factory=torch.get_num_threads)
 
     @classmethod
     def start(cls, name: str, namespace: dict[str, Any]) -> Record:
@@ -141,6 +150,7 @@ class Record:
         else:  # not IPython: nothing injected, take the UPPER_CASE globals as they are
             defaults = {}
         params = {k: namespace[k] for k in defaults if k in namespace}
+        torch.set_num_threads(notebook_threads())  # the thread policy: lora_lab/threads.py
         return cls(name=name, parameters=params)
 
     def number(self, key: str, value: Any) -> Any:
@@ -178,6 +188,7 @@ class Record:
             "figures": self.figures,
             "passed": all(c["held"] for c in self.claims.values()),
             "seconds": round(time.time() - self.started, 2),
+            "torch_threads": self.threads,
         }
 
     def summary(self) -> tuple[str, str]:
