@@ -29,7 +29,7 @@ def reading_grid(rows: dict[str, torch.Tensor], asked, reader: StrictReader, tit
 
     asked = torch.as_tensor(asked)
     n = len(asked)
-    fig, axes = plt.subplots(len(rows), n, figsize=(1.05 * n + 0.9, 1.3 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), n, figsize=(1.05 * n + 0.9, 1.5 * len(rows)), squeeze=False)
     for r, (label, images) in enumerate(rows.items()):
         reading = reader.read(images * 2 - 1)
         confidence = reader.confidence(images * 2 - 1, asked)
