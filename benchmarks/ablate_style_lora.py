@@ -113,7 +113,7 @@ def main() -> None:
         if args.model not in UNETS and base["FEED_FORWARD"]:
             rows.append(("no feed-forward layers (attention projections only)",
                          {**base, "FEED_FORWARD": False}, None))
-            rows.append((f"attention only, lr {base['UNET_LR']:g} (the recipe before the strict reader)",
+            rows.append((f"attention only, lr {base['UNET_LR']:g} (the earlier recipe's layers and rate)",
                          {**base, "FEED_FORWARD": False, "LR": base["UNET_LR"]}, None))
         print(f"{args.model}, {10 * base['EVAL_SEEDS']} samples per prompt set, strength 1:")
         print("| changed | inverted rate | digit rate (strict) | plain prompt: inverted rate, digit rate "
