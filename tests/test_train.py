@@ -197,8 +197,11 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
     from lora_lab.diffusion import sample
     from lora_lab.models import build_pipeline, shipped_base
 
+    # feed_forward: the files hold the transformer blocks' ff layers too, which diffusers must map as well
     result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4,
-                               lr=2e-2, batch_size=2, seed=SEED, sample_steps=0, progress=False))
+                               lr=2e-2, batch_size=2, seed=SEED, sample_steps=0, progress=False,
+                               feed_forward=True))
+    assert any(name.endswith("ff.net.2") for name in result.adapted)
     prompt, steps = "a digit three", 4
     ours = sample(result.pipe, prompt, seed=SEED, steps=steps)  # (1, 3, H, W) in [0, 1]
     formats = ["lora_diffusers", "lora_kohya"] if model in ("sd15", "sdxl") else ["lora_diffusers"]

@@ -40,6 +40,9 @@ ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
                      "to_add_out")
 # The UNets' ResNet convolutions (LoCon), with --conv.
 CONV_TARGETS = ("conv1", "conv2")
+# The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
+# UNets' transformer blocks and SD3's and Flux's joint blocks. With --feed-forward.
+FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
 
 
 class TrainConfigError(LoraLabError, ValueError):
@@ -101,6 +104,10 @@ class TrainConfig:
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
+    feed_forward: bool = field(
+        default=False,
+        metadata={"help": "also adapt the transformer blocks' feed-forward layers (ff.net.0.proj, ff.net.2): "
+                  "a style that changes every pixel needs more than attention"})
     base_quantization: str | None = field(
         default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA), each "
                                         "as it is loaded: int8 | int8-block | nf4 | fp8 | fp8-row"})
@@ -245,9 +252,10 @@ class TrainConfig:
         return float(self.rank if self.alpha is None else self.alpha)
 
     def adapter_targets(self) -> list[str]:
-        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the
-        convs."""
-        return list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+        """The suffixes of the denoiser's module names that get adapters: attention, with `conv` the convs,
+        with `feed_forward` the transformer blocks' feed-forward layers."""
+        return (list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+                + (list(FEED_FORWARD_TARGETS) if self.feed_forward else []))
 
     def dataset_dir(self) -> Path:
         """The training images' folder: `dataset`, or the set shipped in data/."""

@@ -8,10 +8,12 @@ they teach on.
     runner.py      `python -m lora_lab.notebook`: every notebook through papermill into reports/
     digits.py      scikit-learn's digits as a small real task, and a plain classifier training loop
     effect.py      what a sample shows, read by classifiers fitted on real digits (content kept, style
-                   learned)
+                   learned), and the strict reader of each tile
+    tiles.py       samples drawn as a person reads them, each tile with the strict reader's reading
 
-digits.py and effect.py are imported by name (`from lora_lab.notebook.digits import load_digits`): they pull
-scikit-learn (and effect.py diffusers), which a notebook that only records claims does not need.
+digits.py, effect.py and tiles.py are imported by name (`from lora_lab.notebook.digits import load_digits`):
+they pull scikit-learn (and effect.py diffusers, tiles.py matplotlib), which a notebook that only records
+claims does not need.
 """
 
 from .parameters import NotebookParameterError, check_parameters
