@@ -5,11 +5,13 @@
 The recipe is notebook 07's `parameters` cell, read from the notebook (so the table always varies what
 `make run` trains). Each row trains the recipe with one option flipped (left out where the recipe has it,
 added where it does not), samples 10 * EVAL_SEEDS images ("a digit zero, inverted" .. "a digit nine,
-inverted", the notebook's seeds) at strength 1 and prints the inverted rate and the digit accuracy measured
-by the notebook's classifiers (`fit_classifiers()`), and the same for the plain prompts ("a digit zero" ..):
-what prior preservation is for. Rows: the recipe; prior preservation (data/lora_reg) on/off; caption
-dropout 0.1 on/off; only the first 120 style images (the set before issue 15); captions without the digit
-("a digit, inverted"); half the steps; on the UNet bases, no LoCon.
+inverted", the notebook's seeds) at strength 1 and prints the inverted rate and the digit rate measured by
+the notebook's readers (`fit_classifiers()` for the inversion, `StrictReader` for the digit: read as the
+digit asked for with confidence >= 0.8), and the same for the plain prompts ("a digit zero" ..): what prior
+preservation is for. Rows: the recipe; prior preservation (data/lora_reg) on/off; caption dropout 0.1
+on/off; only the first 120 style images (the set before issue 15); captions without the digit ("a digit,
+inverted"); half the steps; on the UNet bases, no LoCon; on the transformers, no feed-forward layers
+(attention projections only) and, with them off, the learning rate of the UNets.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from lora_lab.diffusion import TrainConfig, sample, train
 from lora_lab.models import DATA_DIR, DIGIT_NAMES, denoiser
-from lora_lab.notebook.effect import fit_classifiers
+from lora_lab.notebook.effect import StrictReader, fit_classifiers
 from lora_lab.notebook.parameters import literal_assignments
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_diffusion_lora.ipynb"
@@ -58,9 +60,11 @@ def steps_of(p: dict, model: str) -> int:
 
 def run(p: dict, model: str, dataset: Path | None, out: Path) -> dict:
     steps = steps_of(p, model)
+    unet = model in UNETS
     config = TrainConfig(model=model, output=str(out), dataset=None if dataset is None else str(dataset),
-                         steps=steps, rank=p["RANK"], lr=p["LR"], batch_size=p["BATCH_SIZE"],
-                         conv=bool(p["CONV"]) and model in UNETS,
+                         steps=steps, rank=p["RANK"], lr=p["UNET_LR"] if unet else p["LR"],
+                         batch_size=p["BATCH_SIZE"], conv=bool(p["CONV"]) and unet,
+                         feed_forward=bool(p["FEED_FORWARD"]) and not unet,
                          reg_dataset=str(DATA_DIR / "lora_reg") if p["PRIOR"] else None,
                          prior_loss_weight=p["PRIOR_LOSS_WEIGHT"], caption_dropout=p["CAPTION_DROPOUT"],
                          dora=p["DORA"], warmup_steps=max(1, steps // 10), schedule="cosine", seed=p["SEED"],
@@ -70,14 +74,15 @@ def run(p: dict, model: str, dataset: Path | None, out: Path) -> dict:
     seconds = time.time() - t0
     denoiser(result.pipe).eval()
     seeds = range(p["SEED"], p["SEED"] + p["EVAL_SEEDS"])
-    digits, inverted = fit_classifiers()
+    _, inverted = fit_classifiers()
+    reader = StrictReader.fit()
     labels = torch.arange(10).repeat(len(seeds))
     row = {"seconds": seconds}
     for key, suffix in (("styled", ", inverted"), ("plain", "")):
         prompts = [f"a digit {DIGIT_NAMES[d]}{suffix}" for d in range(10)]
         images = torch.cat([sample(result.pipe, prompts, seed=s, steps=p["SAMPLE_STEPS"])
                             for s in seeds]) * 2 - 1
-        row[key] = (inverted.rate(images), digits.accuracy(images, labels))
+        row[key] = (inverted.rate(images), reader.rate(images, labels))
     return row
 
 
@@ -105,8 +110,13 @@ def main() -> None:
                      None))
         if args.model in UNETS and base["CONV"]:
             rows.append(("no LoCon (attention projections only)", {**base, "CONV": False}, None))
+        if args.model not in UNETS and base["FEED_FORWARD"]:
+            rows.append(("no feed-forward layers (attention projections only)",
+                         {**base, "FEED_FORWARD": False}, None))
+            rows.append((f"attention only, lr {base['UNET_LR']:g} (the earlier recipe's layers and rate)",
+                         {**base, "FEED_FORWARD": False, "LR": base["UNET_LR"]}, None))
         print(f"{args.model}, {10 * base['EVAL_SEEDS']} samples per prompt set, strength 1:")
-        print("| changed | inverted rate | digit accuracy | plain prompt: inverted rate, digit accuracy "
+        print("| changed | inverted rate | digit rate (strict) | plain prompt: inverted rate, digit rate "
               "| train s |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for i, (name, p, dataset) in enumerate(rows):

@@ -1,7 +1,7 @@
-"""Memory benchmark: gradient checkpointing policies (activation bytes, step time) and 8-bit Adam \
-(state bytes, step time).
+"""Memory benchmark: gradient checkpointing policies (activation bytes, step time). (8-bit Adam's state
+bytes and step time: benchmarks/bench_optim.py.)
 
-    python benchmarks/bench_memory.py [--threads 1] [--rounds 15] [--no-torchao]
+    python benchmarks/bench_memory.py [--threads 1] [--rounds 15]
         [--plot docs/checkpoint_pareto.png] [--profile]
     python benchmarks/bench_memory.py --wide --rounds 7 --budgets 0.2 0.3 0.35 0.5
     python benchmarks/bench_memory.py --real --threads 2 --rounds 3 --attention fused
@@ -46,13 +46,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lora_lab import (
-    Adam8bit,
-    AdamW8bit,
     BlockStack,
     LoRAConfig,
     add_lora,
     enable_checkpointing,
-    optimizer_state_bytes,
 )
 from lora_lab.checkpointing import checkpointing_plan
 from lora_lab.checkpointing.ops import _is_costly
@@ -105,7 +102,6 @@ WIDE_LORA_RANK = 16
 REAL_UNET = {**UNET_SDXL, "layers_per_block": 1, "transformer_layers_per_block": [1, 1, 1]}
 REAL_SD3 = {**SD35_MEDIUM, "num_layers": 2, "dual_attention_layers": [0], "sample_size": 96}
 REAL_VARIANTS = ("full", "selective", "budget:0.3")
-WEIGHT = (4096, 4096)  # 16.7M parameters
 
 
 @functools.cache
@@ -503,49 +499,11 @@ def print_checkpointing(rows: list[dict]) -> None:
             print(f"    plan: {b['plan']}")
 
 
-def optimizer_rows(rounds: int, use_torchao: bool) -> list[dict]:
-    torch.manual_seed(0)
-    w0 = torch.randn(WEIGHT) * 0.02
-    grad = torch.randn(WEIGHT) * 1e-3
-    makers = {
-        "torch AdamW (fp32 state)": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-        "lora_lab Adam8bit": lambda ps: Adam8bit(ps, lr=1e-3),
-        "lora_lab AdamW8bit": lambda ps: AdamW8bit(ps, lr=1e-3),
-    }
-    try:
-        import bitsandbytes as bnb
-
-        makers["bitsandbytes Adam8bit"] = lambda ps: bnb.optim.Adam8bit(ps, lr=1e-3)
-    except ImportError:
-        print("bitsandbytes not installed: its row is skipped")
-    if use_torchao:
-        try:
-            from torchao.optim import AdamW8bit as AoAdamW8bit
-
-            makers["torchao AdamW8bit (compiled)"] = lambda ps: AoAdamW8bit(ps, lr=1e-3)
-        except ImportError:
-            print("torchao not installed: its row is skipped")
-    opts, steps = {}, {}
-    for name, make in makers.items():
-        p = torch.nn.Parameter(w0.clone())
-        p.grad = grad.clone()
-        opts[name] = make([p])
-        t0 = time.perf_counter()
-        opts[name].step()  # the first step allocates the state (and compiles, for torchao)
-        print(f"  first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-        steps[name] = opts[name].step
-    times = _median_times(steps, rounds)
-    return [{"optimizer": k, "state_bytes": optimizer_state_bytes(o), "step_s": times[k]}
-            for k, o in opts.items()]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: see the README note)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (median)")
-    ap.add_argument("--no-torchao", action="store_true",
-                    help="skip torchao (its first step compiles for ~1 min)")
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5],
                     help="checkpoint budgets to measure")
     ap.add_argument("--plot", help="Pareto plot path ('' for none; default docs/checkpoint_pareto.png,"
@@ -553,7 +511,7 @@ def main() -> None:
     scale = ap.add_mutually_exclusive_group()
     scale.add_argument("--wide", action="store_const", dest="scale", const="wide", default="tiny",
                        help="checkpointing of the UNet and the SD3 transformer with heads of 64 and LoRA on a"
-                       " frozen base (WIDE_UNET, WIDE_SD3) instead of the tiny models; no optimizers")
+                       " frozen base (WIDE_UNET, WIDE_SD3) instead of the tiny models")
     scale.add_argument("--real", action="store_const", dest="scale", const="real",
                        help="the same with the widths and token counts of SDXL at 1024 px and SD3.5 Medium at"
                        " 768 px, fewer layers (REAL_UNET, REAL_SD3), policies REAL_VARIANTS"
@@ -564,7 +522,6 @@ def main() -> None:
     ap.add_argument("--model", choices=("all", "UNet", "SD3"), default="all",
                     help="checkpointing: only this model")
     ap.add_argument("--no-checkpointing", action="store_true", help="skip the checkpointing table")
-    ap.add_argument("--no-optimizers", action="store_true", help="skip the optimizer table")
     ap.add_argument("--profile", action="store_true",
                     help="also print where a step's time goes (dispatch mode, costly ops)")
     args = ap.parse_args()
@@ -594,24 +551,6 @@ def main() -> None:
                                                         "real": ""}[args.scale]
         if plot:  # (a str: Path('') would be '.', the current directory)
             pareto_plot(rows, Path(plot))
-    if args.no_optimizers or args.scale != "tiny":
-        return
-    print()
-    rows = optimizer_rows(args.rounds, not args.no_torchao)
-    n = WEIGHT[0] * WEIGHT[1]
-    bnb_row = next((r for r in rows if r["optimizer"].startswith("bitsandbytes")), None)
-    print(f"\n| optimizer on a {WEIGHT[0]}x{WEIGHT[1]} weight ({n / 1e6:.1f}M params) | state bytes |"
-          " bytes/param | step s | vs bitsandbytes |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        rel = ""
-        if bnb_row and r["optimizer"].startswith("lora_lab"):
-            t = r["step_s"] / bnb_row["step_s"]
-            b_ok = r["state_bytes"] <= bnb_row["state_bytes"]
-            rel = (f"time x{t:.2f} (target <= 1.5: {'met' if t <= 1.5 else 'not met'}); "
-                   f"bytes {'<=' if b_ok else '>'} bnb ({'met' if b_ok else 'not met'})")
-        print(f"| {r['optimizer']} | {r['state_bytes']:,} | {r['state_bytes'] / n:.3f} | {r['step_s']:.3f} | "
-              f"{rel} |")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ What it does, seeded (SEED) and in this order:
 4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
 5. samples SAMPLE_SEEDS seeds of every digit with classifier-free guidance and writes
    data/base/<kind>_samples.png and data/base/<kind>_metrics.json: the accuracy of a digit classifier
-   fitted on the training digits, and its mean probability for the digit asked for, on the samples.
+   fitted on the training digits, and its mean probability for the digit asked for, on the samples; the
+   strict reader's rate (notebook 07's: read as the digit asked for, 4 of its 5 nearest training digits
+   agreeing).
 
 The result depends on the seed and on the CPU's float summation order (thread count), so a re-run on
 another machine gives a model of the same quality, not the same bits.
@@ -44,7 +46,7 @@ import torch
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
 from lora_lab.models import builders as M
 from lora_lab.models.kinds import t5_length
-from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, digit_images
+from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
 
 SEED = 0
 N_TRAIN = 1600        # digits 0..1599 train the base; 1600..1796 are held out
@@ -194,10 +196,12 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
 
 def measure(pipe, kind: str) -> tuple[dict, torch.Tensor]:
     """Which digit do samples show (classifier fitted on the training digits, checked on the held-out
-    ones), how sure is it, and are any of them inverted (they should not be: the base never saw it)."""
+    ones), how sure is it, and are any of them inverted (they should not be: the base never saw it). The
+    strict reader (notebook 07's: every pixel against the training digits) reads them too."""
     images, labels = digit_images(range(N_TRAIN))
     real_x, real_y = digit_images(range(N_TRAIN, 1797))
     digits = DigitClassifier().fit(images, labels)
+    strict = StrictReader.fit(indices=range(N_TRAIN))
     inverted = InvertedClassifier().fit(images, digit_images(range(N_TRAIN), inverted=True)[0])
     want = torch.arange(10).repeat(SAMPLE_SEEDS)
     # (10*S, 3, 16, 16) in [0, 1]
@@ -209,6 +213,8 @@ def measure(pipe, kind: str) -> tuple[dict, torch.Tensor]:
         "digit_classifier_confidence_on_heldout_real": digits.confidence(real_x, real_y),
         "digit_accuracy_of_samples": digits.accuracy(samples_pm, want),
         "digit_confidence_of_samples": digits.confidence(samples_pm, want),
+        "strict_reader_rate_on_heldout_real": strict.rate(real_x, real_y),
+        "strict_reader_rate_of_samples": strict.rate(samples_pm, want),
         "inverted_rate_of_samples": inverted.rate(samples_pm),
         "inverted_rate_of_heldout_real": inverted.rate(real_x),
         "samples": f"{SAMPLE_SEEDS} seeds x 10 digits, {SAMPLE_STEPS} Euler steps, guidance {GUIDANCE}",
@@ -249,7 +255,7 @@ def main() -> None:
         kept = {k: v for k, v in json.loads(old.read_text()).items()
                 if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
                          "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads",
-                         "seed")}
+                         "seed", "note")}
         write_measurements(out, kind, M.build_pipeline(kind, out), kept)
         return
 

@@ -119,6 +119,9 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             tensors = {key: f.get_tensor(key) for key in keys}
+    except MemoryError as e:  # mapping a file larger than the address space left (ulimit -v): ENOMEM
+        raise LoraFormatError(f"{path}: cannot map its {path.stat().st_size} bytes into memory ({e}); "
+                              "not enough address space") from None
     except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as e:
         raise LoraFormatError(f"{path}: not a readable safetensors file ({e})") from e
     metadata.pop("format", None)

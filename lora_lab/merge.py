@@ -7,7 +7,9 @@ base W and the changes add up (so the order of the files does not matter):
                               DoRA:        D_i = t_i * (m_i * V_i / ||V_i|| - W),
                                            V_i = W + (alpha_i / r_i) up_i @ down_i
 
-in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshaped as kohya does).
+in fp32, stored back in W's dtype (conv: up.flatten(1) @ down.flatten(1), reshaped as kohya does). The bound
+both modes hold a LoRA to: every D_i finite in fp32, and W' within W's dtype (|W'| <= its largest value: a
+float16 that would overflow, a float8_e4m3fn that torch would saturate at +-448) wherever W itself is.
 A single DoRA file at strength t is exactly ComfyUI's W + t (W_dora - W); ComfyUI applies several
 files one after the other, which differs from the sum above only when a DoRA file is stacked.
 
@@ -66,19 +68,7 @@ class MergedState(Mapping):
         w = self.base[name]
         if name not in self.patches:
             return w
-        out = w.float()
-        for p in self.patches[name]:
-            change = lora_change(w, p.module, p.strength)
-            # overflow (a huge strength or alpha), a DoRA row of norm 0
-            if not bool(torch.isfinite(change).all()):
-                raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} "
-                                      "is not finite")
-            out = out + change
-        merged = out.to(w.dtype)  # isfinite has no float8 kernel: test in fp32
-        if not bool(torch.isfinite(merged.float()).all()) and bool(torch.isfinite(w.float()).all()):
-            raise LoraFormatError(f"{sorted({p.where for p in self.patches[name]})}: the merged {name!r} "
-                                  f"overflows {w.dtype}")
-        return merged
+        return merged_weight(name, w, self.patches[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.base)
@@ -90,6 +80,26 @@ class MergedState(Mapping):
     def patched(self) -> list[str]:
         """The weight keys some LoRA changes."""
         return sorted(self.patches)
+
+
+def merged_weight(name: str, w: torch.Tensor, patches: list[Patch]) -> torch.Tensor:
+    """W' = W + sum of the patches' changes, in W's dtype; LoraFormatError where it breaks the bound (the
+    module docstring): a change that is not finite, or W' beyond W's dtype where W is within it."""
+    out = w.float()
+    for p in patches:
+        change = lora_change(w, p.module, p.strength)
+        # overflow (a huge strength or alpha), a DoRA row of norm 0
+        if not bool(torch.isfinite(change).all()):
+            raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} "
+                                  "is not finite")
+        out = out + change
+    # tested in fp32 (isfinite has no float8 kernel; float8_e4m3fn saturates instead of overflowing)
+    limit = torch.finfo(w.dtype).max
+    if bool((out.abs() > limit).any()) and bool((w.float().abs() <= limit).all()):
+        raise LoraFormatError(f"{sorted({p.where for p in patches})}: the merged {name!r} overflows "
+                              f"{w.dtype} (|W + change| reaches {float(out.abs().max()):.3g}, the largest "
+                              f"{w.dtype} is {limit:g})")
+    return out.to(w.dtype)
 
 
 def _load(lora) -> LoraFile:
@@ -232,6 +242,8 @@ def apply_loras(
     mode="merge": the adapted weights are replaced by W' (as `merge_loras`); no way back but reloading.
     mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by a LoRALinear / LoRAConv2d per file
     (a LoRAStack when several files adapt it); `AppliedLoras.set_strength(i, t)` changes file i's strength.
+    Both modes hold the LoRAs to the same bound (the module docstring): runtime mode computes each W' once to
+    check it (one weight at a time), so a LoRA that cannot merge is not applied at run time either.
     A quantized base (`quantize_base`'s QuantLinear layers): runtime adapters compute on top of the
     dequantized weight; merging into it needs requantize=True (W' is rounded to the format's grid, as
     `merge_lora(model, requantize=True)`), otherwise QuantizationError and nothing is changed.
@@ -262,6 +274,11 @@ def apply_loras(
                 replace_weight(module, merged[key])
         return AppliedLoras("merge", merged.patched)
 
+    with torch.no_grad():  # the bound, before any module is wrapped
+        for key, items in patches.items():
+            module = model.get_submodule(key[: -len(".weight")])
+            w = module.dequantize() if isinstance(module, QuantLinear) else module.weight
+            merged_weight(key, w, items)
     per_file: list[list[LoRAModule]] = [[] for _ in loras]
     for key, items in patches.items():
         path = key[: -len(".weight")]

@@ -7,9 +7,15 @@ dequantizes to fp32, runs the update math (functional/adam.py's `adam_math_`, th
 torch.optim.AdamW, vectorised over the whole tensor), and quantizes again. Tensors under 4096 elements keep
 fp32 moments (their state is small and quantizing them costs more accuracy than memory).
 State: 2 bytes + 8/256 bytes per value instead of 8.
+
+On the CPU the quantized step runs on one torch thread (`lora_lab.threads.one_thread`): its ~20 ops a
+chunk of 262,144 values each wait at a thread barrier on two threads, and collapse (10-40x) when another
+process keeps a core busy; on one thread it keeps its core (docs/measurements.md, "Busy machine").
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -17,6 +23,7 @@ from .errors import OptimizerError
 from .functional.adam import AdamHyper, adam_step_
 from .functional.blockwise import BLOCK_SIZE, zero_code
 from .kernels import BACKENDS, resolve_backend
+from .threads import one_thread
 
 MIN_8BIT_SIZE = 4096
 
@@ -120,8 +127,10 @@ class Adam8bit(torch.optim.Optimizer):
                     adam8bit_step(p, p.grad, state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"],
                                   state["exp_avg_sq_absmax"], state["step"], hp)
                     continue
-                adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], hp,
-                           state.get("exp_avg_absmax"), state.get("exp_avg_sq_absmax"))
+                quantized_on_cpu = "exp_avg_absmax" in state and p.device.type == "cpu"
+                with one_thread() if quantized_on_cpu else contextlib.nullcontext():
+                    adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], hp,
+                               state.get("exp_avg_absmax"), state.get("exp_avg_sq_absmax"))
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

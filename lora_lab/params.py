@@ -55,6 +55,9 @@ def load_frozen(
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
                 out[key] = t.requires_grad_(False)
+    except MemoryError as e:  # mapping a file larger than the address space left (ulimit -v): ENOMEM
+        raise WeightFileError(f"{path}: cannot map its {path.stat().st_size} bytes into memory ({e}); "
+                              "not enough address space") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise WeightFileError(f"{path}: not a readable safetensors file ({e})") from e
     return out

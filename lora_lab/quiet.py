@@ -31,6 +31,8 @@ KNOWN_NOISE: tuple[tuple[str, str, str, str], ...] = (
     ("diffusers.loaders.lora_base", "No LoRA keys associated to ", "",
      "a LoRA file without text-encoder weights: nothing to load there, as the message itself says"),
     ("diffusers.loaders.peft", "No LoRA keys associated to ", "", "as above, diffusers' other loader"),
+    ("IPKernelApp", "Kernel is running over TCP without encryption", "",
+     "the kernels of the batch runner, on localhost for it alone (`kernel_log_config`)"),
 )
 
 
@@ -45,6 +47,23 @@ class _DropKnown(logging.Filter):
         except Exception:  # noqa: BLE001 (a malformed record is not ours to drop)
             return True
         return not (msg.startswith(self.start) and self.also in msg)
+
+
+class KnownNoise(logging.Filter):
+    """Drops every KNOWN_NOISE line, by logger and message: for a handler that sees several loggers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return all(_DropKnown(start, also).filter(record)
+                   for name, start, also, _ in KNOWN_NOISE if record.name == name)
+
+
+def kernel_log_config() -> dict:
+    """The traitlets config (JSON) of a Jupyter kernel whose log drops KNOWN_NOISE: the batch runner's kernels
+    load it (`--config`), so that their one line of noise at start never reaches a batch run's terminal."""
+    return {"IPKernelApp": {"logging_config": {
+        "filters": {"lora_lab_known_noise": {"()": f"{__name__}.KnownNoise"}},
+        "handlers": {"console": {"filters": ["lora_lab_known_noise"]}},
+    }}}
 
 
 def install_log_filters() -> None:

@@ -188,27 +188,41 @@ def test_non_finite_strength_is_one_error_line(files, capsys, strength):
     assert not (files / "m.safetensors").exists()
 
 
-def _read_only_folder(tmp_path):
-    """A folder this process cannot write to: a chmod 555 folder, or (as root, whom chmod does not stop)
-    /sys."""
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder this process cannot write to: a chmod 555 folder; as root (whom chmod does not stop) a
+    read-only tmpfs mounted on a folder of tmp_path (unmounted after), else a skip. Never a system folder."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
     if os.geteuid() != 0:
-        folder = tmp_path / "ro"
-        folder.mkdir()
         folder.chmod(0o555)
-        return folder
-    if os.access("/sys", os.W_OK) and Path("/sys").stat().st_dev == Path("/").stat().st_dev:
-        pytest.skip("running as root without a read-only folder to write into")
-    return Path("/sys")
+        yield folder
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only folder: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_the_read_only_folder_is_a_temporary_one_nothing_can_be_written_to(read_only_folder, tmp_path):
+    """Test hygiene: the folder the OS-error tests write into is under tmp_path (it was /sys as root)."""
+    assert read_only_folder.resolve().is_relative_to(tmp_path.resolve())
+    with pytest.raises(OSError):
+        (read_only_folder / "x").write_bytes(b"x")
 
 
 @pytest.mark.parametrize("case", ["read_only_folder", "disk_full", "output_is_a_folder", "parent_is_a_file"])
 def test_os_errors_are_one_line_naming_the_path_and_leave_the_disk_as_it_was(
-    files, capsys, monkeypatch, case
+    files, capsys, monkeypatch, case, request
 ):
     src = files / "a.safetensors"
     old = files / "old.safetensors"
     old.write_bytes(b"the previous output")
-    dst = {"read_only_folder": lambda: _read_only_folder(files) / "out.safetensors",
+    dst = {"read_only_folder": lambda: request.getfixturevalue("read_only_folder") / "out.safetensors",
            "disk_full": lambda: old,
            "output_is_a_folder": lambda: files,
            "parent_is_a_file": lambda: src / "out.safetensors"}[case]()
@@ -261,3 +275,29 @@ def test_temp_files_of_a_killed_write_are_removed_at_the_next_write(files, monke
     monkeypatch.undo()
     assert sorted(p.name for p in folder.iterdir()) == sorted(["a.safetensors", live.name, foreign.name])
     assert synced[-2:] == [("replace", False), ("fsync", True)]
+
+
+def test_inspect_under_an_address_space_limit_is_one_error_line(tmp_path):
+    """A file that declares a 512 GiB tensor (sparse on disk), inspected under `ulimit -v` 4 GiB: mapping it
+    fails with ENOMEM, which is the project's one-line error, exit 2 (it was a 17-line MemoryError)."""
+    import json
+    import resource
+    import struct
+
+    header = json.dumps({"lora_unet_x.lora_down.weight": {"dtype": "F32", "shape": [2**17, 2**20],
+                                                          "data_offsets": [0, 2**39]}}).encode()
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 2**39)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+
+    r = subprocess.run([sys.executable, "-m", "lora_lab.cli", "inspect", str(path)], capture_output=True,
+                       text=True, timeout=300, preexec_fn=limit, check=False,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("lora-lab") or "Error" in ln]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines == [f"lora-lab: error: {path}: cannot map its {path.stat().st_size} bytes into memory "
+                     "(Cannot allocate memory (os error 12)); not enough address space"], r.stderr[-2000:]

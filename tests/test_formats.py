@@ -917,3 +917,34 @@ def test_ldm_names_need_a_known_structure_to_be_written(tmp_path):
     assert all(m.key.startswith(("lora_unet_down_blocks", "lora_unet_mid_block", "lora_unet_up_blocks",
                                  "lora_te"))
                for m in load_lora(save_lora(tmp_path / "s.safetensors", sd15)).modules.values())
+
+
+def test_alpha_pattern_keys_are_read_as_peft_reads_them_in_diffusers(tmp_path):
+    """PEFT (and so diffusers' load_lora_weights) reads alpha_pattern keys as regexes, `(.*\\.)?(key)$`:
+    `{"to_.": 8}` gives alpha 8 to every to_q, to_k and to_v and leaves to_out.0 at lora_alpha. lora_lab reads
+    the file the same way (it read the key literally: alpha 2 everywhere, a 4x scale apart from diffusers)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    unet = build_components("sd15")["unet"]
+    add_lora(unet, LoRAConfig(rank=RANK, alpha=ALPHA, targets=r".*attn[12]\.to_(q|k|v|out\.0)"))
+    randomize(unet, 9)
+    path = save_lora(tmp_path / "p.safetensors", unet, format="peft")
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    adapter = json.loads(meta["lora_adapter_metadata"])
+    adapter.update({"unet.lora_alpha": 2.0, "unet.alpha_pattern": {"to_.": 8.0}})
+    meta["lora_adapter_metadata"] = json.dumps(adapter)
+    save_file(tensors, str(path), metadata=meta)
+    alphas = {n: m.alpha for n, m in load_lora(path).modules.items()}
+    assert {a for n, a in alphas.items() if not n.endswith("to_out.0")} == {8.0}
+    assert {a for n, a in alphas.items() if n.endswith("to_out.0")} == {2.0}
+    pipe = build_pipeline("sd15")
+    args, kw = unet_inputs(pipe, "sd15")
+    pipe.load_lora_weights(str(path))
+    peft_scales = {n: next(iter(m.scaling.values())) for n, m in pipe.unet.named_modules()
+                   if hasattr(m, "scaling") and m.scaling}
+    assert {n: alphas["unet." + n] / RANK for n in peft_scales} == peft_scales
+    ours = build_components("sd15")["unet"]
+    apply_loras(ours, [(path, 1.0)], mode="merge")
+    torch.testing.assert_close(unet_out(ours, args, kw), unet_out(pipe.unet, args, kw), atol=TOL, rtol=TOL)

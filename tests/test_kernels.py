@@ -360,3 +360,84 @@ def test_optimizers_same_with_triton_and_torch_backend(cls_name):
         assert (sk[key] != st[key]).float().mean() <= 1e-3
     with pytest.raises(optim.OptimizerError, match="backend must be one of"):
         getattr(optim, cls_name)(pt, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- quantized base
+
+QUANT_CASES = [  # (M tokens, N out, K in, format, dtype): odd sizes, a ragged last NF4 block, an odd count
+    (9, 33, 41, "int8", torch.float32),
+    (9, 33, 41, "nf4", torch.float32),  # 1353 values: 21 full blocks of 64 and a ragged one, half a byte
+    (70, 65, 96, "nf4", torch.bfloat16),  # two tiles along M and N (64 a tile under the interpreter)
+    (5, 96, 70, "int8", torch.float16),
+]
+
+
+def quant_inputs(m, n, k, fmt, dtype):
+    from lora_lab.quant import QuantLinear
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)  # rows of different scales
+    layer = QuantLinear(w, None, fmt).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    g = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
+    return layer, x, g
+
+
+def quant_operands(layer):
+    from lora_lab.quant.weights import NF4_CODE, nf4_absmax
+
+    if layer.fmt == "int8":
+        return layer.qweight, layer.scale, layer.shape, None, 64
+    values = torch.tensor(NF4_CODE, device=layer.qweight.device)
+    return layer.qweight, nf4_absmax(layer.stored()), layer.shape, values, layer.block_size
+
+
+@pytest.mark.parametrize("m,n,k,fmt,dtype", QUANT_CASES)
+def test_quant_matmul_forward_backward_match_reference(m, n, k, fmt, dtype):
+    from lora_lab.kernels.quant import quant_linear, reference_quant_linear, reference_quant_weight
+    from lora_lab.quant.weights import dequantize_weight
+
+    layer, x, g = quant_inputs(m, n, k, fmt, dtype)
+    ops = quant_operands(layer)
+    # the reference's formula is lora_lab.quant's: the same weight, value for value
+    assert torch.equal(reference_quant_weight(*ops), dequantize_weight(layer.stored(), fmt, layer.shape))
+    out = {}
+    for name, fn in (("kernel", quant_linear), ("reference", reference_quant_linear)):
+        leaf = x.detach().clone().requires_grad_()
+        y = fn(leaf, *ops)
+        y.backward(g)
+        out[name] = (y.detach(), leaf.grad)
+    for what, a, e in zip(("y", "dx"), out["kernel"], out["reference"]):
+        assert a.dtype == dtype
+        assert_close(a, e, RTOL[dtype], f"{fmt} {what}")
+
+
+def test_quant_linear_layer_with_the_triton_backend_equals_the_torch_one():
+    from lora_lab.quant import QuantizationError, QuantLinear
+
+    for fmt in ("int8", "nf4"):
+        layer, x, g = quant_inputs(7, 40, 24, fmt, torch.float32)
+        results = {}
+        for backend in ("triton", "torch"):
+            layer.backend = backend
+            leaf = x.detach().clone().requires_grad_()
+            y = layer(leaf.view(7, 1, 24))  # leading dims go through
+            y.backward(g.view(7, 1, 40))
+            results[backend] = (y.detach(), leaf.grad)
+        for a, e in zip(results["triton"], results["torch"]):
+            assert_close(a, e, RTOL[torch.float32], f"{fmt} QuantLinear triton vs torch")
+    with pytest.raises(QuantizationError, match="formats with a kernel"):
+        QuantLinear(torch.randn(4, 8), None, "fp8", backend="triton")
+
+
+def test_quant_matmul_rejects_bad_inputs():
+    from lora_lab.kernels.quant import quant_matmul
+
+    layer, x, _ = quant_inputs(3, 8, 16, "int8", torch.float32)
+    codes, scales, shape, values, bs = quant_operands(layer)
+    with pytest.raises(KernelInputError, match="16 columns"):
+        quant_matmul(x[:, :15], codes, scales, shape)
+    with pytest.raises(KernelInputError, match="expected codes"):
+        quant_matmul(x, codes.view(torch.uint8), scales, shape)
+    with pytest.raises(KernelInputError, match="fp32 scales"):
+        quant_matmul(x, codes, scales.double(), shape)

@@ -81,6 +81,40 @@ def test_a_float8_base_merges_and_its_overflow_is_an_error():
     with pytest.raises(LoraFormatError, match="the merged 'lin.weight' overflows torch.float8_e5m2"):
         merge_loras(e5m2, [(a, 1e6)]).get("lin.weight")
 
+def test_a_float8_e4m3_merge_that_torch_would_saturate_is_an_error():
+    """float8_e4m3fn has no inf: torch turns any value beyond +-448 into +-448. A merged weight there is an
+    error, as an overflow of any other dtype is (it was saved as 448, silently)."""
+    g = torch.Generator().manual_seed(1)
+    base, (a, _) = {k: v.to(torch.float8_e4m3fn) for k, v in toy_base(g).items()}, two_loras(g)
+    with pytest.raises(LoraFormatError, match=r"the merged 'lin.weight' overflows torch.float8_e4m3fn "
+                                              r"\(\|W \+ change\| reaches .*the largest .* is 448\)"):
+        merge_loras(base, [(a, 1e4)]).get("lin.weight")
+    assert merge_loras(base, [(a, 1.0)]).get("lin.weight").dtype == torch.float8_e4m3fn  # within: merged
+
+
+@pytest.mark.parametrize(("dtype", "up", "refused"), [
+    (torch.float16, 1e36, "overflows torch.float16"), (torch.bfloat16, 1e36, None),
+    (torch.float32, 1e36, None), (torch.float32, 3e38, "the change to 'lin.weight' is not finite")])
+def test_runtime_mode_holds_a_lora_to_the_bound_merge_uses(dtype, up, refused):
+    """Huge but finite LoRA weights: where the merge refuses them (W + change beyond the base's dtype, or a
+    change that overflows fp32), runtime mode now refuses them too (it applied them, and the forward gave
+    inf/NaN); where the merge takes them, so does runtime mode. Nothing is wrapped when it refuses."""
+    g = torch.Generator().manual_seed(2)
+    big = LoraFile({"unet.lin": LoraWeights(torch.rand(2, 6, generator=g) + 1, torch.full((8, 2), up), 2.0)})
+    model = nn.Sequential()
+    model.add_module("lin", nn.Linear(6, 8).to(dtype))
+    if refused is None:
+        merge_loras(dict(model.state_dict()), [(big, 1.0)]).get("lin.weight")
+        apply_loras(model, [(big, 1.0)], mode="runtime")
+        assert isinstance(model.lin, LoRALinear)
+        return
+    with pytest.raises(LoraFormatError, match=refused):
+        merge_loras(dict(model.state_dict()), [(big, 1.0)]).get("lin.weight")
+    with pytest.raises(LoraFormatError, match=refused):
+        apply_loras(model, [(big, 1.0)], mode="runtime")
+    assert type(model.lin) is nn.Linear
+
+
 def test_dora_merge_matches_peft():
     peft = pytest.importorskip("peft")
     g = torch.Generator().manual_seed(2)

@@ -6,6 +6,7 @@ import math
 
 import nbformat
 import pytest
+import torch
 
 from lora_lab.notebook import NotebookParameterError, check_parameters
 from lora_lab.notebook.parameters import literal_assignments as _literal_assignments
@@ -89,6 +90,23 @@ def test_report_dir_is_the_repository_reports_folder_whatever_the_cwd(tmp_path, 
     assert report_dir() == tmp_path / "elsewhere"
 
 
+def test_record_start_sets_the_notebook_thread_policy_and_records_it(monkeypatch):
+    """A notebook's kernel runs its tiny models on lora_lab.threads.notebook_threads() threads (1 unless
+    $LORA_LAB_THREADS says), set by Record.start and written with the results."""
+    before = torch.get_num_threads()
+    try:
+        for env, expected in ((None, 1), ("2", 2)):
+            torch.set_num_threads(2 if expected == 1 else 1)
+            if env is None:
+                monkeypatch.delenv("LORA_LAB_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("LORA_LAB_THREADS", env)
+            record = Record.start("x", {"A": 1})
+            assert torch.get_num_threads() == expected and record.to_json()["torch_threads"] == expected
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_parameters_from_history_finds_defaults_and_papermill_injection():
     history = ["", "import torch", "A = 1\nB = 2.0", "# Parameters\nA = 5\n", "nb = Record.start(...)"]
     assert _parameters_from_history(history) == ({"A": 1, "B": 2.0}, {"A": 5})
@@ -121,6 +139,36 @@ def test_record_finish_writes_json_then_fails_on_a_failed_claim(tmp_path, monkey
     assert data["claims"]["holds"]["held"] and not data["claims"]["does not hold"]["held"]
     with pytest.raises(ClaimFailed, match="no claims"):
         Record("empty", parameters={}).finish()
+
+
+def test_a_claim_over_a_nan_fails_and_so_does_a_nan_among_the_numbers(tmp_path, monkeypatch):
+    """Notebook 09 with TOKENS 0 passed 11/11 claims while recording NaN errors: bool(nan) is True, and a
+    claim that compares other numbers said nothing of the NaN ones. Both now fail the record."""
+    import numpy as np
+    import torch
+
+    monkeypatch.setenv("LORA_LAB_REPORTS", str(tmp_path))
+    nb = Record("nan", parameters={})
+    for held in (math.nan, np.float64("nan"), torch.tensor(math.nan)):
+        assert nb.claim("over a NaN", held) is False
+    assert nb.claims["over a NaN"] == {"held": False, "detail": "(over a NaN)"}
+    nb = Record("nan", parameters={})
+    nb.claim("bytes per parameter <= 1.02", True)
+    nb.number("relative_error", {"int8": math.nan, "nf4": 0.1})
+    with pytest.raises(ClaimFailed, match="no recorded number is NaN"):
+        nb.finish()
+    data = json.loads((tmp_path / "nan.json").read_text())
+    assert not data["passed"]
+    assert data["claims"]["no recorded number is NaN"]["detail"] == "NaN in relative_error"
+
+
+def test_a_batch_run_shows_no_kernel_noise_in_the_terminal(tmp_path, capfd):
+    """ipykernel's "Kernel is running over TCP without encryption" warning reached every batch run's terminal
+    (the kernel's stderr is the runner's)."""
+    good = _tiny_notebook(tmp_path / "tiny.ipynb", "N == 2")
+    assert run_notebook(good, tmp_path / "out")["passed"]
+    err = capfd.readouterr().err
+    assert "without encryption" not in err and "IPKernelApp" not in err, err
 
 
 def _tiny_notebook(path, claim_src):
@@ -163,9 +211,13 @@ def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     assert data["notebook"] == "tiny"  # the failure report still names the notebook
 
 
+# Notebooks whose teaching pass is still to come (the planner's rewrite brings 08's exercises and intro).
+LATER = {"08_memory_plan"}
+
+
 def test_every_notebook_is_thin_clean_and_parameterized():
     paths = sorted(NOTEBOOKS.glob("*.ipynb"))
-    assert len(paths) >= 2
+    assert len(paths) >= 10 and [p.stem[:2] for p in paths] == [f"{i:02d}" for i in range(1, len(paths) + 1)]
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
@@ -188,6 +240,31 @@ def test_every_notebook_is_thin_clean_and_parameterized():
         )
         assert f'Record.start("{path.stem}"' in "".join(c.source for c in code), path.name
         assert code[-1].source.rstrip().endswith("nb.finish();") or "nb.finish()" in code[-1].source
+        if path.stem in LATER:
+            continue
+        # how to change a parameter: one short paragraph (docs/workbook.md has the rest)
+        how = [p for p in intro.source.split("\n\n") if "To change a parameter" in p]
+        assert len(how) == 1 and len(how[0]) <= 330 and f"lora_lab.notebook {path.stem}" in how[0], (
+            f"{path.name}: one short 'To change a parameter' paragraph naming `python -m lora_lab.notebook`")
+        assert "the seeds" not in "".join(c.source for c in nb.cells).lower(), (
+            f"{path.name}: say 'the original Rust design', not 'the seeds'")
+
+
+def test_every_notebook_ends_with_exercises():
+    """2-4 exercises, each a change to make and something to predict, just before the record cell."""
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        if path.stem in LATER:
+            continue
+        nb = nbformat.read(path, as_version=4)
+        last_code = max(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+        found = [i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "markdown" and "## Exercises" in c.source]
+        assert len(found) == 1 and found[0] == last_code - 1, (
+            f"{path.name}: an Exercises section just before the record cell")
+        text = nb.cells[found[0]].source.split("## Exercises", 1)[1]
+        items = [line for line in text.splitlines() if line[:3] in {f"{i}. " for i in range(1, 10)}]
+        assert 2 <= len(items) <= 4, f"{path.name}: {len(items)} exercises"
+        assert "predict" in text.lower(), f"{path.name}: the exercises ask for a prediction"
 
 
 def test_notebook_01_autograd(run_notebook):
@@ -197,10 +274,26 @@ def test_notebook_01_autograd(run_notebook):
 
 
 def test_notebook_02_frozen_and_trainable(run_notebook):
-    data = run_notebook("02_frozen_and_trainable")  # the defaults: the issue's >= 0.90 claim, for real
+    data = run_notebook("02_frozen_and_trainable")  # the defaults: the >= 0.90 claim, for real
     assert data["passed"], data
-    assert data["numbers"]["test_accuracy"] >= 0.90
-    assert len(data["claims"]) == 5
+    n = data["numbers"]
+    assert n["test_accuracy"] >= 0.90 and len(data["claims"]) == 8
+    # 784-128-10: every weight trains, then only the head's 128 * 10 + 10
+    assert n["trainable_values"] == {"both trainable": 784 * 128 + 128 + 128 * 10 + 10,
+                                     "first layer frozen": 128 * 10 + 10}
+    assert n["backward_flops"]["first layer frozen"] < n["backward_flops"]["both trainable"] / 10
+
+
+def test_notebook_10_training_machinery(run_notebook, monkeypatch):
+    """Small runs: the mixed-precision, accumulation, kill-and-resume and CLI claims all hold."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    data = run_notebook("10_training_machinery", MP_STEPS=12, STEPS=6, SAVE_EVERY=2, BATCH_SIZE=2, RANK=2)
+    assert data["passed"], data.get("error") or data["claims"]
+    assert not run_notebook.bare_results("10_training_machinery")
+    n = data["numbers"]
+    assert n["fp16_skipped_steps"] >= 1 and n["accumulation_max_weight_diff"] <= 1e-6
+    killed = n["killed_with_checkpoints"]
+    assert killed and all(name.startswith("step_") for name in killed)
 
 
 def test_runner_selects_notebooks_by_name_file_name_or_path():

@@ -9,7 +9,10 @@ from torch import nn
 
 import lora_lab.functional.adam as adam_mod
 from lora_lab import Linear
+from lora_lab import optim as optim_mod
 from lora_lab.functional import dequantize_blockwise, dynamic_map, quantize_blockwise
+from lora_lab.functional.adam import adam_step_
+from lora_lab.functional.blockwise import dequantize_blocks_into, quantize_blocks
 from lora_lab.memory import optimizer_state_bytes
 from lora_lab.optim import Adam8bit, AdamW8bit, OptimizerError
 
@@ -88,6 +91,26 @@ def test_quantize_round_trip(signed, n):
     assert dequantize_blockwise(codes, absmax, signed=signed)[i] == x[i]
 
 
+@pytest.mark.parametrize("signed,keep_nonzero", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("n", [9, 341, 4096, 20_003])
+def test_quantize_and_dequantize_into_buffers_give_the_same_codes_and_values(signed, keep_nonzero, n):
+    """The optimizer's hot path writes codes and absmax into its state from a scratch buffer, and values
+    into a buffer: the same codes, absmax and values as the allocating functions, ragged last blocks too."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    x = x if signed else x.abs()
+    x[:3] = 0.0 if signed else torch.tensor([0.0, 1e-30, 1e-39])  # zero, tiny and subnormal values
+    codes, absmax = quantize_blocks(x, signed, keep_nonzero=keep_nonzero)
+    into = (torch.full((n,), 7, dtype=torch.uint8), torch.full((-(-n // 256),), -1.0))
+    scratch = x.clone()
+    out = quantize_blocks(scratch, signed, keep_nonzero=keep_nonzero, out=into)  # scratch is overwritten
+    assert out is into and torch.equal(into[0], codes) and torch.equal(into[1], absmax)
+    assert torch.equal(codes.long(), _nearest_codes(x, signed, 256)) or keep_nonzero
+    buf, values = torch.full((n,), float("nan")), dequantize_blockwise(codes, absmax, signed)
+    assert torch.equal(dequantize_blocks_into(codes, absmax, buf, signed), values)
+    assert torch.equal(buf, values)
+
+
 def test_quantize_all_zero_blocks_and_shapes():
     x = torch.randn(900)
     x[256:512] = 0.0  # all of block 1
@@ -158,6 +181,43 @@ def test_close_to_torchao_adamw8bit(monkeypatch):
         travelled = (b - p0).abs().mean()
         assert (a - c).abs().mean() < 1e-4 * travelled, t
         assert (a - c).abs().max() < 0.05 * LR, t
+
+
+@pytest.mark.parametrize("decoupled,wd", [(True, 0.01), (False, 0.1), (True, 0.0)])
+def test_fused_update_is_the_adam_formula(decoupled, wd):
+    """The 8-bit step's update is torch's fused kernel: the moments equal adam_math_'s, p within 1 ulp."""
+    g = torch.Generator().manual_seed(3)
+    p, grad, m = (torch.randn(10_000, generator=g) * s for s in (1.0, 1e-2, 1e-3))
+    v = torch.rand(10_000, generator=g) * 1e-5
+    hp = adam_mod.AdamHyper(LR, 0.9, 0.999, 1e-8, wd, decoupled)
+    a, b = [t.clone() for t in (p, grad, m, v)], [t.clone() for t in (p, grad, m, v)]
+    adam_mod.adam_math_(*a, 7, hp)
+    adam_mod._fused_update(hp, 7, p.device)(*b)
+    assert torch.equal(b[1], grad)  # the gradient is read, not changed (Adam's L2 term included)
+    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    assert ((a[0] - b[0]).abs() <= torch.finfo(torch.float32).eps * a[0].abs()).all()
+
+
+def test_the_8bit_step_on_the_cpu_runs_on_one_thread(monkeypatch):
+    """On two threads a busy core stalls each of the step's ops at a barrier (lora_lab.threads): the quantized
+    step runs on one, the fp32 step of a small tensor on the caller's count, which is restored after."""
+    seen = []
+
+    def spy(p, *args):
+        seen.append((p.numel(), torch.get_num_threads()))
+        return adam_step_(p, *args)
+
+    monkeypatch.setattr(optim_mod, "adam_step_", spy)
+    big, small = nn.Parameter(torch.randn(BIG)), nn.Parameter(torch.randn(SMALL))
+    big.grad, small.grad = torch.randn(BIG), torch.randn(SMALL)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        AdamW8bit([big, small], lr=LR).step()
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(big.numel(), 1), (small.numel(), 2)] and after == 2
 
 
 def test_chunked_update_equals_one_pass(monkeypatch):

@@ -197,8 +197,11 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
     from lora_lab.diffusion import sample
     from lora_lab.models import build_pipeline, shipped_base
 
+    # feed_forward: the files hold the transformer blocks' ff layers too, which diffusers must map as well
     result = train(TrainConfig(model=model, dataset=str(dataset), output=str(tmp_path), steps=3, rank=4,
-                               lr=2e-2, batch_size=2, seed=SEED, sample_steps=0, progress=False))
+                               lr=2e-2, batch_size=2, seed=SEED, sample_steps=0, progress=False,
+                               feed_forward=True))
+    assert any(name.endswith("ff.net.2") for name in result.adapted)
     prompt, steps = "a digit three", 4
     ours = sample(result.pipe, prompt, seed=SEED, steps=steps)  # (1, 3, H, W) in [0, 1]
     formats = ["lora_diffusers", "lora_kohya"] if model in ("sd15", "sdxl") else ["lora_diffusers"]
@@ -433,6 +436,8 @@ def test_nan_weights_are_never_checkpointed(dataset, tmp_path, monkeypatch):
     ("flux", {"rank": 65}, r"TrainConfig.rank=65: larger than the targeted layer .* use --rank \d+ or less"),
     ("sd3", {"resolution": 136},
      r"TrainConfig.resolution=136: larger than the sd3 base's position embedding"),
+    ("flux", {"resolution": 4096}, r"TrainConfig.resolution=4096: the tiny flux base takes 128 pixels"),
+    ("sdxl", {"resolution": 136}, r"TrainConfig.resolution=136: the tiny sdxl base takes 128 pixels"),
 ])
 def test_rank_and_resolution_the_base_cannot_take(dataset, tmp_path, model, change, message):
     with pytest.raises(TrainConfigError, match=message):

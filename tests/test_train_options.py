@@ -43,6 +43,9 @@ def test_cli_flags(folders):
     assert (args.reg_dataset, args.prior_loss_weight, args.caption_dropout, args.buckets) == \
         (str(folders["reg"]), 0.5, 0.1, True)
     assert build_parser().parse_args(["train"]).buckets is False
+    assert build_parser().parse_args(["train", "--feed-forward"]).feed_forward is True
+    targets = TrainConfig(feed_forward=True).adapter_targets()
+    assert "ff.net.2" in targets and "to_q" in targets and "ff.net.2" not in TrainConfig().adapter_targets()
 
 
 def test_bucket_batches_are_one_size_cover_the_epoch_and_repeat():

@@ -14,7 +14,16 @@ import torch
 from .._moved import warn
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
-from ..models import DATA_DIR, KINDS, ModelKind, ModelLoadError, denoiser, model_kind
+from ..models import (
+    DATA_DIR,
+    KINDS,
+    TINY_MAX_RESOLUTION,
+    ModelKind,
+    ModelLoadError,
+    denoiser,
+    is_tiny,
+    model_kind,
+)
 from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
@@ -31,6 +40,9 @@ ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
                      "to_add_out")
 # The UNets' ResNet convolutions (LoCon), with --conv.
 CONV_TARGETS = ("conv1", "conv2")
+# The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
+# UNets' transformer blocks and SD3's and Flux's joint blocks. With --feed-forward.
+FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
 
 
 class TrainConfigError(LoraLabError, ValueError):
@@ -92,6 +104,10 @@ class TrainConfig:
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
+    feed_forward: bool = field(
+        default=False,
+        metadata={"help": "also adapt the transformer blocks' feed-forward layers (ff.net.0.proj, ff.net.2): "
+                  "a style that changes every pixel needs more than attention"})
     base_quantization: str | None = field(
         default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA), each "
                                         "as it is loaded: int8 | int8-block | nf4 | fp8 | fp8-row"})
@@ -236,9 +252,10 @@ class TrainConfig:
         return float(self.rank if self.alpha is None else self.alpha)
 
     def adapter_targets(self) -> list[str]:
-        """The suffixes of the denoiser's module names that get adapters: attention, and with `conv` the
-        convs."""
-        return list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+        """The suffixes of the denoiser's module names that get adapters: attention, with `conv` the convs,
+        with `feed_forward` the transformer blocks' feed-forward layers."""
+        return (list(ATTENTION_TARGETS) + (list(CONV_TARGETS) if self.conv else [])
+                + (list(FEED_FORWARD_TARGETS) if self.feed_forward else []))
 
     def dataset_dir(self) -> Path:
         """The training images' folder: `dataset`, or the set shipped in data/."""
@@ -282,7 +299,8 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:
     """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
-    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding)."""
+    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding; the
+    tiny bases: at most TINY_MAX_RESOLUTION)."""
     model = denoiser(pipe)
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
               if name and matches_targets(name, config.adapter_targets())
@@ -303,3 +321,7 @@ def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution
         raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {kind.name} base's "
                                f"position embedding takes "
                                f"({max_patches * patch * vae_factor} pixels at most)")
+    if is_tiny(pipe) and resolution > TINY_MAX_RESOLUTION:  # 4096 would end in an out-of-memory
+        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the tiny {kind.name} base takes "
+                               f"{TINY_MAX_RESOLUTION} pixels at most (8 x its native "
+                               f"{TINY_MAX_RESOLUTION // 8})")

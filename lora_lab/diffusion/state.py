@@ -1,12 +1,22 @@
-"""A training run's state on disk: `RunState`, the checkpoints it writes and reads, and resumption."""
+"""A training run's state on disk: `RunState`, the checkpoints it writes and reads, and resumption.
+
+What counts as a checkpoint: a regular file in <output>/checkpoints named exactly `step_NNNNNNN.pt` (the step
+is read from the name; a link, a folder or a pipe under such a name is ignored with a warning: never resumed
+from, renamed or removed). What counts as a good one (`load_checkpoint`): it reads without running code, holds
+what train() writes, its checksums (sha256 of every entry, tensors byte for byte, written with it) match,
+every loss is finite, and every adapter weight is finite and at most SANE_WEIGHT in magnitude. A checkpoint
+that is not good is never written, never resumed from (renamed `.bad`) and never counted as "last good".
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import pickle
 import random
+import re
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -44,8 +54,14 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
 # Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
 # fp32).
 BEFORE_0_2 = {"base_dtype": "fp32"}
-PATH_FIELDS = ("output", "dataset", "base")  # compared by real path: ./out, /abs/out and a link to it are one
+# compared by real path: ./out, /abs/out and a link to it are one
+PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
+# The largest adapter weight a good checkpoint holds. Trained LoRA factors stay far below 1 and DoRA
+# magnitudes are row norms of the base's weights; a weight beyond this means the run diverged (--lr 1e30 puts
+# 1e30 there after one step, and the next step's loss is not finite): no state to resume from.
+SANE_WEIGHT = 1e4
+CHECKPOINT_NAME = re.compile(r"step_(\d{7,})\.pt")
 
 
 @dataclass
@@ -61,8 +77,13 @@ class RunState:
     losses: list[float] = field(default_factory=list)
     last_good: Path | None = None
 
-    def last_good_text(self) -> str:
-        return str(self.last_good or "none (no checkpoint was written yet)")
+    def stopped_advice(self) -> str:
+        """What to do after training stopped on a non-finite loss or bad weights: the checkpoint to resume
+        from."""
+        if self.last_good is None:
+            return f"no good checkpoint was written yet: start the run again and {NON_FINITE_ADVICE}"
+        return (f"the last good checkpoint is {self.last_good}: resume from it (--resume takes it) and "
+                f"{NON_FINITE_ADVICE}")
 
 
 @dataclass
@@ -102,10 +123,68 @@ def checkpoint_path(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step_{step:07d}.pt"
 
 
-def latest_checkpoint(output: Path) -> Path | None:
-    """The checkpoint with the highest step in <output>/checkpoints, or None."""
-    found = sorted((output / "checkpoints").glob("step_*.pt"))
-    return found[-1] if found else None
+def checkpoints(output: Path, warn: bool = True) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints in <output>/checkpoints, oldest first: regular files named exactly as
+    `checkpoint_path` names them, the step read from the name. Anything else under such a name (a link, a
+    folder, a pipe) is skipped, with a warning if `warn`: never resumed from, renamed or removed."""
+    folder = output / "checkpoints"
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        hit = CHECKPOINT_NAME.fullmatch(entry.name)
+        if hit is None or entry.name != f"step_{int(hit[1]):07d}.pt":
+            continue
+        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+            if warn:
+                warnings.warn(f"{entry.path}: a link or not a regular file, named like a checkpoint; ignored "
+                              "(never resumed from, renamed or removed)", stacklevel=3)
+            continue
+        found.append((int(hit[1]), Path(entry.path)))
+    return sorted(found)
+
+
+def digest(value: Any) -> str:
+    """sha256 of a checkpoint entry: every tensor's dtype, shape and bytes, every other value's type and repr,
+    in a fixed order (dict keys sorted)."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}".encode())
+            for k in sorted(x, key=repr):
+                walk(k)
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+
+    walk(value)
+    return h.hexdigest()
+
+
+def weights_problem(named: Any) -> tuple[str, str] | None:
+    """(why, the weight's name) if adapter weights, (name, tensor) pairs, are no good state to keep or resume
+    from: a weight that is not finite, or larger than SANE_WEIGHT. None if they are."""
+    for name, t in named:
+        t = t.detach()
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            return "adapter weights are not finite", name
+        largest = float(t.abs().max())
+        if largest > SANE_WEIGHT:
+            return f"adapter weights reach {largest:.3g}, beyond {SANE_WEIGHT:g} (the run diverged)", name
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -113,7 +192,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     be a good one: the keys and types train() writes, one loss per step, every loss and adapter weight finite.
 
     Raises ResumeError naming the file and what is wrong (empty, truncated, garbage, a folder, a pickle
-    that would call a function, a missing key, NaN weights ...).
+    that would call a function, a missing key, a checksum that does not match, NaN or huge weights ...).
     """
     path = Path(path)
     if not path.is_file():  # a folder, a device, or a pipe (opening one waits for a writer for ever)
@@ -121,7 +200,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError,
-            IndexError, TypeError, AttributeError, ImportError, OverflowError) as e:  # seen on bad bytes
+            IndexError, TypeError, AttributeError, ImportError, OverflowError,
+            MemoryError) as e:  # seen on bad bytes
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         raise ResumeError(f"{path}: not a readable weights-only checkpoint ({why})") from None
     if not isinstance(state, dict):
@@ -129,6 +209,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     missing = sorted(set(CHECKPOINT_KEYS) - set(state))
     if missing:
         raise ResumeError(f"{path}: not a training checkpoint (no {', '.join(missing)})")
+    check_sums(path, state)
     for key, kind in CHECKPOINT_KEYS.items():
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise ResumeError(f"{path}: '{key}' is a {type(state[key]).__name__}, expected a {kind.__name__}")
@@ -142,18 +223,41 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise ResumeError(f"{path}: 'losses' must hold one float per step ({state['step']} steps)")
     if not all(math.isfinite(x) for x in state["losses"]):
         raise ResumeError(f"{path}: a loss before this checkpoint is not finite")
-    nonfinite = [k for k, v in state["adapter"].items()
-                 if v.is_floating_point() and not torch.isfinite(v).all()]
-    if nonfinite:
-        raise ResumeError(f"{path}: adapter weights are not finite ({nonfinite[0]})")
+    problem = weights_problem(state["adapter"].items())
+    if problem:
+        raise ResumeError(f"{path}: {problem[0]} ({problem[1]})")
     return state
+
+
+OPTIONAL_KEYS = {"dataset_fingerprint", "checksums"}  # written since 0.2 and 0.3: older checkpoints lack them
+
+
+def check_sums(path: Path, state: dict[str, Any]) -> None:
+    """ResumeError unless every entry's checksum matches the one written with it (a checkpoint written before
+    checksums existed is read with a warning); the checksums are taken out of `state`."""
+    sums = state.pop("checksums", None)
+    unknown = sorted(map(str, set(state) - set(CHECKPOINT_KEYS) - OPTIONAL_KEYS))
+    if unknown:
+        raise ResumeError(f"{path}: not a checkpoint train() writes (unknown entry {unknown[0]!r:.80})")
+    if sums is None:
+        warnings.warn(f"{path}: written without checksums (by an older lora_lab): its bytes are not verified",
+                      stacklevel=4)
+        return
+    if not (isinstance(sums, dict) and set(sums) == set(state)
+            and all(isinstance(v, str) for v in sums.values())):
+        raise ResumeError(f"{path}: its checksums do not cover what it holds")
+    changed = [k for k in sorted(state) if digest(state[k]) != sums[k]]
+    if changed:
+        raise ResumeError(f"{path}: the checksum of {changed[0]!r} does not match: its bytes changed after "
+                          "it was written (a flipped bit, a bad disk)")
 
 
 def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | None, list[Path]]:
     """(checkpoint, its state, the bad checkpoints newer than it) to resume from; (None, None, []) for a fresh
     run. The newest good checkpoint (`load_checkpoint`) wins; each bad newer one is named in a warning.
     Refuses to mix a fresh run into an old one."""
-    latest = latest_checkpoint(out)
+    found = checkpoints(out)
+    latest = found[-1][1] if found else None
     if config.resume and latest is None:
         raise TrainConfigError(f"TrainConfig.resume=True but {out / 'checkpoints'} holds no checkpoint")
     if not config.resume and latest is not None:
@@ -164,7 +268,7 @@ def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | No
     if not config.resume:
         return None, None, []
     bad: list[Path] = []
-    for path in sorted((out / "checkpoints").glob("step_*.pt"), reverse=True):
+    for _, path in reversed(found):
         try:
             state = load_checkpoint(path)
         except ResumeError as e:
@@ -212,35 +316,45 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 def save_checkpoint(run: RunState, learner: Learner, main: bool) -> Path:
-    """Write checkpoints/step_NNNNNNN.pt of `run.step` atomically (on the main process), keep the newest
-    `keep_checkpoints`, and make it `run.last_good`. Only a good checkpoint is written: non-finite adapter
-    weights raise NonFiniteLossError instead (on every process)."""
+    """Write checkpoints/step_NNNNNNN.pt of `run.step` atomically (on the main process) with the checksum of
+    each entry, keep the newest `keep_checkpoints` (`prune`), and make it `run.last_good`. Only a good
+    checkpoint is written: non-finite or diverged adapter weights (`weights_problem`) raise NonFiniteLossError
+    instead (on every process), naming the checkpoint to resume from."""
     path = checkpoint_path(run.output, run.step)
-    nonfinite = [n for n, p in learner.named if not torch.isfinite(p.detach()).all()]
-    if nonfinite:
-        raise NonFiniteLossError(
-            f"adapter weights are not finite after step {run.step} ({nonfinite[0]}); training stopped. "
-            f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
-        )
+    problem = weights_problem(learner.named)
+    if problem:
+        raise NonFiniteLossError(f"{problem[0]} after step {run.step} ({problem[1]}); training stopped: "
+                                 f"{run.stopped_advice()}")
     if main:
-        atomic_torch_save(
-            {
-                "step": run.step,
-                "adapter": {n: p.detach().cpu().clone() for n, p in learner.named},
-                "optimizer": learner.optimizer.state_dict(),
-                "scaler": learner.precision.state_dict(),
-                "rng": rng_state(),
-                "losses": list(run.losses),
-                "config": asdict(run.config),
-                "n_examples": run.n_examples,
-                "dataset_fingerprint": run.fingerprint,
-            },
-            path,
-        )
-        for old in sorted((run.output / "checkpoints").glob("step_*.pt"))[: -run.config.keep_checkpoints]:
-            old.unlink()
+        state = {
+            "step": run.step,
+            "adapter": {n: p.detach().cpu().clone() for n, p in learner.named},
+            "optimizer": learner.optimizer.state_dict(),
+            "scaler": learner.precision.state_dict(),
+            "rng": rng_state(),
+            "losses": list(run.losses),
+            "config": asdict(run.config),
+            "n_examples": run.n_examples,
+            "dataset_fingerprint": run.fingerprint,
+        }
+        state["checksums"] = {k: digest(v) for k, v in state.items()}
+        atomic_torch_save(state, path)
+        prune(run.output, run.step, run.config.keep_checkpoints)
     run.last_good = path
     return path
+
+
+def prune(output: Path, step: int, keep: int) -> None:
+    """Remove this run's older checkpoints beyond the newest `keep`: only regular files named like a
+    checkpoint (`checkpoints`) of a step below `step` (the one just written, which stays). A link, and the
+    checkpoint a link in the folder points to, are never removed; nor is a newer checkpoint this run did not
+    write."""
+    folder = output / "checkpoints"
+    linked = {os.path.realpath(e.path) for e in os.scandir(folder) if e.is_symlink()}
+    older = [p for s, p in checkpoints(output, warn=False) if s < step]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        if os.path.realpath(path) not in linked:
+            path.unlink()
 
 
 def restore(run: RunState, learner: Learner, state: dict[str, Any], path: Path) -> None:

@@ -65,7 +65,6 @@ from .encoders import Encoders
 from .objectives import objective_for
 from .sampling import prompt_inputs, sample_grid
 from .state import (
-    NON_FINITE_ADVICE,
     Learner,
     NonFiniteLossError,
     ResumeError,
@@ -264,11 +263,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
                 loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step,
                                         env).item()
                 if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss} at step {run.step + 1} of {config.steps} (lr {lr:.3g}); "
-                        "training stopped. "
-                        f"The last good checkpoint is {run.last_good_text()}; {NON_FINITE_ADVICE}"
-                    )
+                    raise NonFiniteLossError(f"loss is {loss} at step {run.step + 1} of {config.steps} "
+                                             f"(lr {lr:.3g}); training stopped: {run.stopped_advice()}")
                 learner.precision.step(learner.optimizer, config.max_grad_norm)
             run.step += 1
             run.losses.append(loss)

@@ -25,6 +25,7 @@ from .names import (
     COMPONENTS,
     UNET_LAYOUT_KEY,
     UnetLayout,
+    _live_paths,
     canonical_name,
     diffusers_name,
 )
@@ -125,7 +126,21 @@ def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
     )
 
 
-_PATTERN_NAME = re.compile(r"[\w.\-]+")  # a module name, the only kind of alpha_pattern key read
+# An alpha_pattern key lora_lab evaluates: name characters, '.' (any character, as in a regex), escaped
+# punctuation (`re.escape`), and a leading '^'. Without a quantifier, group, class or alternation no key can
+# make `re` backtrack for ever; PEFT's own keys (diffusers writes module names, `^name` for an exact one) are.
+_SAFE_PATTERN = re.compile(r"\^?(?:[\w.\-]|\\[^\w\s])+")
+
+
+def _pattern_matcher(pattern: str):
+    """name -> whether PEFT's `get_pattern_key` matches `pattern` to a module named `name`: the regex
+    `(.*[.])?(pattern)$` matched at the start of the name. A key without an unescaped '.' or '^' is a literal
+    name: the same test as plain string operations."""
+    literal = re.sub(r"\\(.)", r"\1", pattern)
+    if re.fullmatch(r"(?:[\w\-]|\\[^\w\s])+", pattern):
+        return lambda name: name == literal or name.endswith("." + literal)
+    regex = re.compile(rf"(.*\.)?({pattern})$")
+    return lambda name: regex.match(name) is not None
 
 
 def _peft_alphas(path: Path, metadata: Mapping[str, str]):
@@ -133,9 +148,12 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
     per component: alpha_pattern, else lora_alpha; rsLoRA folded in as alpha * sqrt(r), so that alpha / r is
     PEFT's alpha / sqrt(r)). None where the metadata says nothing: diffusers then takes alpha = rank.
 
-    Pattern keys are read as module names (`re.escape`d or not) matched by suffix, which is PEFT's rule
-    `(.*[.])?(pattern)$` for a name; a key with other regex syntax is refused, so that no file can make the
-    reader backtrack for ever (`(.*)*b`). rank_pattern is not read: a module's rank is its weights'."""
+    Pattern keys are regular expressions matched as PEFT matches them (`peft.utils.other.get_pattern_key`,
+    which diffusers' `load_lora_weights` uses through `LoraConfig(**metadata)`): `(.*[.])?(key)$` from the
+    start of the module's name in the live model, the first key in the file's order that matches wins. So
+    `to_.` gives every to_q, to_k and to_v its alpha, as in diffusers. A key with other regex syntax (a
+    quantifier, a group, a class, an alternation) is refused, so that no file can make the reader backtrack
+    for ever (`(.*)*b`). rank_pattern is not read: a module's rank is its weights'."""
     raw = metadata.get(METADATA_KEY)
     where = f"{path}: metadata {METADATA_KEY!r}"
     meta = parse_json(where, raw) if raw else {}
@@ -152,14 +170,13 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
         if not isinstance(table, dict):
             raise LoraFormatError(f"{where} key {key!r}: must be an object {{module name: value}}, "
                                   f"got {table!r:.80}")
-        out = {}
+        out = []
         for pattern, v in table.items():
-            name = re.sub(r"\\(.)", r"\1", pattern)  # undo re.escape
-            if not _PATTERN_NAME.fullmatch(name):
+            if not _SAFE_PATTERN.fullmatch(pattern):
                 raise LoraFormatError(f"{where} key {key!r}: pattern {pattern!r:.80} is not a module name "
-                                      "(lora_lab matches module names by suffix, as PEFT does, "
-                                      "and reads no regex)")
-            out[name] = number(f"{key}[{pattern!r}]", v)
+                                      "(lora_lab reads a name, escaped or with '.' and a leading '^' as "
+                                      "PEFT's regex does, but no quantifier, group, class or alternation)")
+            out.append((_pattern_matcher(pattern), number(f"{key}[{pattern!r}]", v)))
         return out
 
     tables = {}  # component -> (lora_alpha, alpha_pattern, use_rslora)
@@ -178,7 +195,8 @@ def _peft_alphas(path: Path, metadata: Mapping[str, str]):
         if comp not in tables:
             return None
         alpha, pattern, rslora = tables[comp]
-        alpha = next((a for p, a in pattern.items() if name == p or name.endswith("." + p)), alpha)
+        live = _live_paths(name)[-1]  # the module's name in the model PEFT adapts (CLIP: no `text_model.`)
+        alpha = next((a for matches, a in pattern if matches(live)), alpha)
         return alpha * math.sqrt(rank) if rslora else alpha
 
     return alpha_of

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blockwise import BLOCK_SIZE, dequantize_blockwise, quantize_blocks
+from .blockwise import BLOCK_SIZE, dequantize_blocks_into, quantize_blocks
 
 CHUNK_BLOCKS = 1024  # blocks per vectorised pass of the 8-bit update: 262144 values, 1 MiB in fp32
 
@@ -63,7 +63,9 @@ def adam_step_(
 
     Quantized moments are processed in chunks of CHUNK_BLOCKS blocks: each chunk is one vectorised
     pass over many blocks, and the fp32 temporaries stay small (cache-sized, and a fraction of the
-    memory that fp32 moments would have taken, which is the point of 8-bit state).
+    memory that fp32 moments would have taken, which is the point of 8-bit state). Each chunk is dequantized
+    into two reused buffers, updated by one fused pass, and quantized from those buffers (scaled in place)
+    straight into the state: ~20 ops a chunk, with few temporaries.
     """
     if m_absmax is None:
         p32 = param.float()  # param itself when it is fp32
@@ -74,20 +76,34 @@ def adam_step_(
     bs = hp.block_size
     p_flat = param.view(-1) if param.is_contiguous() else param.reshape(-1).clone()
     g_flat, m_flat, v_flat = grad.reshape(-1), m.view(-1), v.view(-1)
-    n, chunk = p_flat.numel(), CHUNK_BLOCKS * bs
+    n = p_flat.numel()
+    chunk = min(CHUNK_BLOCKS * bs, -(-n // bs) * bs)
+    m32, v32 = (torch.empty(chunk, dtype=torch.float32, device=param.device) for _ in range(2))
+    update = _fused_update(hp, step, param.device)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         blocks = slice(start // bs, -(-end // bs))
         p = p_flat[start:end]
-        p32 = p.float()
-        m32 = dequantize_blockwise(m_flat[start:end], m_absmax[blocks], signed=True, block_size=bs)
-        v32 = dequantize_blockwise(v_flat[start:end], v_absmax[blocks], signed=False, block_size=bs)
-        adam_math_(p32, g_flat[start:end].float(), m32, v32, step, hp)
+        p32, mk, vk = p.float(), m32[: end - start], v32[: end - start]
+        dequantize_blocks_into(m_flat[start:end], m_absmax[blocks], mk, signed=True, block_size=bs)
+        dequantize_blocks_into(v_flat[start:end], v_absmax[blocks], vk, signed=False, block_size=bs)
+        update(p32, g_flat[start:end].float(), mk, vk)
         if p32 is not p:
             p.copy_(p32)
-        for codes, absmax, new, signed in ((m_flat, m_absmax, m32, True), (v_flat, v_absmax, v32, False)):
-            c, a = quantize_blocks(new, signed, bs, keep_nonzero=not signed)
-            codes[start:end] = c
-            absmax[blocks] = a
+        quantize_blocks(mk, True, bs, out=(m_flat[start:end], m_absmax[blocks]))
+        quantize_blocks(vk, False, bs, keep_nonzero=True, out=(v_flat[start:end], v_absmax[blocks]))
     if p_flat.data_ptr() != param.data_ptr():  # param was not contiguous: we worked on a copy
         param.copy_(p_flat.view_as(param))
+
+
+def _fused_update(hp: AdamHyper, step: int, device: torch.device):
+    """`adam_math_` as one pass: torch's fused Adam(W) kernel (what torch.optim.AdamW(fused=True) runs) where
+    the device has it, else `adam_math_` itself. The same formula: equal moments, p within 1 ulp
+    (tests/test_optim.py)."""
+    if device.type not in ("cpu", "cuda"):
+        return lambda p, g, m, v: adam_math_(p, g, m, v, step, hp)
+    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
+    steps = [torch.tensor(float(step), device=device)]
+    kw = {"lr": hp.lr, "beta1": hp.beta1, "beta2": hp.beta2, "weight_decay": hp.weight_decay, "eps": hp.eps,
+          "amsgrad": False, "maximize": False}
+    return lambda p, g, m, v: fused([p], [g], [m], [v], [], steps, **kw)

@@ -13,7 +13,6 @@ absmax are double-quantized with it (quant/weights.py); imports nothing of lora_
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +66,6 @@ def _on_device(signed: bool, device: torch.device) -> torch.Tensor:
 def _midpoints(signed: bool, device: torch.device) -> torch.Tensor:
     q = _on_device(signed, device)
     return (q[1:] + q[:-1]) / 2  # (255,) a value rounds to the map entry whose interval holds it
-
-
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # which uint16 of an fp32 holds sign, exponent, 7 bits
 
 
 @functools.cache
@@ -126,20 +122,36 @@ def quantize_blockwise(
 
 
 def quantize_blocks(
-    x: torch.Tensor, signed: bool = True, block_size: int = BLOCK_SIZE, keep_nonzero: bool = False
+    x: torch.Tensor, signed: bool = True, block_size: int = BLOCK_SIZE, keep_nonzero: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_blockwise` without its input check, for values known to fit the map (Adam's moments).
 
     keep_nonzero (unsigned map only): a positive value gets the smallest non-zero code, never 0
-    (see `_rounding_tables`).
+    (see `_rounding_tables`). out: (codes, absmax) to write into (codes uint8 with x's numel, absmax fp32 of
+    the block count), as the 8-bit optimizer's step does into its state, chunk by chunk; x is then a
+    scratch buffer (fp32, contiguous, whole blocks but for a ragged end) and is overwritten.
     """
-    blocks = as_blocks(x.detach().reshape(-1).float(), block_size)  # (nb, bs)
-    absmax = blocks.abs().amax(dim=1)  # (nb,)
-    scaled = (blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]).view(-1)  # in [-1, 1]
+    flat = x.detach().reshape(-1).float()
+    scratch = out is not None and flat.data_ptr() == x.data_ptr() and flat.numel() % block_size == 0
+    blocks = as_blocks(flat, block_size)  # (nb, bs)
+    absmax = out[1] if out is not None else torch.empty(blocks.shape[0], device=x.device)
+    if signed:  # max |x| without an |x| tensor
+        torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_(), out=absmax)
+    else:  # the unsigned map's values are >= 0
+        torch.amax(blocks, dim=1, out=absmax)
+    scale = torch.where(absmax > 0, absmax, 1.0)[:, None]
+    scaled = (blocks.div_(scale) if scratch else blocks / scale).view(-1)  # in [-1, 1]
     base, threshold = _rounding_tables(signed, x.device, keep_nonzero)
-    top16 = scaled.view(torch.uint16)[_HIGH_HALF::2].to(torch.int32)  # (n,) bucket of each value
-    codes = base.index_select(0, top16).add_(scaled > threshold.index_select(0, top16))
-    return codes[: x.numel()].view(x.shape), absmax
+    top16 = scaled.view(torch.int32) >> 16  # (n,) bucket of each value: sign, exponent, 7 bits
+    if signed:
+        top16 &= 0xFFFF  # negative values' sign bit was extended by the shift
+    n = x.numel()
+    top16, scaled = top16[:n], scaled[:n]  # without the zero padding of a ragged last block
+    codes = out[0] if out is not None else torch.empty(n, dtype=torch.uint8, device=x.device)
+    torch.index_select(base, 0, top16, out=codes)  # base + (scaled > threshold), straight into the codes
+    codes.add_(scaled > threshold.index_select(0, top16))
+    return out if out is not None else (codes.view(x.shape), absmax)
 
 
 def dequantize_blockwise(
@@ -149,3 +161,14 @@ def dequantize_blockwise(
     values = _on_device(signed, codes.device).index_select(0, codes.reshape(-1).int())  # (n,)
     blocks = as_blocks(values, block_size).mul_(absmax[:, None])  # (nb, bs)
     return blocks.view(-1)[: codes.numel()].view(codes.shape)
+
+
+def dequantize_blocks_into(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool = True,
+                           block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """`dequantize_blockwise` into `out` (fp32, codes' numel, contiguous): the 8-bit optimizer's step, into
+    its reused buffers. (A lookup per pair of codes in a 512 KiB table measured slower on a busy machine.)"""
+    flat = codes.reshape(-1)
+    if flat.numel() % block_size:
+        return out.copy_(dequantize_blockwise(flat, absmax, signed, block_size))
+    torch.index_select(_on_device(signed, codes.device), 0, flat.int(), out=out)
+    return out.view(-1, block_size).mul_(absmax[:, None]).view(-1)

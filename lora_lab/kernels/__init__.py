@@ -3,6 +3,7 @@
     lora.py      fused LoRA linear:   y = x W^T + b + s (x A^T) B^T, forward and backward
     dora.py      DoRA:                ||W + s B A|| per output row in factored form, and the DoRA linear
     adam8bit.py  one 8-bit Adam step: dequantize the moments, update in fp32, re-quantize, write the parameter
+    quant.py     a quantized base's matmul (int8, nf4): y = x dequant(Q)^T and dx = g dequant(Q), tile by tile
 
 On a GPU the kernels are compiled. On the CPU they run under the Triton interpreter, which
 must be switched on with TRITON_INTERPRET=1 BEFORE a kernel module is imported (Triton decides

@@ -20,6 +20,7 @@ from .builders import (
     DIGIT_NAMES,
     RESOLUTION,
     TEXT_LEN,
+    TINY_MAX_RESOLUTION,
     build_components,
     build_tokenizer,
     decode_latents,
@@ -27,6 +28,7 @@ from .builders import (
     denoiser,
     encode_images,
     encode_prompts,
+    is_tiny,
     predict,
     shipped_base,
 )
@@ -35,7 +37,7 @@ from .real import REAL_CONFIGS, REAL_MODELS, build_real, real_kind
 
 __all__ = [
     "COMPONENTS", "DATA_DIR", "DIGIT_NAMES", "KINDS", "REAL_CONFIGS", "REAL_MODELS", "RESOLUTION", "TEXT_LEN",
-    "ModelKind", "ModelLoadError", "build_components", "build_pipeline", "open_base", "build_real", "build_tokenizer",
-    "decode_latents", "default_resolution", "denoiser", "encode_images", "encode_prompts", "kind_of",
-    "model_kind", "predict", "real_kind", "shipped_base",
+    "TINY_MAX_RESOLUTION", "ModelKind", "ModelLoadError", "build_components", "build_pipeline", "open_base",
+    "build_real", "build_tokenizer", "decode_latents", "default_resolution", "denoiser", "encode_images",
+    "encode_prompts", "is_tiny", "kind_of", "model_kind", "predict", "real_kind", "shipped_base",
 ]

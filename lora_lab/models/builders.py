@@ -231,10 +231,19 @@ def shipped_base(kind: str) -> Path | None:
     return path if (path / "model_index.json").is_file() else None
 
 
+TINY_MAX_RESOLUTION = 8 * RESOLUTION  # 128 pixels: 64 x 64 latents, 64x the tiny models' native tokens
+
+
+def is_tiny(pipe) -> bool:
+    """A pipeline of this project's tiny components (their VAE downsamples 2x; real SD/SDXL/SD3/Flux VAEs
+    8x)."""
+    return pipe.vae_scale_factor < 8
+
+
 def default_resolution(pipe) -> int:
     """The base's native image side: the tiny models' RESOLUTION,
     else latent sample size x VAE downsampling."""
-    if pipe.vae_scale_factor < 8:  # the tiny VAE (2x); real SD/SDXL/SD3/Flux VAEs downsample 8x
+    if is_tiny(pipe):
         return RESOLUTION
     return (int(getattr(denoiser(pipe).config, "sample_size", None) or 128)
             * pipe.vae_scale_factor)  # Flux: 1024

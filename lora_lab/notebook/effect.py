@@ -7,12 +7,18 @@ API:
         .confidence(images, labels) -> float: the mean probability the classifier gives the digit asked for
     InvertedClassifier.fit(normal, inverted) / .predict(images) -> bool (N,);  .rate(images) -> float
     fit_classifiers(train_indices) -> (DigitClassifier, InvertedClassifier) fitted on real digits
+    StrictReader.fit(size=RESOLUTION) -> the strict reader of each tile, on all 1797 real digits
+        .read(images) -> Reading (digit, confidence, distance, like_a_digit per image)
+        .confidence(images, asked) -> (N,);  .rate(images, asked) -> float (read as asked, confidence >= 0.8)
 
 The images are sklearn's 8x8 digits (ink 0..16) upscaled bilinearly; ink is white (+1) on black (-1).
 "Inverted" is the new style the LoRA in data/lora_inverted teaches: black ink on a white background.
 The digit classifier reads an image average-pooled back to 8x8 (logistic regression on 64 pixels),
 after turning an image with a light border (the inverted style) back to light ink on dark, so it
 says which digit is drawn whatever the colours;
+the strict reader compares each image, every pixel at full resolution, with the 1797 real digits (a
+5-nearest-neighbour reading, with a check that the image is as close to real digits as they are to each
+other);
 the inversion classifier reads three statistics (mean of the border, of the centre, of the whole
 image) with a logistic regression, so it keys on the background colour, not on a digit's shape.
 """
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import LoraLabError
 from ..models import RESOLUTION
 from .digits import digit_arrays
 
@@ -50,12 +57,17 @@ def _gray(images: torch.Tensor) -> torch.Tensor:
     return images.float().mean(dim=1)
 
 
-def _pixels8(images: torch.Tensor) -> np.ndarray:
-    """Average-pooled to 8x8, the digits' native size, light ink on dark: (N, 64)."""
+def _upright(images: torch.Tensor) -> torch.Tensor:
+    """Grey, light ink on dark (an image with a light border, the inverted style, is turned back): (N, H,
+    W)."""
     g = _gray(images)
     light_border = torch.from_numpy(_brightness_stats(images)[:, 0] > 0)  # (N,) the inverted style
-    g = torch.where(light_border[:, None, None], -g, g)
-    g = F.adaptive_avg_pool2d(g[:, None], 8)
+    return torch.where(light_border[:, None, None], -g, g)
+
+
+def _pixels8(images: torch.Tensor) -> np.ndarray:
+    """Average-pooled to 8x8, the digits' native size, light ink on dark: (N, 64)."""
+    g = F.adaptive_avg_pool2d(_upright(images)[:, None], 8)
     return g.reshape(len(images), -1).numpy()
 
 
@@ -123,3 +135,68 @@ def fit_classifiers(train_indices=None) -> tuple[DigitClassifier, InvertedClassi
     x, y = digit_images(train_indices)
     xi, _ = digit_images(train_indices, inverted=True)
     return DigitClassifier().fit(x, y), InvertedClassifier().fit(x, xi)
+
+
+STRICT_CONFIDENCE = 0.8  # a tile counts as read when at least this share of its nearest real digits agree
+
+
+@dataclass
+class Reading:
+    """What the strict reader sees in each image."""
+
+    digit: torch.Tensor  # (N,) int64: the digit most of its K nearest real digits show
+    confidence: torch.Tensor  # (N,) share of the K nearest real digits showing `digit`; 0 if not like_a_digit
+    distance: torch.Tensor  # (N,) mean pixel distance to those K real digits
+    like_a_digit: torch.Tensor  # (N,) bool: distance within what real digits have to each other
+
+
+@dataclass
+class StrictReader:
+    """Which digit an image shows, read strictly: compared at full resolution (every pixel, grey, light ink
+    on dark, nothing pooled) with real digits; the reading is the digit of its K nearest real digits, the
+    confidence the share of them that agree. An image farther from its nearest real digits than `far` (the
+    `quantile` of the real digits' own distances to their K nearest others) is like no real digit: confidence
+    0, whatever its neighbours show: a blob with a digit's ink roughly in place reads as nothing."""
+
+    references: torch.Tensor = field(repr=False)  # (M, H*W) the real digits, upright grey
+    labels: torch.Tensor = field(repr=False)  # (M,)
+    size: int
+    k: int
+    far: float
+
+    @classmethod
+    def fit(cls, size: int = RESOLUTION, k: int = 5, quantile: float = 0.99, indices=None) -> StrictReader:
+        """The reader on scikit-learn's real digits (all 1797, or `indices`) upscaled to size x size."""
+        x, y = digit_images(indices, size=size)
+        refs = _upright(x).reshape(len(x), -1)
+        d = torch.cdist(refs, refs)
+        d.fill_diagonal_(float("inf"))  # leave-one-out: a digit is not its own neighbour
+        far = d.topk(k, largest=False).values.mean(1).quantile(quantile).item()
+        return cls(refs, y, size, k, far)
+
+    def _neighbours(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels of the K nearest real digits (N, K), their mean distance (N,)) of `images`."""
+        if tuple(images.shape[-2:]) != (self.size, self.size):
+            raise LoraLabError(f"StrictReader was fitted on {self.size}x{self.size} digits; got images of "
+                               f"{tuple(images.shape[-2:])}")
+        g = _upright(images).reshape(len(images), -1)
+        dist, idx = torch.cdist(g, self.references).topk(self.k, largest=False)  # (N, K)
+        return self.labels[idx], dist.mean(1)
+
+    def read(self, images: torch.Tensor) -> Reading:
+        """The reading of `images` (N, 3, size, size) in [-1, 1]."""
+        labels, distance = self._neighbours(images)
+        share, digit = F.one_hot(labels, 10).float().mean(1).max(1)  # the majority and its share
+        like = distance <= self.far
+        return Reading(digit, torch.where(like, share, 0.0), distance, like)
+
+    def confidence(self, images: torch.Tensor, asked) -> torch.Tensor:
+        """(N,) the share of each image's K nearest real digits that show the digit `asked` (a scalar or
+        (N,)), 0 for an image like no real digit."""
+        labels, distance = self._neighbours(images)
+        share = (labels == torch.as_tensor(asked).reshape(-1, 1)).float().mean(1)
+        return torch.where(distance <= self.far, share, 0.0)
+
+    def rate(self, images: torch.Tensor, asked, threshold: float = STRICT_CONFIDENCE) -> float:
+        """The fraction of `images` read as the digit `asked` with confidence at least `threshold`."""
+        return float((self.confidence(images, asked) >= threshold).float().mean())

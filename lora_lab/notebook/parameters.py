@@ -1,8 +1,9 @@
 """A notebook's parameters: reading the `parameters` cell and papermill's injected cell, and checking them.
 
 The defaults are the last cell of UPPER_CASE literal assignments; a value injected for a name must be
-defined there, of the default's type (also inside lists and dicts), and finite unless the parameter's
-comment says it takes NaN/Inf. Values are read with `ast` (literals only): nothing injected runs code.
+defined there, of the default's type (also inside lists and dicts), finite unless the parameter's
+comment says it takes NaN/Inf, and within the range its comment declares (ranges.py). Values are read with
+`ast` (literals only): nothing injected runs code.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from typing import Any
 
 from ..errors import LoraLabError
+from .ranges import RangeSyntaxError, parse_range, range_error
 
 
 class NotebookParameterError(LoraLabError):
@@ -156,6 +158,41 @@ def check_parameters(defaults: dict[str, Any], injected: dict[str, Any],
                                          "(its comment in the parameters cell says what is)")
 
 
+def check_ranges(comments: dict[str, str], values: dict[str, Any]) -> None:
+    """Raise NotebookParameterError naming the parameter for a value outside the range its comment declares
+    (a bound may name another parameter: it is read from `values`)."""
+    for name, value in values.items():
+        comment = comments.get(name, "")
+        try:
+            spec = parse_range(comment)
+            why = spec and range_error(spec, value, values)
+        except RangeSyntaxError as e:  # a bound that names no numeric parameter
+            raise NotebookParameterError(f"parameter {name}: its comment {comment!r:.80} declares a range "
+                                         f"that cannot be checked ({e})") from None
+        if why:
+            declared = re.split(r"[:;]", comment, maxsplit=1)[0].strip()
+            raise NotebookParameterError(f"parameter {name}={value!r:.80}: {why}; the parameters cell says "
+                                         f"{declared}")
+
+
+def as_declared(default: Any, value: Any) -> Any:
+    """`value` with an int where the default holds a float made a float (papermill writes 1 for 1.0), also
+    inside lists and dicts; NotebookParameterError for an int too large for a float."""
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            digits = len(str(abs(value)))
+            raise NotebookParameterError(f"an int of {digits} digits is too large for a float") from None
+    if isinstance(default, (list, tuple)) and isinstance(value, list) and default:
+        kinds = {type(d) for d in default}
+        if float in kinds and kinds <= {int, float}:
+            return [as_declared(1.0, v) for v in value]
+    if isinstance(default, dict) and isinstance(value, dict):
+        return {k: as_declared(default[k], v) if k in default else v for k, v in value.items()}
+    return value
+
+
 def parameters_from_history(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(defaults, injected) from the executed cells: the last literal-only cell is the
     defaults; papermill's injected cell (it begins with '# Parameters') follows it."""
@@ -163,11 +200,11 @@ def parameters_from_history(inputs: list[str]) -> tuple[dict[str, Any], dict[str
     return defaults, injected
 
 
-def parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], frozenset[str]]:
-    """(defaults, injected, names whose comment allows NaN/Inf) from the executed cells."""
+def parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """(defaults, injected, each parameter's comment) from the executed cells."""
     defaults: dict[str, Any] = {}
     injected: dict[str, Any] = {}
-    nonfinite_ok: frozenset[str] = frozenset()
+    comments: dict[str, str] = {}
     for src in inputs:
         if src.lstrip().startswith("# Parameters"):
             injected = _injected_assignments(src)
@@ -176,6 +213,11 @@ def parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], 
         if found is None or not all(name.isupper() for name in found):
             continue
         defaults = {name: value for name, (value, _) in found.items()}
-        nonfinite_ok = frozenset(name for name, (_, comment) in found.items() if _takes_nonfinite(comment))
+        comments = {name: comment for name, (_, comment) in found.items()}
         injected = {}
-    return defaults, injected, nonfinite_ok
+    return defaults, injected, comments
+
+
+def nonfinite_allowed(comments: dict[str, str]) -> frozenset[str]:
+    """The parameters whose comment says they take NaN/Inf."""
+    return frozenset(name for name, comment in comments.items() if _takes_nonfinite(comment))

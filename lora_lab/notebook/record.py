@@ -12,12 +12,22 @@ In a notebook:
 `Record.start` reads the defaults from the notebook's `parameters` cell (from the IPython input
 history, so it works in JupyterLab and under papermill alike) and checks every injected parameter
 (parameters.py): a name the notebook does not define (in any case), a value of another type than
-the default's (also inside lists and dicts), or NaN/Inf where the parameter's comment does not say it
-takes them is a `NotebookParameterError` naming the parameter, raised in the cell right after the parameters.
-`finish()` shows one table of the claims (held or not) and writes the JSON.
+the default's (also inside lists and dicts), NaN/Inf where the parameter's comment does not say it
+takes them, or a value outside the range the comment declares (ranges.py) is a `NotebookParameterError`
+naming the parameter, raised in the cell right after the parameters, before any cell uses a value.
+`finish()` shows one table of the claims (held or not) and writes the JSON; a claim held over a NaN, or a
+NaN among the recorded numbers, fails the record (nothing holds over a number that is not a number).
+
+A notebook writes only inside the reports folder: `fresh_report_folder(name)` is where a run's files go
+(a name built from parameters that would lead outside it is refused, and nothing is removed).
 
 Results go to `reports/` at the repository root, whatever the working directory (JupyterLab runs a
 notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `--out` sets it).
+
+`Record.start` also sets the kernel's torch threads to `lora_lab.threads.notebook_threads()` (1, or
+$LORA_LAB_THREADS): the notebooks train tiny models, whose many small ops gain little from a second thread
+and collapse on two when another process keeps a core busy (JupyterLab beside a browser, a shared 2-vCPU
+machine). The count is recorded with the results.
 """
 
 from __future__ import annotations
@@ -26,14 +36,26 @@ import html
 import json
 import math
 import os
+import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes
-from .parameters import check_parameters, parameter_cells
+from ..threads import notebook_threads
+from .parameters import (
+    NotebookParameterError,
+    as_declared,
+    check_parameters,
+    check_ranges,
+    nonfinite_allowed,
+    parameter_cells,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -62,6 +84,40 @@ def report_dir() -> Path:
     return REPO / "reports" if NOTEBOOKS.is_dir() else Path("reports").resolve()
 
 
+_PLAIN_NAME = re.compile(r"[\w+-][\w.+-]*")  # one file or folder name: no separator, not "." or ".."
+
+
+def fresh_report_folder(name: str) -> Path:
+    """report_dir()/name for a run's files, removed first if an earlier run left it (a fresh run each time).
+
+    `name` must be one plain folder name and the folder, resolved, must lie directly in the reports folder
+    (a link to elsewhere is refused): a name built from parameters never reaches outside it. Otherwise
+    NotebookParameterError, and nothing is removed."""
+    root = report_dir()
+    path = root / name
+    if not (isinstance(name, str) and _PLAIN_NAME.fullmatch(name)) or path.is_symlink() \
+            or path.resolve().parent != root.resolve():
+        raise NotebookParameterError(f"{name!r} is not a folder name inside the reports folder {root}; "
+                                     "nothing was removed")
+    if path.exists() and not path.is_dir():
+        raise NotebookParameterError(f"{path} is not a folder; nothing was removed")
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def _has_nan(value: Any) -> bool:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, (list, tuple)):
+        return any(map(_has_nan, value))
+    if isinstance(value, dict):
+        return any(map(_has_nan, value.values()))
+    return False
+
+
 @dataclass
 class Record:
     """Named numbers, named claims and figures of one notebook run, written to <reports>/<name>.json."""
@@ -72,20 +128,29 @@ class Record:
     claims: dict[str, dict[str, Any]] = field(default_factory=dict)
     figures: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    threads: int = field(default_factory=torch.get_num_threads)
 
     @classmethod
     def start(cls, name: str, namespace: dict[str, Any]) -> Record:
         """Check the parameters in `namespace` (a notebook's globals()) and start a record."""
         inputs = namespace.get("In")
         if isinstance(inputs, list):
-            defaults, injected, nonfinite_ok = parameter_cells(inputs)
+            defaults, injected, comments = parameter_cells(inputs)
+            nonfinite_ok = nonfinite_allowed(comments)
             check_parameters(defaults, injected, nonfinite_ok)
             # the values in use, typed into the parameters cell too (NaN/Inf there)
             current = {k: namespace[k] for k in defaults if k in namespace}
             check_parameters(defaults, {k: v for k, v in current.items() if k not in injected}, nonfinite_ok)
+            for k, v in current.items():  # an int given for a float becomes that float, in the notebook too
+                try:
+                    namespace[k] = current[k] = as_declared(defaults[k], v)
+                except NotebookParameterError as e:
+                    raise NotebookParameterError(f"parameter {k}: {e}") from None
+            check_ranges(comments, current)  # before any cell uses a value (a path built from one, say)
         else:  # not IPython: nothing injected, take the UPPER_CASE globals as they are
             defaults = {}
         params = {k: namespace[k] for k in defaults if k in namespace}
+        torch.set_num_threads(notebook_threads())  # the thread policy: lora_lab/threads.py
         return cls(name=name, parameters=params)
 
     def number(self, key: str, value: Any) -> Any:
@@ -97,6 +162,8 @@ class Record:
 
     def claim(self, key: str, held: bool, detail: str = "") -> bool:
         """Record whether a claim held; `finish()` shows them all and fails the notebook if any did not."""
+        if _has_nan(held):  # bool(nan) is True: a claim over a NaN holds nothing
+            held, detail = False, f"{detail} (over a NaN)".strip()
         held = bool(held)
         self.claims[key] = {"held": held, "detail": detail}
         return held
@@ -104,6 +171,8 @@ class Record:
     def figure(self, fig, key: str) -> Path:
         """Save a matplotlib figure as PNG beside the report and return its path (which a notebook does
         not echo under the cell: the figure itself is shown inline)."""
+        if not _PLAIN_NAME.fullmatch(f"{self.name}_{key}"):
+            raise NotebookParameterError(f"figure {key!r}: not a plain file name")
         out = _FigurePath(report_dir() / "figures" / f"{self.name}_{key}.png")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110, bbox_inches="tight")
@@ -119,6 +188,7 @@ class Record:
             "figures": self.figures,
             "passed": all(c["held"] for c in self.claims.values()),
             "seconds": round(time.time() - self.started, 2),
+            "torch_threads": self.threads,
         }
 
     def summary(self) -> tuple[str, str]:
@@ -146,6 +216,9 @@ class Record:
     def finish(self) -> dict[str, Any]:
         """Write <reports>/<name>.json (atomically), show the table of claims, then raise ClaimFailed if a
         claim failed. Returns the recorded dict (which IPython does not echo: the table says it)."""
+        nans = [k for k, v in self.numbers.items() if _has_nan(v)]
+        if nans:
+            self.claim("no recorded number is NaN", False, f"NaN in {', '.join(nans)}")
         data = _Shown(self.to_json())
         atomic_write_bytes(report_dir() / f"{self.name}.json",
                            json.dumps(data, indent=2, default=jsonable).encode())

@@ -11,11 +11,13 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_bytes
+from ..quiet import kernel_log_config
 from .parameters import literal_value
 from .record import BATCH_ENV, NOTEBOOKS, REPORTS_ENV, jsonable, report_dir
 
@@ -93,7 +95,9 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
     result_path.unlink(missing_ok=True)
     error = None
     try:
-        with kernel_environment(out_dir):
+        with kernel_environment(out_dir), tempfile.TemporaryDirectory() as tmp:
+            kernel_config = Path(tmp) / "lora_lab_kernel.json"  # the kernel's log without known noise
+            kernel_config.write_text(json.dumps(kernel_log_config()))
             pm.execute_notebook(
                 str(path),
                 str(out_dir / path.name),
@@ -103,6 +107,7 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict[str, Any] | None = 
                 cwd=str(path.parent),
                 progress_bar=False,
                 execution_timeout=timeout,
+                extra_arguments=[f"--config={kernel_config}"],
             )
     except Exception as e:  # noqa: BLE001 (any failure of the notebook is recorded, not raised)
         # the kernel-side exception, not papermill's wrapper

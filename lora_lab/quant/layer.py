@@ -4,9 +4,11 @@ in `weights.py`.
 
     y = x dequant(Q)^T + b          dx = dy dequant(Q)          (no dW: the base is frozen)
 
-The forward (and the backward's dx) dequantizes the whole weight into the activation dtype, multiplies, and
+The forward (and the backward's dx) dequantizes the weight into the activation dtype, multiplies, and
 drops it: autograd saves nothing for this layer (the weight is frozen, and x is not needed for dx), so the
-transient cost is one dequantized weight at a time.
+transient cost is at most one dequantized weight at a time. On the CPU a large weight is dequantized a chunk
+of rows at a time (CHUNK_BYTES, cache-sized) and each chunk multiplied at once: a fused dequantize-matmul in
+PyTorch ops, 1.6-2x faster than dequantizing it whole (docs/measurements.md), with a chunk as the transient.
 
     report = quantize_base(unet, "nf4")     # every frozen nn.Linear / lora_lab.Linear -> QuantLinear
     add_lora(unet, LoRAConfig(...))         # adapters wrap the quantized layers like any other
@@ -22,27 +24,78 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
+from ..kernels import BACKENDS, resolve_backend
 from ..layers import Linear
 from ..memory import model_bytes
 from ..modules import matches_targets, parent_name, swap_module
-from .weights import QuantizationError, check_format, dequantize_weight, quantize_weight, stored_layout
+from .weights import (
+    QuantizationError,
+    _nf4_tables,
+    check_format,
+    dequantize_weight,
+    dequantized_rows,
+    nf4_absmax,
+    quantize_weight,
+    stored_layout,
+)
+
+KERNEL_FORMATS = ("int8", "nf4")  # the formats lora_lab.kernels.quant multiplies by (backend "triton")
 
 # ----------------------------------------------------------------------------- the layer
 
 
+# Rows of the dequantized weight one matmul takes on the CPU: a chunk that stays in cache (1 MiB fp32: L2)
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_rows(layer: QuantLinear, x: torch.Tensor) -> int | None:
+    """Output rows per chunk of `layer`'s product with x: CHUNK_BYTES of fp32 rows on a real CPU tensor, else
+    None: the whole weight at once (a weight that small, CUDA, and the meta and fake tensors the memory
+    planner runs, so that its plans count the whole dequantized weight)."""
+    rows = max(1, CHUNK_BYTES // (4 * layer.in_features))
+    if x.device.type != "cpu" or x.is_meta or is_fake(x) or rows >= layer.out_features:
+        return None
+    return rows
+
+
 class _DequantLinear(torch.autograd.Function):
-    """x W^T with W dequantized in the forward and again in the backward; nothing is saved for backward."""
+    """x W^T with W dequantized in the forward and again in the backward; nothing is saved for backward.
+
+    On the CPU W is dequantized a chunk of rows at a time into one cache-sized buffer and multiplied at once
+    (y[:, rows] = x W[rows]^T, dx += dy[:, rows] W[rows]): the weight is never whole in memory and each
+    chunk is read from cache, not written to and read back from RAM.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
-        return F.linear(x, layer.dequantize(x.dtype))
+        rows = chunk_rows(layer, x)
+        if rows is None:
+            return F.linear(x, layer.dequantize(x.dtype))
+        x2 = x.reshape(-1, layer.in_features)  # (M, in)
+        y = None
+        for first, w in layer.weight_rows(x.dtype, rows):
+            part = x2 @ w.T  # (M, k); the dtype autocast gives the matmul, as F.linear's
+            if y is None:
+                y = part.new_empty(x2.shape[0], layer.out_features)
+            y[:, first : first + w.shape[0]] = part
+        return y.view(*x.shape[:-1], layer.out_features)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        dx = dy @ ctx.layer.dequantize(dy.dtype) if ctx.needs_input_grad[0] else None  # (..., in)
-        return dx, None
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        layer = ctx.layer
+        rows = chunk_rows(layer, dy)
+        if rows is None:
+            return dy @ layer.dequantize(dy.dtype), None  # (..., in)
+        dy2 = dy.reshape(-1, layer.out_features)
+        dx = dy2.new_zeros(dy2.shape[0], layer.in_features, dtype=torch.float32)  # summed over chunks in fp32
+        for first, w in layer.weight_rows(torch.float32, rows):
+            dx.addmm_(dy2[:, first : first + w.shape[0]].float(), w)
+        return dx.to(dy.dtype).view(*dy.shape[:-1], layer.in_features), None
 
 
 class QuantLinear(nn.Module):
@@ -55,10 +108,15 @@ class QuantLinear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-                 block_size: int | None = None):
+                 block_size: int | None = None, backend: str = "torch"):
         super().__init__()
         self.fmt = fmt
         self.block_size = check_format(fmt, block_size)
+        if backend not in BACKENDS or backend != "torch" and fmt not in KERNEL_FORMATS:
+            raise QuantizationError(f"QuantLinear backend {backend!r}: one of {BACKENDS}; 'triton' and "
+                                    f"'auto' for the formats with a kernel, {KERNEL_FORMATS} (got {fmt!r})")
+        # "torch": the PyTorch path (default); "triton": lora_lab.kernels.quant; "auto": Triton on CUDA
+        self.backend = backend
         if weight.dim() != 2:
             raise QuantizationError(f"QuantLinear needs a 2-D weight, got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
@@ -101,6 +159,11 @@ class QuantLinear(nn.Module):
         """The weight the stored codes stand for, (out, in), in `dtype` (default: the original dtype)."""
         return dequantize_weight(self.stored(), self.fmt, self.shape, self.block_size, dtype or self.dtype)
 
+    def weight_rows(self, dtype: torch.dtype, rows: int):
+        """(first row, those rows of the dequantized weight), chunk by chunk, in one reused buffer
+        (`weights.dequantized_rows`)."""
+        return dequantized_rows(self.stored(), self.fmt, self.shape, self.block_size, dtype, rows)
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (a new tensor each time, no grad): what the forward multiplies by."""
@@ -120,6 +183,14 @@ class QuantLinear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias, in x's dtype; autograd keeps nothing of it (see _DequantLinear)."""
+        if resolve_backend(self.backend, x.device) == "triton":
+            # imported here: on a CPU the kernels need TRITON_INTERPRET=1 before their first import
+            from ..kernels.quant import quant_linear
+
+            nf4 = self.fmt == "nf4"
+            scales = nf4_absmax(self.stored()) if nf4 else self.scale
+            values = _nf4_tables(self.device)[0] if nf4 else None
+            return quant_linear(x, self.qweight, scales, self.shape, values, self.block_size or 1)
         return _DequantLinear.apply(x, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +209,7 @@ class QuantLinear(nn.Module):
 
     def transient_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the dequantized weight the forward (and the backward's dx) makes and frees: (out * in) in
-        `dtype`."""
+        `dtype` (on a CUDA device and in plans; a real CPU tensor takes chunks of rows, `chunk_rows`)."""
         return self.out_features * self.in_features * (dtype or self.dtype).itemsize
 
     def extra_repr(self) -> str:

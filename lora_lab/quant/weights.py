@@ -17,10 +17,11 @@ Formats (`FORMATS`), all symmetric (no zero point), the scales in fp32:
     fp8-row     the same with one scale per output row
 
 Stored bytes per weight value: int8 1 + 4/in, int8-block 1 + 4/256, nf4 0.5 + 1/64 + 4/(64*256), fp8 1 (+4
-per tensor), fp8-row 1 + 4/in. The forward (and the backward's dx) dequantizes the whole weight into the
-activation dtype, multiplies, and drops it: autograd saves nothing for this layer (the weight is
-frozen, and x is not needed for dx), so the transient cost is one dequantized weight at a time.
+per tensor), fp8-row 1 + 4/in. The forward (and the backward's dx) dequantizes the weight into the
+activation dtype, multiplies, and drops it (layer.py): autograd saves nothing for this layer (the weight is
+frozen, and x is not needed for dx), so the transient cost is at most one dequantized weight at a time.
 
+`dequantized_rows` gives the weight a chunk of rows at a time (what QuantLinear multiplies by on the CPU).
 Each format has a fast path (`quantize_weight` / `dequantize_weight`) and, beside it, a plain PyTorch
 reference of the same math (`reference_*`: nearest value by brute force) that the tests compare against.
 
@@ -31,6 +32,8 @@ reference of the same math (`reference_*`: nearest value by brute force) that th
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -226,24 +229,62 @@ def dequantize_weight(
     dtype=torch.float32
 ) -> torch.Tensor:
     """The stored tensors of `quantize_weight` -> the (out, in) weight they stand for, in `dtype`."""
+    return next(dequantized_rows(q, fmt, shape, block_size, dtype))[1]
+
+
+def dequantized_rows(
+    q: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int], block_size: int | None = None,
+    dtype=torch.float32, rows: int | None = None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The weight `q` stands for, `rows` output rows at a time: (first row, W[first : first + k] in `dtype`)
+    per chunk. The chunks share one buffer: use each before taking the next. rows None: the whole weight
+    as one chunk (what `dequantize_weight` returns); else rounded up so that every chunk starts on a block
+    (int8-block, nf4). Each value is computed as `dequantize_weight` computes it, whatever the chunking."""
     block_size = check_format(fmt, block_size)
     out, inp = shape
-    n = out * inp
-    qw = q["qweight"]
+    align = 1 if block_size is None else block_size // math.gcd(inp, block_size)
+    rows = out if rows is None else min(out, -(-max(rows, 1) // align) * align)
+    dev = q["qweight"].device
+    absmax = nf4_absmax(q) if fmt == "nf4" else None  # once, not per chunk
+    scratch = torch.empty(rows * inp + 2, dtype=torch.float32, device=dev)  # +2: NF4's pair past an odd end
+    cast = None if dtype == torch.float32 else torch.empty(rows * inp, dtype=dtype, device=dev)
+    for first in range(0, out, rows):
+        w = _rows_fp32(q, fmt, inp, block_size, first, min(first + rows, out), absmax, scratch)
+        yield first, w if cast is None else cast[: w.numel()].view_as(w).copy_(w)
+
+
+def _rows_fp32(q: dict[str, torch.Tensor], fmt: str, inp: int, block_size: int | None, first: int, last: int,
+               absmax: torch.Tensor | None, scratch: torch.Tensor) -> torch.Tensor:
+    """Rows [first, last) of the weight in fp32, as a (last - first, inp) view of `scratch`."""
+    a, b = first * inp, last * inp  # the rows as a range of the row-major weight
+    flat, qw = scratch[: b - a], q["qweight"]
     if fmt == "int8":
-        return qw.to(torch.float32).mul_(q["scale"][:, None]).to(dtype)
-    if fmt == "int8-block":
-        blocks = as_blocks(qw.reshape(-1).to(torch.float32), block_size).mul_(q["scale"][:, None])
-        return blocks.view(-1)[:n].view(shape).to(dtype)
-    if fmt == "nf4":
-        absmax = nf4_absmax(q)
+        flat.view(last - first, inp).copy_(qw[first:last]).mul_(q["scale"][first:last, None])
+    elif fmt == "int8-block":
+        _scale_blocks_(flat.copy_(qw.reshape(-1)[a:b]), q["scale"], a, block_size)
+    elif fmt == "nf4":
         _, _, pairs = _nf4_tables(qw.device)
-        values = pairs.index_select(0, qw.int()).view(torch.float32)  # (2 * bytes,) one lookup a byte
-        return as_blocks(values[:n], block_size).mul_(absmax[:, None]).view(-1)[:n].view(shape).to(dtype)
-    scale = q["scale"][:, None] if fmt == "fp8-row" else q["scale"]
-    # 2x faster than a cast on CPU
-    values = _fp8_table(qw.device).index_select(0, qw.view(torch.uint8).reshape(-1).int())
-    return values.view(shape).mul_(scale).to(dtype)
+        nbytes = -(-(b - a) // 2)
+        # one lookup a byte: its two fp32 values as one 8-byte word
+        codes = qw[a // 2 : a // 2 + nbytes].int()
+        torch.index_select(pairs, 0, codes, out=scratch[: 2 * nbytes].view(torch.int64))
+        _scale_blocks_(flat, absmax, a, block_size)
+    else:
+        # a table lookup is 2x faster than a float8 cast on the CPU
+        codes = qw.view(torch.uint8)[first:last].reshape(-1).int()
+        torch.index_select(_fp8_table(qw.device), 0, codes, out=flat)
+        flat.view(last - first, inp).mul_(q["scale"][first:last, None] if fmt == "fp8-row" else q["scale"])
+    return flat.view(last - first, inp)
+
+
+def _scale_blocks_(flat: torch.Tensor, scale: torch.Tensor, start: int, block_size: int) -> None:
+    """flat *= the scale of each value's block; flat holds the values from `start` (a block's first) on, and
+    may end inside the weight's ragged last block."""
+    full = flat.numel() // block_size * block_size
+    b0 = start // block_size
+    flat[:full].view(-1, block_size).mul_(scale[b0 : b0 + full // block_size, None])
+    if full < flat.numel():
+        flat[full:].mul_(scale[b0 + full // block_size])
 
 
 @functools.cache
