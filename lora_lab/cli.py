@@ -200,6 +200,11 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan_train_config(config).table())
         return 0
+    if config.base_dtype == "auto" and os.environ.get("RANK", "0") == "0":
+        device = resolve_device(config.device)
+        dtype = str(config.base_torch_dtype(device)).removeprefix("torch.")
+        print(f"lora-lab train: the frozen base loads in {dtype} (--base-dtype auto on {device.type}; the "
+              "adapters train in fp32)", file=sys.stderr)
     result = train(config)
     if result.is_main:
         print(f"wrote {', '.join(str(p) for p in result.outputs.values())}")

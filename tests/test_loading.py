@@ -93,6 +93,17 @@ def test_auto_base_dtype_is_fp32_on_the_cpu_and_bf16_on_cuda():
     assert TrainConfig(base_dtype="fp16").base_torch_dtype(torch.device("cpu")) == torch.float16
 
 
+def test_lora_lab_train_says_which_dtype_auto_chose(tmp_path, capsys):
+    from lora_lab.cli import main
+
+    assert main(["train", "--model", "sdxl", "--output", str(tmp_path / "out"), "--steps", "1", "--rank", "2",
+                 "--sample-steps", "0", "--no-progress"]) == 0
+    assert "the frozen base loads in float32 (--base-dtype auto on cpu" in capsys.readouterr().err
+    assert main(["train", "--model", "sdxl", "--output", str(tmp_path / "b"), "--steps", "1", "--rank", "2",
+                 "--sample-steps", "0", "--no-progress", "--base-dtype", "fp32"]) == 0
+    assert "loads in" not in capsys.readouterr().err  # chosen, so nothing to say
+
+
 def _encoder_refs(pipe) -> list:
     return [weakref.ref(next(getattr(pipe, n).parameters()))
             for n in ("text_encoder", "text_encoder_2", "vae")]

@@ -581,8 +581,8 @@ def test_quantize_base_refuses_what_it_cannot_quantize_with_its_own_error():
 
 
 def test_nf4_of_weights_near_the_fp32_limit_stays_finite():
-    """Finite weights of |w| up to 3e38: the absmax's double quantization (its mean, summed in fp32, overflows)
-    must not turn them into NaN or inf."""
+    """Finite weights of |w| up to 3e38: the absmax's double quantization (its mean, summed in fp32,
+    overflows) must not turn them into NaN or inf."""
     from lora_lab.quant.weights import dequantize_weight, quantize_weight
 
     w = torch.full((4, 64), 2e38)

@@ -70,8 +70,8 @@ class TrainConfig:
     )
     base_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype the frozen base is loaded in: fp32 | bf16 | fp16 | auto (bf16 on CUDA, fp32 on "
-                  "the CPU); the adapters stay fp32"},
+        metadata={"help": "dtype the frozen base is loaded in: fp32 | bf16 | fp16 | auto (bf16 on CUDA, "
+                  "fp32 on the CPU); the adapters stay fp32"},
     )
     resolution: int | None = field(
         default=None, metadata={"help": "image side in pixels (default: the base's)"}
@@ -135,8 +135,8 @@ class TrainConfig:
     )
     keep_encoders: bool = field(
         default=False,
-        metadata={"help": "keep the text encoders and VAE on the device for the whole run (default: on the device "
-                  "only while caching the dataset and sampling)"},
+        metadata={"help": "keep the text encoders and VAE on the device for the whole run (default: on the "
+                  "device only while caching the dataset and sampling)"},
     )
     vae_tiling: bool = field(
         default=False, metadata={"help": "decode samples in tiles (VAE tiling): less memory at large sizes"}

@@ -18,11 +18,13 @@ continues exactly, and w processes with batch b compute the same step as one pro
 The stages of `train`, each taking and returning plain values, and the memory phase each belongs to:
 
     setup_device, resume_point, open_run_base     the base opened: text encoders and VAE on the host in the
-                                                  base dtype, the denoiser's shapes only (checked: rank, resolution)
+                                                  base dtype, the denoiser's shapes only (checked: rank,
+                                                  resolution)
     "cache"       encode_data                     the text encoders and VAE on the device, the dataset encoded
                                                   once, then they leave the device (`encoders.py`)
-    "load"        load_denoiser                   the denoiser's weights onto the device in the base dtype, one
-                                                  module at a time, quantized as they arrive (`models/loading.py`)
+    "load"        load_denoiser                   the denoiser's weights onto the device in the base dtype,
+                                                  one module at a time, quantized as they arrive
+                                                  (`models/loading.py`)
     "train step"  add_trainable, open_run, run_loop
     "save"        save_outputs                    the LoRA files (kohya/ComfyUI and diffusers/PEFT)
     "sample"      sample_outputs                  the with/without grid, the VAE back for it (the prompts were
@@ -40,7 +42,6 @@ import contextlib
 import gc
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,9 +119,6 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     device, env = setup_device(config.device)
     kind = model_kind(config.model)  # resolved once, passed to the stages
     dtype = config.base_torch_dtype(device)
-    if config.base_dtype == "auto" and env.main and config.progress:
-        print(f"lora-lab: the frozen base loads in {str(dtype).removeprefix('torch.')} (--base-dtype auto on "
-              f"{device.type}; the adapters train in fp32)", file=sys.stderr)
     out = Path(config.output)
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
@@ -172,8 +170,8 @@ def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
 
 class Cached(NamedTuple):
     """What the cache phase leaves on the host: the dataset's latents and embeddings, the regularization set's
-    (or None), what a dropped caption becomes (None without caption dropout), and the sample prompts with their
-    `prompt_inputs` (None when the run samples nothing)."""
+    (or None), what a dropped caption becomes (None without caption dropout), and the sample prompts with
+    their `prompt_inputs` (None when the run samples nothing)."""
 
     data: EncodedExamples
     reg: EncodedExamples | None
@@ -181,7 +179,8 @@ class Cached(NamedTuple):
     samples: tuple[list[str], dict] | None
 
 
-def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None, phase=None) -> Cached:
+def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None,
+                phase=None) -> Cached:
     """The examples (and the regularization examples) as cached latents and text embeddings, with the text
     encoders and VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the
     VAE back); then they leave the device (`--keep-encoders` keeps them). `examples` replaces the dataset
@@ -200,8 +199,10 @@ def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, exampl
 
 def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device, dtype: torch.dtype) -> None:
     """The denoiser's weights onto the device in the base dtype, one module at a time; with
-    `base_quantization`, each frozen Linear quantized as it arrives (QLoRA: never the whole model in `dtype`)."""
-    fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device, quantization=config.base_quantization)
+    `base_quantization`, each frozen Linear quantized as it arrives (QLoRA: never the whole model in
+    `dtype`)."""
+    fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device,
+         quantization=config.base_quantization)
 
 
 def dataset_fingerprint(config: TrainConfig) -> str:
@@ -294,8 +295,9 @@ def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env:
         layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
         outputs["lora_kohya"] = save_lora(out / "lora.safetensors", tensors, format="kohya", base=kind.name,
                                           component=kind.component, unet=layout)
-        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", tensors, format="peft",
-                                              base=kind.name, component=kind.component, unet=layout)
+        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", tensors,
+                                              format="peft", base=kind.name, component=kind.component,
+                                              unet=layout)
     env.barrier()
     return outputs
 
@@ -313,7 +315,8 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
         prompts, inputs = samples
         with encoders.on_device(["vae"]) as pipe:
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
-                                             run.output / "samples.png", tiled=config.vae_tiling, inputs=inputs)
+                                             run.output / "samples.png", tiled=config.vae_tiling,
+                                             inputs=inputs)
     env.barrier()
     return outputs
 

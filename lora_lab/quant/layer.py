@@ -263,7 +263,8 @@ def quantize_base(
         try:
             re.compile(targets)
         except re.error as e:
-            raise QuantizationError(f"quantize_base: targets {targets!r} is not a regular expression ({e})") from e
+            raise QuantizationError(f"quantize_base: targets {targets!r} is not a regular expression "
+                                    f"({e})") from e
     modules = dict(model.named_modules())
     found, trainable, merged = [], [], []
     for name, m in modules.items():

@@ -126,7 +126,8 @@ def stored_layout(fmt: str, shape: tuple[int, int],
             "scale": ((out if fmt == "fp8-row" else 1,), torch.float32)}
 
 
-CHUNK = 1 << 20  # values quantized at a time: each chunk's fp32 temporaries are a few MiB, whatever the weight
+CHUNK = 1 << 20  # values quantized at a time: each chunk's fp32 temporaries are a few MiB, whatever the
+#                  weight
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -137,10 +138,10 @@ def _is_fake(t: torch.Tensor) -> bool:
 def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) -> dict[str, torch.Tensor]:
     """A 2-D weight (out, in) -> its stored tensors in `fmt` (see the module docstring), on w's device.
 
-    The weight is read in chunks of about `CHUNK` values (whole rows, or whole blocks), so the temporaries stay
-    small next to the weight: what quantizing a base layer by layer while loading it needs. The codes equal
-    those of one pass over the whole weight. On the meta device the tensors are empty meta tensors of the
-    stored shapes and dtypes; fake tensors (a plan) are not checked for finite values.
+    The weight is read in chunks of about `CHUNK` values (whole rows, or whole blocks), so the temporaries
+    stay small next to the weight: what quantizing a base layer by layer while loading it needs. The codes
+    equal those of one pass over the whole weight. On the meta device the tensors are empty meta tensors of
+    the stored shapes and dtypes; fake tensors (a plan) are not checked for finite values.
     """
     block_size = check_format(fmt, block_size)
     if w.dim() != 2:
@@ -149,7 +150,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     if w.is_meta:
         return {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in layout.items()}
     if not w.is_floating_point():
-        raise QuantizationError(f"quantize_weight needs a floating-point weight (shape {tuple(w.shape)}, {w.dtype})")
+        raise QuantizationError(f"quantize_weight needs a floating-point weight (shape {tuple(w.shape)}, "
+                                f"{w.dtype})")
     if w.numel() == 0:
         raise QuantizationError(f"quantize_weight: the weight of shape {tuple(w.shape)} holds no values")
     out = {k: torch.empty(s, dtype=dt, device=w.device) for k, (s, dt) in layout.items()}
@@ -160,7 +162,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         for r in range(0, w.shape[0], step):
             rows = _finite(w[r: r + step].float(), check, w.shape)
             quantize = _int8_rows if fmt == "int8" else _fp8_rows
-            out["qweight"][r: r + step], out["scale"][r: r + step] = quantize(rows, rows.abs().amax(1, keepdim=True))
+            codes, scales = quantize(rows, rows.abs().amax(1, keepdim=True))
+            out["qweight"][r: r + step], out["scale"][r: r + step] = codes, scales
         return out
     flat = w.reshape(-1)
     if fmt == "fp8":  # one scale: its absmax first, then the codes
@@ -197,8 +200,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
 
 def _finite(x: torch.Tensor, check: bool, shape: tuple) -> torch.Tensor:
     if check and not bool(x.isfinite().all()):
-        raise QuantizationError(f"quantize_weight needs a finite weight; the (out, in) = {tuple(shape)} weight "
-                                "holds NaN or inf")
+        raise QuantizationError(f"quantize_weight needs a finite weight; the (out, in) = {tuple(shape)} "
+                                "weight holds NaN or inf")
     return x
 
 
@@ -213,12 +216,13 @@ def _fp8_rows(rows: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
     """Rows (r, len) fp32 and the absmax they share (r, 1) -> (float8 e4m3 codes (r, len), scales (r,))."""
     scale = absmax / FP8_MAX
     # round to nearest even
-    return (rows / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(-1)
+    codes = (rows / scale.clamp(min=1e-38)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale.reshape(-1)
 
 
 def _nf4_codes(scaled: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Values scaled to [-1, 1] -> the index of the nearest NF4 value (a tie goes down), uint8, padded to an even
-    count with the code of 0.0 (7)."""
+    """Values scaled to [-1, 1] -> the index of the nearest NF4 value (a tie goes down), uint8, padded to an
+    even count with the code of 0.0 (7)."""
     _, mid, _ = _nf4_tables(device)
     codes = torch.bucketize(scaled, mid).to(torch.uint8)
     return F.pad(codes, (0, codes.numel() % 2), value=7)
