@@ -53,7 +53,7 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
                "keep_encoders", "vae_tiling"}
 # Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
 # fp32).
-BEFORE_0_2 = {"base_dtype": "fp32"}
+BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
