@@ -168,6 +168,20 @@ def targets() -> None:
               f"< {target} GiB: {met} | {p.seconds:.0f} |", flush=True)
 
 
+def four_examples(folder):
+    """A dataset of 4 shipped examples (image + caption) in folder/data: enough for a few real-size steps."""
+    import shutil
+
+    from lora_lab.models import DATA_DIR
+
+    data = folder / "data"
+    data.mkdir()
+    for stem in sorted({p.stem for p in (DATA_DIR / "lora_inverted").glob("*.png")})[:4]:
+        for ext in (".png", ".txt"):
+            shutil.copy(DATA_DIR / "lora_inverted" / f"{stem}{ext}", data / f"{stem}{ext}")
+    return data
+
+
 def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
     """The real SD1.5 architecture (published configs, seeded random weights: `--base real:sd15`) trained
     for a few steps on this CPU on 4 shipped examples, fp32 and bf16 bases, checkpointing on and off: each
@@ -177,7 +191,6 @@ def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
     from pathlib import Path
 
     from lora_lab.diffusion import TrainConfig
-    from lora_lab.models import DATA_DIR
     from lora_lab.planning import plan_memory
     from lora_lab.planning.measure import measure_phases
 
@@ -186,11 +199,7 @@ def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
           "error | run s |")
     print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        data.mkdir()
-        for stem in sorted({p.stem for p in (DATA_DIR / "lora_inverted").glob("*.png")})[:4]:
-            for ext in (".png", ".txt"):
-                shutil.copy(DATA_DIR / "lora_inverted" / f"{stem}{ext}", data / f"{stem}{ext}")
+        data = four_examples(Path(tmp))
         for res, dtype, ckpt in runs:
             config = TrainConfig(model="sd15", base="real:sd15", base_dtype=dtype, dataset=str(data),
                                  output=f"{tmp}/run-{res}-{dtype}-{ckpt}", resolution=res, rank=16,

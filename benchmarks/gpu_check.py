@@ -46,17 +46,14 @@ def kernel_bench() -> dict:
 
 
 def planner_rows(resolutions: list[int]) -> list[dict]:
+    from bench_planner import four_examples
+
     from lora_lab.diffusion import TrainConfig
-    from lora_lab.models import DATA_DIR
     from lora_lab.planning import measure_run, plan_memory
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        data.mkdir()
-        for stem in sorted({p.stem for p in (DATA_DIR / "lora_inverted").glob("*.png")})[:4]:
-            for ext in (".png", ".txt"):
-                shutil.copy(DATA_DIR / "lora_inverted" / f"{stem}{ext}", data / f"{stem}{ext}")
+        data = four_examples(Path(tmp))
         for res in resolutions:
             for quantization in (None, "nf4"):
                 for ckpt in (False, True):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import lora_lab.functional.adam as adam_mod
-from lora_lab import Linear
+from lora_lab import Linear, threads
 from lora_lab import optim as optim_mod
 from lora_lab.functional import dequantize_blockwise, dynamic_map, quantize_blockwise
 from lora_lab.functional.adam import adam_step_
@@ -257,10 +257,8 @@ def _train_digits(make_opt, x, y, steps=DIGITS_STEPS, batch=128):
 @pytest.fixture
 def one_thread():
     """Many tiny ops: on a shared 2-core machine a second intra-op thread mostly waits (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with threads.one_thread():
+        yield
 
 
 def test_digits_final_loss_within_2_percent_of_torch_adamw(one_thread):
