@@ -200,6 +200,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan_train_config(config).table())
         return 0
+    config.validate()  # a bad flag's error comes alone, before the line below
     if config.base_dtype == "auto" and os.environ.get("RANK", "0") == "0":
         device = resolve_device(config.device)
         dtype = str(config.base_torch_dtype(device)).removeprefix("torch.")

@@ -349,3 +349,20 @@ def test_fuzz_checkpoint_folders_with_links_and_flipped_bytes(three_checkpoints,
         shutil.rmtree(root)
     print(f"{FUZZ_CASES} checkpoint folders: {outcomes}")
     assert sum(outcomes.values()) == FUZZ_CASES and len(outcomes) == 3, outcomes
+
+
+def test_a_checkpoint_from_before_base_dtype_and_feed_forward_resumes_as_the_run_it_was(tmp_path):
+    """lora_lab 0.1 wrote no base_dtype (it loaded every base in fp32) and no feed_forward (it adapted
+    attention only): such a checkpoint resumes a run with those values, and is refused by one with others."""
+    from dataclasses import asdict, replace
+
+    from lora_lab.diffusion.state import RunState, check_resumable
+
+    now = TrainConfig(model="sdxl", base_dtype="fp32", feed_forward=False, output=str(tmp_path))
+    old = asdict(now)
+    del old["base_dtype"], old["feed_forward"]
+    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "f"}
+    check_resumable(state, RunState(tmp_path, now, 3, "f"), tmp_path / "step_0000001.pt")
+    for changed in ({"feed_forward": True}, {"base_dtype": "bf16"}):
+        with pytest.raises(TrainConfigError, match=f"the config changed \\({next(iter(changed))}: None"):
+            check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "f"), tmp_path / "x.pt")

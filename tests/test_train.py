@@ -98,7 +98,8 @@ def test_cli_bad_value_exits_2(capsys, tmp_path):
                 and f"TrainConfig.{flag[2:].replace('-', '_')}=nan: must be a finite" in err)
     taken = tmp_path / "a_file"
     taken.write_text("not a folder")
-    assert cli_main(["train", "--model", "flux", "--output", str(taken), "--no-progress"]) == 2  # an OSError
+    # a file, not a folder
+    assert cli_main(["train", "--model", "flux", "--output", str(taken), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lora-lab: error: ") and str(taken) in err
 

@@ -211,6 +211,10 @@ class TrainConfig:
             bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
         if self.dataset is not None and not Path(self.dataset).is_dir():
             bad("dataset", "is not a folder")
+        existing = next(p for p in (Path(self.output).absolute(), *Path(self.output).absolute().parents)
+                        if p.exists())
+        if not existing.is_dir():
+            bad("output", f"{existing} is a file, not a folder")
         if self.checkpointing_policy() is not None:
             try:
                 parse_policy(self.checkpointing_policy())
