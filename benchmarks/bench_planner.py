@@ -21,6 +21,7 @@ Flux.1-dev with an NF4 base under 16 GiB.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import tempfile
 import time
@@ -164,7 +165,6 @@ print(f"{{p.peak}} {{p.cached}} {{p.seconds:.3f}}")
 def cold_start(model: str, resolution: int, rounds: int) -> None:
     """One plan in a fresh Python process (imports included), with an empty plan cache and then with the plan
     cache the first process wrote: wall and CPU seconds of the whole process (its children's rusage)."""
-    import os
     import subprocess
     import sys
 
@@ -315,6 +315,8 @@ if __name__ == "__main__":
                     help="--real-cpu's runs, RESOLUTION:BASE_DTYPE:CHECKPOINTING,... (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=2, help="--real-cpu's training steps (default 2)")
     args = ap.parse_args()
+    if not args.cold_start:  # every plan here is made and timed, not read back from a plan cache
+        os.environ["LORA_LAB_PLAN_CACHE"] = "off"
     if args.real_cpu:
         real_cpu([(int(r), d, c == "yes") for r, d, c in (run.split(":") for run in args.runs.split(","))],
                  args.steps)
