@@ -41,7 +41,7 @@ run: setup
 # the workers' thread pools fight and small notebooks run several times slower.
 # The browser test (tests/test_lab.py) runs here too where Chromium is installed, else it is skipped.
 test: setup
-	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -q
+	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
 
 # The workbook in a real browser: JupyterLab on a free loopback port, driven by Playwright on
 # Debian's Chromium (installed here with apt-get when missing and we are root); fails, not skips,

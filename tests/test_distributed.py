@@ -22,6 +22,11 @@ SEED = 11
 STEPS = 4
 
 
+# `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together:
+# the module's fixture is built once, on one worker
+pytestmark = pytest.mark.xdist_group("test_distributed")
+
+
 @pytest.fixture(scope="module")
 def dataset(digits_folder) -> Path:
     return digits_folder(5, first=10)  # 5 examples, global batch 2: batches cross epoch boundaries

@@ -43,6 +43,11 @@ FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": F
 FUZZ_CASES = int(os.environ.get("LORA_LAB_FUZZ_CASES", "80"))
 
 
+# `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together:
+# the module's fixtures are built once, on one worker
+pytestmark = pytest.mark.xdist_group("test_run_state")
+
+
 @pytest.fixture(scope="module")
 def dataset(digits_folder) -> Path:
     return digits_folder(6)

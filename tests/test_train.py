@@ -39,6 +39,11 @@ N_IMAGES = 6  # a small dataset: 6 digits, 32 x 32
 FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
 
 
+# `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together:
+# the module's fixtures are built once, on one worker
+pytestmark = pytest.mark.xdist_group("test_train")
+
+
 @pytest.fixture(scope="module")
 def dataset(digits_folder) -> Path:
     """Six scikit-learn digits, white on black, upscaled to 32 x 32, captioned 'a digit <name>'."""

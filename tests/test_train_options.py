@@ -23,6 +23,11 @@ FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": F
 SIZES = [(24, 24), (24, 24), (16, 32), (16, 32), (32, 16), (32, 16), (24, 24)]  # (H, W) of each image
 
 
+# `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together:
+# the module's fixture is built once, on one worker
+pytestmark = pytest.mark.xdist_group("test_train_options")
+
+
 @pytest.fixture(scope="module")
 def folders(digits_folder) -> dict[str, Path]:
     return {"mixed": digits_folder(sizes=SIZES, caption="a digit {digit}"),
