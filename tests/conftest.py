@@ -16,6 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Plans are made, not read from a user's plan cache (tests/test_plan_cache.py turns it on in a temp folder).
+os.environ["LORA_LAB_PLAN_CACHE"] = "off"
+
 from lora_lab.notebook import run_notebook as _run
 from lora_lab.notebook.digits import digit_arrays
 from lora_lab.notebook.record import NOTEBOOKS

@@ -211,10 +211,6 @@ def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     assert data["notebook"] == "tiny"  # the failure report still names the notebook
 
 
-# Notebooks whose teaching pass is still to come (the planner's rewrite brings 08's exercises and intro).
-LATER = {"08_memory_plan"}
-
-
 def test_every_notebook_is_thin_clean_and_parameterized():
     paths = sorted(NOTEBOOKS.glob("*.ipynb"))
     assert len(paths) >= 10 and [p.stem[:2] for p in paths] == [f"{i:02d}" for i in range(1, len(paths) + 1)]
@@ -240,8 +236,6 @@ def test_every_notebook_is_thin_clean_and_parameterized():
         )
         assert f'Record.start("{path.stem}"' in "".join(c.source for c in code), path.name
         assert code[-1].source.rstrip().endswith("nb.finish();") or "nb.finish()" in code[-1].source
-        if path.stem in LATER:
-            continue
         # how to change a parameter: one short paragraph (docs/workbook.md has the rest)
         how = [p for p in intro.source.split("\n\n") if "To change a parameter" in p]
         assert len(how) == 1 and len(how[0]) <= 330 and f"lora_lab.notebook {path.stem}" in how[0], (
@@ -253,8 +247,6 @@ def test_every_notebook_is_thin_clean_and_parameterized():
 def test_every_notebook_ends_with_exercises():
     """2-4 exercises, each a change to make and something to predict, just before the record cell."""
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
-        if path.stem in LATER:
-            continue
         nb = nbformat.read(path, as_version=4)
         last_code = max(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
         found = [i for i, c in enumerate(nb.cells)

@@ -279,7 +279,8 @@ def test_bad_options_are_clear_errors(monkeypatch):
 
 
 def test_notebook_08_memory_plan(run_notebook):
-    data = run_notebook("08_memory_plan", MODELS=[], VALIDATE=[["sd3", False, "adamw", "no"]])
+    data = run_notebook("08_memory_plan", MODELS=[], SWEEP_RESOLUTIONS=[],
+                        VALIDATE=[["sd3", False, "adamw", "no"]])
     assert data["passed"], data
     assert data["numbers"]["validation_worst_error"] <= TOLERANCE
 

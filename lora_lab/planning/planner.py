@@ -16,6 +16,9 @@ attention backend is the one PyTorch picks on CUDA unless `attention=` chooses. 
 every op's outputs at the dispatch level and keeps, per tensor storage, its size until the storage is
 freed: the largest sum in each phase is that phase's peak, the largest of those the plan's.
 
+A plan is cached on disk (`planning/cache.py`), keyed by its options, lora_lab's source and the versions it
+runs with: the same plan again, in any process, is read back (`MemoryPlan.cached`), not planned again.
+
 What a plan does not see: allocator fragmentation and caching, cuBLAS/cuDNN workspaces and the
 kernels' internal scratch (flash backward's fp32 dq accumulator), the CUDA context, lora_lab's Triton
 adapter kernels (a GPU run with backend="auto" uses them; the plan runs the PyTorch path). It counts
@@ -29,7 +32,7 @@ import json
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from ..diffusion.trainer import PHASES
 from ..errors import LoraLabError
 from ..models import KINDS, RESOLUTION
 from ..models.real import REAL_MODELS, REAL_PREFIX, real_kind
+from .cache import load_plan, plan_key, store_plan
 from .fakedevice import ATTENTION
 from .run import plan_run
 
@@ -112,7 +116,28 @@ class MemoryPlan:
     step_phase: str
     saved_activations: int  # everything the forward saved for backward (exact, saved-tensor hooks)
     gradients: int
-    seconds: float = 0.0
+    seconds: float = 0.0  # the time plan_memory took for this plan (reading it back, where cached)
+    cached: bool = False  # read back from the plan cache on disk
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> MemoryPlan:
+        """The plan `to_dict` gave (e.g. read back from the cache); PlanError where `fields` is not one."""
+        if not isinstance(fields, dict) or set(fields) != set(cls.__dataclass_fields__):
+            raise PlanError(f"not a memory plan's fields: {fields!r:.200}")
+        counts = [fields["phases"], fields["parts"]]
+        if not all(isinstance(c, dict) and all(isinstance(k, str) and type(v) is int for k, v in c.items())
+                   for c in counts) or set(fields["phases"]) != set(PHASES):
+            raise PlanError("a memory plan's phases and parts must map names to integers of bytes")
+        for name in ("peak", "saved_activations", "gradients"):
+            if type(fields[name]) is not int:
+                raise PlanError(f"a memory plan's {name} must be an integer, got {fields[name]!r}")
+        for name in ("model", "size", "attention", "peak_phase", "step_phase"):
+            if not isinstance(fields[name], str):
+                raise PlanError(f"a memory plan's {name} must be a string, got {fields[name]!r}")
+        peak = fields["phases"].get(fields["peak_phase"])
+        if not isinstance(fields["options"], dict) or fields["peak"] != peak:
+            raise PlanError("a memory plan's options must be a dict and its peak its peak phase's")
+        return cls(**fields)
 
     @property
     def step_peak(self) -> int:
@@ -281,10 +306,11 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
         raise PlanError(f"plan_memory: {e}") from e
 
 
-def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
+def plan_memory(model: str = "sdxl", *, cache: bool = True, **options) -> MemoryPlan:
     """Predict the peak memory of each phase of a training run of lora_lab's trainer for `model` with these
     options (each explained, with its default, by `plan_options`); PlanError for a run the trainer would
-    refuse."""
+    refuse. cache: read the plan back from the plan cache on disk where it is there, and write it there
+    (`planning/cache.py`; $LORA_LAB_PLAN_CACHE=off turns it off everywhere)."""
     t0 = time.perf_counter()
     known = set(inspect.signature(plan_options).parameters) - {"model"}
     unknown = sorted(set(options) - known)
@@ -292,6 +318,25 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
         raise PlanError(
             f"plan_memory: unknown option(s) {unknown}; the options are {', '.join(sorted(known))}")
     options = plan_options(model, **options)
+    key = plan_key(options) if cache else None
+    fields = load_plan(key) if key else None
+    if fields is not None:
+        try:
+            plan = MemoryPlan.from_dict(fields)
+        except PlanError:
+            plan = None  # not a plan (a damaged file): planned again below, and the file rewritten
+        # the options read back must be these (JSON keeps them as they are: names, numbers, bools, None)
+        if plan is not None and plan.options == options:
+            return replace(plan, seconds=time.perf_counter() - t0, cached=True)
+    plan = _plan(model, options)
+    plan.seconds = time.perf_counter() - t0
+    if key:
+        store_plan(key, plan.to_dict())
+    return plan
+
+
+def _plan(model: str, options: dict[str, Any]) -> MemoryPlan:
+    """plan_memory's plan of checked options, made on fake tensors."""
     config = train_config(options)
     try:
         with warnings.catch_warnings():
@@ -314,7 +359,7 @@ def plan_memory(model: str = "sdxl", **options) -> MemoryPlan:
     return MemoryPlan(model=model, size=str(options["size"]), options=options, attention=used, phases=phases,
                       parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase,
                       step_phase=run.step_phase, saved_activations=run.saved_activations,
-                      gradients=run.gradients, seconds=time.perf_counter() - t0)
+                      gradients=run.gradients)
 
 
 def folder_vae_scale(path: Path) -> int:

@@ -21,6 +21,7 @@ the others; it runs two micro-batches at most (a third has the same memory as th
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -101,7 +102,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     on_host = device != "cpu"  # where the dataset's cache and the released encoders go
     tracker = LiveBytes()
     rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
-    with fake_device(), rules, torch.random.fork_rng(devices=[]):
+    with fake_device(), rules, torch.random.fork_rng(devices=[]), _collect_young_only():
         opened, resolution = open_run_base(config, kind, dtype, shapes_only=True)
         encoders = Encoders(opened.pipe, CPU, opened.reload, keep=config.keep_encoders)
         pipe = opened.pipe
@@ -133,6 +134,19 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     parts["working set at peak"] = peak - sum(parts.values())
     return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
                     step["grads"], dict(rules.used))
+
+
+@contextlib.contextmanager
+def _collect_young_only():
+    """The trainer's stages call gc.collect() where they drop modules (3-5 times a run); in a plan each such
+    collection would walk every object of the process (diffusers, transformers and torch imported: ~0.5-1 s
+    each). What was made before the plan cannot hold the plan's fake tensors, so it is frozen (gc.freeze)
+    for the plan: a collection walks only what the plan made, and frees the same."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_size: int, distinct: int,
@@ -231,7 +245,13 @@ def _first_step_state(optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        # torch's own lazy state initialization, without the first step's arithmetic (a dozen ops a
+        # parameter, a few seconds at real size): the same tensors (step, exp_avg, exp_avg_sq, ...)
+        for group in optimizer.param_groups:
+            optimizer._init_group(group, [], [], [], [], [], [])
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -245,6 +265,41 @@ def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:
         state[name] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
         state[f"{name}_absmax"] = torch.empty(n_blocks, dtype=torch.float32, device=p.device)
     return state
+
+
+BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")  # diffusers' names, every denoiser here
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    return (type(block), repr(block), tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in
+                                            block.state_dict(keep_vars=True).items()))
+
+
+@contextlib.contextmanager
+def one_of_identical_blocks(model: torch.nn.Module):
+    """Without gradients, the denoiser's stacks of transformer blocks run one block of each run of identical
+    consecutive blocks (same class, structure, weights' shapes and dtypes). Exact for a no-grad forward: each
+    block of such a run starts with the same live tensors (the stack's input, the same shapes) and frees its
+    temporaries before the next starts, so the run's peak is one block's; the weights of the blocks skipped
+    stay where they are (counted since loading). A plan's sample phase uses it: SDXL's 70 blocks are 11 runs.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError("one_of_identical_blocks is exact only without gradients")
+    swapped = []
+    for module in list(model.modules()):
+        for name in BLOCK_STACKS:
+            stack = module._modules.get(name)
+            if isinstance(stack, torch.nn.ModuleList) and len(stack) > 1:
+                signatures = [_signature(b) for b in stack]
+                keep = [b for i, b in enumerate(stack) if i == 0 or signatures[i] != signatures[i - 1]]
+                if len(keep) < len(stack):
+                    swapped.append((module, name, stack))
+                    module._modules[name] = torch.nn.ModuleList(keep)
+    try:
+        yield
+    finally:
+        for module, name, stack in swapped:
+            module._modules[name] = stack
 
 
 def _repeat(data: EncodedExamples, n: int) -> tuple:
@@ -276,7 +331,8 @@ def _sample(config: TrainConfig, encoders: Encoders, samples: tuple, tracker: Li
         channels = model.config.in_channels // kind.latent_packing**2
         latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=model.dtype)
         t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
-        out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
+        with one_of_identical_blocks(model):
+            out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
         del latents
         with vae_decoding(pipe.vae, config.vae_tiling):
             decode_latents(pipe, out[:1])

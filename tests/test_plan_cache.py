@@ -1,0 +1,134 @@
+"""What makes plans fast: the plan cache on disk (lora_lab/planning/cache.py: a hit is the plan made again,
+every input is in the key, a damaged file is planned again and rewritten, where the cache lives), and the
+sample phase's one block of each run of identical ones (the same peak)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_lab.planning import cache, planner, run
+from lora_lab.planning.planner import plan_memory, plan_options
+
+TINY = dict(size="tiny", device="cpu", base_dtype="fp32", rank=4, mixed_precision="no", sample_steps=0)
+
+
+@pytest.fixture
+def plans_in(tmp_path, monkeypatch):
+    folder = tmp_path / "plans"
+    monkeypatch.setenv("LORA_LAB_PLAN_CACHE", str(folder))
+    return folder
+
+
+def _same(a, b) -> bool:
+    return replace(a, seconds=0.0, cached=False) == replace(b, seconds=0.0, cached=False)
+
+
+def test_a_cached_plan_is_the_plan_made_again(plans_in):
+    made = plan_memory("sd15", **TINY)
+    assert not made.cached and len(list(plans_in.glob("*.json"))) == 1
+    again = plan_memory("sd15", **TINY)  # read back: the plan made on fake tensors above, field by field
+    assert again.cached and _same(again, made) and again.seconds < made.seconds
+
+
+def _fake_plan(calls):
+    def plan(model, options):
+        calls.append(options)
+        phases = {"cache": 1, "load": 2, "train step": 5, "save": 2, "sample": 0}
+        return planner.MemoryPlan(model, str(options["size"]), options, "native (cpu)", phases,
+                                  {"frozen weights": 5}, 5, "train step", "backward", 3, 1)
+    return plan
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"\x80\x03pickle", b"[]", b'{"key": "another", "plan": {}}',
+                                    "wrong peak", "missing field"])
+def test_a_damaged_cache_file_is_ignored_and_rewritten(plans_in, monkeypatch, damage):
+    calls = []
+    monkeypatch.setattr(planner, "_plan", _fake_plan(calls))
+    first = plan_memory("sd15", **TINY)
+    (path,) = plans_in.glob("*.json")
+    if isinstance(damage, bytes):
+        path.write_bytes(damage)
+    else:
+        data = json.loads(path.read_text())
+        if damage == "wrong peak":
+            data["plan"]["peak"] = "5"
+        else:
+            del data["plan"]["gradients"]
+        path.write_text(json.dumps(data))
+    second = plan_memory("sd15", **TINY)
+    assert not second.cached and len(calls) == 2 and _same(second, first)
+    third = plan_memory("sd15", **TINY)  # the file was rewritten
+    assert third.cached and len(calls) == 2 and _same(third, first)
+
+
+def test_every_input_of_a_plan_changes_its_key(tmp_path, monkeypatch):
+    base = plan_options("sdxl")
+    key = cache.plan_key(base)
+    changed = {"resolution": 512, "batch_size": 2, "grad_accum": 2, "rank": 8, "dora": True, "conv": True,
+               "optimizer": "adamw8bit", "gradient_checkpointing": True, "mixed_precision": "fp16",
+               "base_dtype": "fp32", "base_quantization": "nf4", "keep_encoders": True, "vae_tiling": True,
+               "sample_steps": 0, "attention": "math", "device": "cpu", "dataset_size": 4}
+    keys = {name: cache.plan_key(plan_options("sdxl", **{name: value})) for name, value in changed.items()}
+    keys["model"] = cache.plan_key(plan_options("flux-dev"))
+    keys["checkpoint_options"] = cache.plan_key(plan_options("sdxl", gradient_checkpointing=True,
+                                                             checkpoint_options={"k": 2}))
+    keys["size"] = cache.plan_key(plan_options("sdxl", size="tiny"))
+    for name, target, attr, value in [
+            ("lora_lab version", cache, "__version__", "9.9"),
+            ("lora_lab source", cache, "source_hash", lambda: "another"),
+            ("torch", cache.torch, "__version__", "0.0"),
+            ("diffusers", cache, "_version", lambda package: "0.0" if package == "diffusers" else "1")]:
+        with monkeypatch.context() as m:
+            m.setattr(target, attr, value)
+            keys[name] = cache.plan_key(base)
+    assert len(set(keys.values()) | {key}) == len(keys) + 1, keys
+    # a local folder's configs are in its key: edit one, and it is another plan
+    folder = tmp_path / "base"
+    (folder / "unet").mkdir(parents=True)
+    (folder / "model_index.json").write_text("{}")
+    (folder / "unet" / "config.json").write_text('{"sample_size": 64}')
+    options = dict(base, size=str(folder))
+    before = cache.plan_key(options)
+    assert cache.plan_key(options) == before
+    (folder / "unet" / "config.json").write_text('{"sample_size": 128}')
+    assert cache.plan_key(options) != before
+
+
+def test_where_plans_are_cached(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORA_LAB_PLAN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cache_dir() == tmp_path / "lora_lab" / "plans"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache.cache_dir() == Path.home() / ".cache" / "lora_lab" / "plans"
+    monkeypatch.setenv("LORA_LAB_PLAN_CACHE", str(tmp_path / "mine"))
+    assert cache.cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("LORA_LAB_PLAN_CACHE", "off")
+    assert cache.cache_dir() is None and cache.store_plan("k", {}) is None and cache.load_plan("k") is None
+
+
+def test_one_block_of_each_run_of_identical_blocks_runs_and_all_come_back():
+    blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 8),
+              torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    model = torch.nn.Module()
+    model.transformer_blocks = torch.nn.ModuleList(blocks)
+    with torch.no_grad(), run.one_of_identical_blocks(model):
+        assert list(model.transformer_blocks) == [blocks[0], blocks[2], blocks[3]]
+    assert list(model.transformer_blocks) == blocks
+    with pytest.raises(RuntimeError, match="without gradients"), run.one_of_identical_blocks(model):
+        pass
+
+
+def test_the_sample_phase_is_the_same_with_one_block_of_each_run(monkeypatch):
+    """Tiny SDXL's UNet has stacks of 2 identical transformer blocks: the sample phase's peak (and every other
+    phase) is the same when every block runs."""
+    options = dict(TINY, sample_steps=1, cache=False)
+    fast = plan_memory("sdxl", **options)
+    monkeypatch.setattr(run, "one_of_identical_blocks", lambda model: contextlib.nullcontext())
+    every = plan_memory("sdxl", **options)
+    assert fast.phases == every.phases and fast.phases["sample"] > 0
