@@ -161,7 +161,7 @@ def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
     text encoders and VAE on the host in `dtype`, the denoiser's shapes only; and the training resolution,
     checked against the denoiser (with the rank) before anything is loaded or encoded."""
     base = config.base if config.base is not None else shipped_base(kind.name)
-    opened = open_base(kind, base, dtype, shapes_only=shapes_only)
+    opened = open_base(kind, base, dtype, shapes_only=shapes_only, parts=config.base_parts())
     gc.collect()  # the loaders' garbage (reference cycles of diffusers' and transformers' loading) goes now
     resolution = config.resolution or default_resolution(opened.pipe)
     check_config_for_base(config, kind, opened.pipe, resolution)
