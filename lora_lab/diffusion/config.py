@@ -252,6 +252,9 @@ class TrainConfig:
             bad(given[0], "is a part of a single-file base: give --base FILE.safetensors too")
         if not (isinstance(self.blocks_to_swap, int) and self.blocks_to_swap >= 0):
             bad("blocks_to_swap", "must be a whole number >= 0")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            bad("blocks_to_swap", "needs gradient checkpointing (a swapped block's recomputation in backward "
+                "brings it back to the device)")
         if self.base_quantization is not None and self.base_quantization not in FORMATS:
             bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
