@@ -78,7 +78,8 @@ def main() -> None:
     for m in (plain, swapped):
         enable_checkpointing(m, blocks)
         m.train()
-    print(f"threads {torch.get_num_threads()}, device {args.device}, {n} blocks swapped, {args.tokens} tokens")
+    print(f"threads {torch.get_num_threads()}, device {args.device}, {n} blocks swapped, "
+          f"{args.tokens} tokens")
     print("| run | step s (median) | peak MiB | host -> device MiB per step |")
     print("| --- | ---: | ---: | ---: |")
     times: dict[str, list[float]] = {"no swapping": [], "swapping": []}
@@ -92,7 +93,8 @@ def main() -> None:
         moved = swap.bytes_per_step() / 2**20 if model is swapped else 0.0
         t = sorted(times[name])[len(times[name]) // 2]
         print(f"| {name} | {t:.3f} | {peak:.0f} | {moved:.2f} |")
-    print(f"copied per step, counted: {swap.copied / (args.repeats + (args.device == 'cuda')) / 2**20:.2f} MiB")
+    steps = args.repeats + (args.device == "cuda")
+    print(f"copied per step, counted: {swap.copied / steps / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
