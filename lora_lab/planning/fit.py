@@ -24,6 +24,7 @@ from .._moved import old_name
 from ..diffusion.distributed import resolve_device
 from ..models import default_resolution, shipped_base
 from ..models.real import REAL_PREFIX
+from ..models.single_file import detect_file
 from . import planner
 from .measure import dataset_len, distinct_captions
 from .planner import MemoryPlan, PlanError, folder_vae_scale, format_bytes, parse_bytes
@@ -206,6 +207,9 @@ def plan_size(config) -> tuple[str, str]:
     base = config.base if config.base is not None else shipped_base(config.model)
     if base is not None and str(base).startswith(REAL_PREFIX):
         return str(base).removeprefix(REAL_PREFIX), "real"
+    if base is not None and str(base).endswith(".safetensors"):  # a single file: lora_lab's configs of it
+        variant = detect_file(base).variant
+        return (config.model, "tiny") if variant == "tiny" else (variant, "real")
     return config.model, "tiny" if base is None or Path(base) == shipped_base(config.model) else str(base)
 
 
@@ -239,7 +243,8 @@ def _dataset_options(config, size: str, resolution: int | None) -> dict[str, int
 def plan_train_config(config) -> MemoryPlan:
     """`lora-lab train --dry-run`: the plan of exactly this run (its options as given)."""
     options = plan_config(config, batch_size=config.batch_size, grad_accum=config.grad_accum,
-                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing)
+                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing,
+                          blocks_to_swap=config.blocks_to_swap)
     return planner.plan_memory(**options)
 
 
