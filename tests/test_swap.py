@@ -91,3 +91,31 @@ def test_plan_counts_swapped_blocks_off_the_device():
     assert p.moved_per_step == 2 * block_bytes
     assert p.parts["frozen weights"] == total - block_bytes
     assert "2 blocks in host memory" in p.table()
+
+
+def test_fit_swaps_the_fewest_blocks_as_its_last_resort(monkeypatch):
+    """Where nothing else fits, fit_vram plans every block swapped, then the fewest its room allows, and
+    says the bytes copied per step (plans faked: each swapped block takes 10 off a peak of 100, copies 10
+    twice)."""
+    from lora_lab.planning import fit_vram, planner
+
+    calls = []
+
+    def fake_plan(model, *, blocks_to_swap=0, **kw):
+        calls.append(blocks_to_swap)
+        peak = 100 - 10 * blocks_to_swap
+        options = {"vae_tiling": False, **kw, "blocks_to_swap": blocks_to_swap}
+        plan = planner.MemoryPlan(model, "tiny", options, "flash",
+                                  {"train step": peak}, {"frozen weights": peak}, peak, "train step",
+                                  "backward", 0, 0, moved_per_step=20 * blocks_to_swap)
+        return plan
+
+    monkeypatch.setattr(planner, "plan_memory", fake_plan)
+    r = fit_vram(75, "flux", size="tiny")  # tiny flux: 3 blocks; all 3 swapped: 70 fits, 2 would be 80
+    assert r.settings["blocks_to_swap"] == 3 and calls[-1] == 3
+    assert "3 blocks swapped" in r.reason() and "60 B from host memory" in r.reason()
+    calls.clear()
+    r = fit_vram(95, "flux", size="tiny")  # room for two blocks on the device: one swapped is planned, fits
+    assert calls[-2:] == [3, 1] and r.settings["blocks_to_swap"] == 1
+    with pytest.raises(Exception, match="nothing fits"):
+        fit_vram(65, "flux", size="tiny")

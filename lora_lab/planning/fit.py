@@ -153,7 +153,7 @@ def _fit_swapping(vram: int, model: str, micro: int, batch_size: int, checkpoint
                   planned) -> MemoryPlan | None:
     """The last resort: checkpointing, 8-bit AdamW, the smallest micro-batch, and as few of the denoiser's
     blocks swapped to host memory as fit (`checkpointing/swap.py`): every block swapped first, which gives
-    the bytes of a block; then the count the excess needs (plus the two in flight), planned again. None where
+    the bytes of a block; then the count the room left allows, planned again. None where
     even every block swapped does not fit, or the model's blocks cannot be counted (a local folder)."""
     total = _swappable_blocks(model, plan_options.get("size", "real"))
     if not total:
@@ -171,8 +171,8 @@ def _fewest_swapped(vram: int, total: int, per_block: int, every: MemoryPlan, kw
                     planned) -> MemoryPlan:
     """From the plan with every block swapped: the fewest blocks whose plan fits (estimated from the room
     left, checked by planning it; every block where the estimate does not fit)."""
-    room = vram - every.peak
-    n = max(1, total - room // max(per_block, 1) + 2)
+    room = vram - every.peak  # each block not swapped adds its bytes (those in flight are in every's peak)
+    n = max(1, total - room // max(per_block, 1))
     if n >= total:
         return every
     p = planned(**kw, blocks_to_swap=int(n))
