@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from lora_lab.diffusion import TrainConfig, TrainConfigError, train
-from lora_lab.models import ModelLoadError, denoiser, model_kind
+from lora_lab.models import ModelLoadError, denoiser, model_kind, shipped_base
 from lora_lab.models.bases import build_pipeline, open_base
 from lora_lab.models.layouts import to_single_file
 from lora_lab.models.loading import fill
@@ -144,6 +144,9 @@ def test_mismatch_is_one_line_and_leaves_no_output(tiny_files, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(TrainConfigError, match="clip_l"):
         TrainConfig(model="flux", clip_l=str(path))  # a part without a single-file base
+    sdxl_folder = shipped_base("sdxl")  # a diffusers folder's family, from its model_index.json
+    with pytest.raises(TrainConfigError, match="is a sdxl pipeline, not sd15"):
+        TrainConfig(model="sd15", base=str(sdxl_folder))
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "lora_lab.cli", "train", "--model", "sd15", "--base",
                            str(path), "--output", str(out), "--steps", "1"],
