@@ -64,10 +64,14 @@ class FileHeader:
     def __init__(self, path: Path):
         from safetensors import safe_open
 
+        from ..errors import LoraFormatError
         from ..fileio import read_header
 
         self.path = Path(path)
-        read_header(self.path)  # checked first: a clear error for a file that is not safetensors
+        try:
+            read_header(self.path)  # checked first: a clear error for a file that is not safetensors
+        except LoraFormatError as e:
+            raise ModelLoadError(str(e)) from e
         with safe_open(str(self.path), "pt") as f:
             self.shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
