@@ -9,6 +9,7 @@
     python benchmarks/bench_planner.py --speed         # only the planner's speed: 3 plans of SDXL 1024, fit
     python benchmarks/bench_planner.py --cold-start    # a plan in a fresh process: cold plan cache, then warm
     python benchmarks/bench_planner.py --targets       # the whole-run targets: SDXL and Flux NF4 at 1024
+    python benchmarks/bench_planner.py --small-cards   # Flux.1-dev 1024 on 12 / 16 GiB, block swapping
     python benchmarks/bench_planner.py --real-cpu      # real SD1.5 trained on this CPU (random weights):
                                                        # each phase measured against its plan (~30 min)
 
@@ -215,6 +216,28 @@ def targets() -> None:
               f"< {target} GiB: {met} | {p.seconds:.0f} |", flush=True)
 
 
+SMALL_CARDS = (("nf4", 0), ("fp8", 0), ("fp8", 30), ("fp8", 34))  # (base, blocks swapped)
+
+
+def small_cards(rows=SMALL_CARDS) -> None:
+    """Flux.1-dev at 1024 on 12 and 16 GiB cards: NF4 or fp8 base, checkpointing, 8-bit AdamW, encoders
+    unloaded after caching, with and without block swapping; every phase, and the bytes swapping copies."""
+    from lora_lab.planning import plan_memory
+
+    print("| base | blocks swapped | " + " | ".join(f"{p} GiB" for p in PHASE_COLUMNS)
+          + " | peak (phase) | 12 GiB | 16 GiB | copied per step GiB | plan s |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in PHASE_COLUMNS)
+          + " | --- | --- | --- | ---: | ---: |")
+    for quantization, swapped in rows:
+        p = plan_memory("flux-dev", resolution=1024, rank=16, base_dtype="bf16", gradient_checkpointing=True,
+                        optimizer="adamw8bit", base_quantization=quantization, blocks_to_swap=swapped)
+        fits = ["fits" if p.peak <= gib_ * 2**30 else f"over by {gib(p.peak - gib_ * 2**30)}"
+                for gib_ in (12, 16)]
+        print(f"| {quantization} | {swapped} | " + " | ".join(gib(p.phases[ph]) for ph in PHASE_COLUMNS)
+              + f" | {gib(p.peak)} ({p.peak_phase}) | {fits[0]} | {fits[1]} | {gib(p.moved_per_step)} | "
+              f"{p.seconds:.0f} |", flush=True)
+
+
 def four_examples(folder):
     """A dataset of 4 shipped examples (image + caption) in folder/data: enough for a few real-size steps."""
     import shutil
@@ -309,6 +332,8 @@ if __name__ == "__main__":
     ap.add_argument("--cold-start", action="store_true",
                     help="one SDXL 1024 plan in a fresh process, cold and warm plan cache (--rounds)")
     ap.add_argument("--rounds", type=int, default=1, help="--cold-start's rounds (default 1)")
+    ap.add_argument("--small-cards", action="store_true",
+                    help="Flux.1-dev 1024 on 12 / 16 GiB: NF4 or fp8 base, with and without block swapping")
     ap.add_argument("--real-cpu", action="store_true",
                     help="real SD1.5 trained on this CPU, measured per phase")
     ap.add_argument("--runs", default="256:fp32:no,256:fp32:yes,256:bf16:yes,512:fp32:yes",
@@ -324,6 +349,8 @@ if __name__ == "__main__":
         targets()
     elif args.cold_start:
         cold_start("sdxl", 1024, args.rounds)
+    elif args.small_cards:
+        small_cards()
     elif args.validate and args.quantized:
         validate_quantized()
     elif args.validate:

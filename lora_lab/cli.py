@@ -251,6 +251,9 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
                    "(default: full)")
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
                    help="the card's memory, e.g. 24GiB: mark what fits, choose the fastest")
+    p.add_argument("--blocks-to-swap", type=int, default=0, metavar="N",
+                   help="also plan checkpointing + adamw8bit with N of the denoiser's blocks in host memory "
+                   "(block swapping), and say the bytes it copies per step")
     p.set_defaults(func=_run_plan)
     return p
 
@@ -263,12 +266,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size,
                          gradient_checkpointing=ck and args.gradient_checkpointing, optimizer=opt, **common)
              for ck in (False, True) for opt in ("adamw", "adamw8bit")]
+    if args.blocks_to_swap:
+        plans.append(plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, optimizer="adamw8bit",
+                                 gradient_checkpointing=args.gradient_checkpointing or True,
+                                 blocks_to_swap=args.blocks_to_swap, **common))
     base = (f"{args.base_quantization} ({plans[0].base_dtype} compute)" if args.base_quantization
             else plans[0].base_dtype)
     print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} "
           f"autocast, base {base}, attention {plans[0].attention} (predictions of every phase of a run, not "
           "measurements)")
     print(options_table(plans, args.vram))
+    if args.blocks_to_swap:
+        print(plans[-1].table())
     if args.vram is not None:
         result = fit_vram(args.vram, args.model, batch_size=args.batch_size, plans=plans,
                           checkpointing=args.gradient_checkpointing, **common)

@@ -123,7 +123,7 @@ def test_errors_name_the_problem(tmp_path):
         M.build_pipeline("sdxl", base=tmp_path)
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ModelLoadError, match="not a diffusers pipeline folder"):
+    with pytest.raises(ModelLoadError, match="not a safetensors file"):  # a single-file base, checked
         M.build_pipeline("sdxl", base=bad)
     broken = tmp_path / "broken"
     shutil.copytree(M.shipped_base("sdxl"), broken)

@@ -144,7 +144,7 @@ def test_fit_tries_fast_options_first(monkeypatch):
     monkeypatch.setattr(planner, "plan_memory", fake_plan)
     r = fit_vram(45, "sdxl", batch_size=4)  # no-ckpt adamw: 31 (b1) fits, b4 71 no, b2 41 fits
     assert r.settings == {"gradient_checkpointing": False, "optimizer": "adamw", "batch_size": 2,
-                          "grad_accum": 2, "vae_tiling": False}
+                          "grad_accum": 2, "vae_tiling": False, "blocks_to_swap": 0}
     assert calls == [(False, "adamw", 1), (False, "adamw", 4), (False, "adamw", 2)]
     calls.clear()
     r = fit_vram(30, "sdxl")  # adamw 31 does not fit, adamw8bit 30 does

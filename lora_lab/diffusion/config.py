@@ -146,6 +146,22 @@ class TrainConfig:
         metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at "
                   "most the fraction F of the activation bytes) | none; true = full"},
     )
+    # a single-file base's parts, and block swapping (issue 31)
+    clip_l: str | None = field(
+        default=None, metadata={"help": "a single-file base's CLIP-L text encoder as a file (Flux; kohya's "
+                                        "--clip_l), else the one inside --base FILE"})
+    clip_g: str | None = field(
+        default=None, metadata={"help": "a single-file base's CLIP-G text encoder as a file (SD3.5)"})
+    t5xxl: str | None = field(
+        default=None, metadata={"help": "a single-file base's T5-XXL text encoder as a file (Flux, SD3.5); "
+                                        "its spiece.model beside it"})
+    vae: str | None = field(
+        default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
+                                        "kohya's --ae)"})
+    blocks_to_swap: int = field(
+        default=0, metadata={"help": "keep this many of the denoiser's blocks in (pinned) host memory, each "
+                                     "copied to the device just before it runs, forward and backward "
+                                     "(kohya's --blocks_to_swap): less memory, more copying"})
     # bookkeeping
     seed: int = field(
         default=0, metadata={"help": "seed of the adapter init, data order, noise and timesteps"}
@@ -228,13 +244,25 @@ class TrainConfig:
             bad("caption_dropout", "must be a probability in [0, 1)")
         if self.base is not None:
             try:
-                check_base(self.base, model_kind(self.model))
+                check_base(self.base, model_kind(self.model), self.base_parts())
             except ModelLoadError as e:
                 bad("base", str(e))
+        given = [p for p, f in self.base_parts().items() if f is not None]
+        if given and not str(self.base or "").endswith(".safetensors"):
+            bad(given[0], "is a part of a single-file base: give --base FILE.safetensors too")
+        if not (isinstance(self.blocks_to_swap, int) and self.blocks_to_swap >= 0):
+            bad("blocks_to_swap", "must be a whole number >= 0")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            bad("blocks_to_swap", "needs gradient checkpointing (a swapped block's recomputation in backward "
+                "brings it back to the device)")
         if self.base_quantization is not None and self.base_quantization not in FORMATS:
             bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+
+    def base_parts(self) -> dict[str, str | None]:
+        """A single-file base's part files by part (None: inside the base file)."""
+        return {"clip_l": self.clip_l, "clip_g": self.clip_g, "t5xxl": self.t5xxl, "vae": self.vae}
 
     def base_torch_dtype(self, device: torch.device) -> torch.dtype:
         """The frozen base's dtype: `base_dtype`, or for "auto" bf16 on CUDA and fp32 elsewhere."""

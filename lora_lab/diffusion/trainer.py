@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpointing import disable_checkpointing, enable_checkpointing
+from ..checkpointing import disable_checkpointing, enable_block_swap, enable_checkpointing
 from ..formats import save_lora
 from ..lora import LoRAConfig, add_lora, lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
@@ -161,7 +161,7 @@ def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
     text encoders and VAE on the host in `dtype`, the denoiser's shapes only; and the training resolution,
     checked against the denoiser (with the rank) before anything is loaded or encoded."""
     base = config.base if config.base is not None else shipped_base(kind.name)
-    opened = open_base(kind, base, dtype, shapes_only=shapes_only)
+    opened = open_base(kind, base, dtype, shapes_only=shapes_only, parts=config.base_parts())
     gc.collect()  # the loaders' garbage (reference cycles of diffusers' and transformers' loading) goes now
     resolution = config.resolution or default_resolution(opened.pipe)
     check_config_for_base(config, kind, opened.pipe, resolution)
@@ -214,12 +214,15 @@ def dataset_fingerprint(config: TrainConfig) -> str:
     return fingerprint
 
 
-def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
-                  device: torch.device) -> tuple[list[str], Learner]:
+def add_trainable(config: TrainConfig, kind: ModelKind, pipe, device: torch.device,
+                  host=contextlib.nullcontext) -> tuple[list[str], Learner]:
     """The adapter on the frozen (optionally quantized) denoiser, every process building the same one from
-    the seed; gradient checkpointing per the config's policy; the optimizer and the mixed precision."""
+    the seed; block swapping (its host copies made in the context `host`: a plan's); gradient checkpointing
+    per the config's policy; the optimizer and the mixed precision."""
     model = denoiser(pipe)
     adapted = add_adapter(model, config, kind)  # on the device of the weights they adapt
+    if config.blocks_to_swap:
+        enable_block_swap(model, kind.checkpoint_blocks(), config.blocks_to_swap, device, host)
     if config.checkpointing_policy():
         enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
     model.train()

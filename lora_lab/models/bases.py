@@ -14,6 +14,8 @@ Bases:
     a folder      a diffusers pipeline folder (model_index.json): data/base/<kind>, or a local download
     "real:NAME"   the published configs of models/real.py (sd15, sdxl, sd35-medium, sd35-large, flux-dev) with
                   seeded random weights: a real-size run to measure, or (with shapes_only) to plan
+    a file        a single-file checkpoint (FILE.safetensors: SD1.5/SDXL/SD3.5 all in one, a Flux or SD3.5
+                  transformer with `parts`: {"clip_l", "clip_g", "t5xxl", "vae": FILE}): single_file.py
 
 `shapes_only=True` (inside a FakeTensorMode: a plan) builds every module from its config and reads no weight
 file: the text encoders and VAE get fake weights, the denoiser's source is `FakeWeights`.
@@ -33,9 +35,18 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from .builders import CONFIGS, build_components, build_tokenizer, denoiser, pipeline_class
-from .kinds import ModelKind, ModelLoadError, model_kind
+from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
 from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
+from .single_file import (
+    PART_FLAGS,
+    FileHeader,
+    check_file,
+    component_configs,
+    detect,
+    part_source,
+    tokenizer_for,
+)
 
 CLIP_TOKENS = 77  # the real CLIP encoders' positions
 
@@ -53,8 +64,13 @@ class OpenedBase:
                              # "real:NAME", or None (tiny, from the seed)
 
 
-def check_base(base: str | Path | None, kind: ModelKind) -> None:
-    """Raise ModelLoadError where `base` cannot be a base of `kind` (before anything is built)."""
+def check_base(base: str | Path | None, kind: ModelKind, parts: dict[str, str | None] | None = None) -> None:
+    """Raise ModelLoadError where `base` cannot be a base of `kind` (before anything is built): a file or
+    folder of another family, a part file (`parts`) that is missing or without a base file to go with."""
+    if base is None or not str(base).endswith(".safetensors"):
+        given = [PART_FLAGS[p] for p, f in (parts or {}).items() if f is not None]
+        if given:
+            raise ModelLoadError(f"{', '.join(given)}: parts of a single-file base (--base FILE.safetensors)")
     if base is None:
         return
     text = str(base)
@@ -64,22 +80,42 @@ def check_base(base: str | Path | None, kind: ModelKind) -> None:
             raise ModelLoadError(f"base {text!r} is a {real_kind(name)} model, not {kind.name}")
         return
     path = Path(text)
+    if path.is_file() and path.suffix == ".safetensors":
+        check_file(path, kind, parts)
+        return
     if not path.exists():
-        raise ModelLoadError(f"{path}: no such base model folder")
+        raise ModelLoadError(f"{path}: no such base model folder or file")
     if not (path.is_dir() and (path / "model_index.json").is_file()):
-        raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json)")
+        raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json) nor a "
+                             ".safetensors checkpoint")
+    found = _folder_kind(path)
+    if found is not None and found.name != kind.name:
+        raise ModelLoadError(f"{path} is a {found.name} pipeline, not {kind.name}: train it with "
+                             f"--model {found.name}")
+
+
+def _folder_kind(path: Path) -> ModelKind | None:
+    """The kind of a pipeline folder from its model_index.json's pipeline class (None: a class lora_lab
+    does not know, left to the loading to refuse)."""
+    try:
+        name = json.loads((path / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((REGISTRY[k] for k in REGISTRY if REGISTRY[k].pipeline == name), None)
 
 
 def open_base(kind: str | ModelKind, base: str | Path | None, dtype: torch.dtype, seed: int = 0,
-              shapes_only: bool = False) -> OpenedBase:
+              shapes_only: bool = False, parts: dict[str, str | None] | None = None) -> OpenedBase:
     """The pipeline of `base` with its text encoders and VAE in `dtype` on the host and its denoiser a
     skeleton; see the module docstring."""
     kind = model_kind(kind)
-    check_base(base, kind)
+    check_base(base, kind, parts)
     if base is None:
         return _open_tiny(kind, dtype, seed, shapes_only)
     if str(base).startswith(REAL_PREFIX):
         return _open_real(kind, str(base).removeprefix(REAL_PREFIX), dtype, seed, shapes_only)
+    if Path(base).is_file():
+        return _open_file(kind, Path(base), dtype, shapes_only, parts or {})
     return _open_folder(kind, Path(base), dtype, shapes_only)
 
 
@@ -206,6 +242,67 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
         for key, value in kind.pipeline_extras:
             out.setdefault(key, value)
     return out
+
+
+def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: bool,
+               parts: dict[str, str | None]) -> OpenedBase:
+    """A single-file checkpoint (and its part files): every model a skeleton of lora_lab's config for the
+    detected variant, filled tensor by tensor from the memory-mapped files by its layout's rules; the
+    denoiser left to fill on the training device."""
+    import diffusers
+
+    main = FileHeader(path)
+    found = detect(main)
+    configs = component_configs(kind.name, found.variant)
+    scheduler = (CONFIGS[kind.name]["scheduler"] if found.variant == "tiny"
+                 else REAL_SCHEDULERS[found.variant])
+    tokenizers = {}
+
+    def load(names: list[str] | None) -> dict:
+        out = {}
+        for component, (cls_name, cfg) in configs.items():
+            if names is not None and component not in names:
+                continue
+            enc = next((e for e in kind.text_encoders if e.component == component), None)
+            if enc is None:
+                model = skeleton(getattr(diffusers, cls_name), cfg, meta_buffers=component == kind.component)
+            else:
+                model = skeleton(*_text_encoder_config(cls_name, cfg, tokenizers[enc.tokenizer]),
+                                 meta_buffers=False)
+            source = part_source(kind.name, component, model, main, parts, found)
+            if component == kind.component:
+                out["source"] = source
+            else:
+                fill(model, FakeWeights() if shapes_only else source, dtype=dtype, device="cpu")
+                source.close()
+            out[component] = model
+        return out
+
+    with unset_fake_temporarily():
+        for enc in kind.text_encoders:
+            near = Path(parts.get("t5xxl") or path) if enc.arch == "t5" else path
+            tokenizers[enc.tokenizer] = tokenizer_for(enc.arch, enc.component, found.variant, kind, near)
+        components = load(None)
+        source = components.pop("source")
+        components.update(tokenizers)
+        components["scheduler"] = getattr(diffusers, kind.scheduler)(**scheduler)
+    components.update(kind.pipeline_extras)
+    return OpenedBase(_assemble(kind, components, dtype), FakeWeights() if shapes_only else source,
+                      lambda names: load(names), str(path))
+
+
+def _text_encoder_config(class_name: str, cfg: dict, tokenizer) -> tuple[type, object]:
+    """A text encoder's class and transformers config (the vocabulary's size and special ids from its
+    tokenizer, where the config does not give them)."""
+    import transformers
+
+    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    if class_name.startswith("T5"):
+        config = transformers.T5Config(**{**ids, **cfg}, decoder_start_token_id=0)
+    else:
+        config = transformers.CLIPTextConfig(**{**ids, "bos_token_id": tokenizer.bos_token_id, **cfg})
+    return getattr(transformers, class_name), config
 
 
 def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes_only: bool) -> OpenedBase:

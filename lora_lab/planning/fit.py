@@ -7,7 +7,9 @@ of options.
     plan_train_config(train_config)                         -> the plan `lora-lab train --dry-run` prints
 
 Options are tried cheapest in time first: no recomputation before recomputation, fp32 AdamW (the faster
-step) before 8-bit, and the largest micro-batch that fits, with gradient accumulation for the rest.
+step) before 8-bit, and the largest micro-batch that fits, with gradient accumulation for the rest; as the
+last resort, the fewest of the denoiser's blocks swapped to host memory that fit (its cost: the bytes it
+copies per step, which the reason says).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .._moved import old_name
 from ..diffusion.distributed import resolve_device
 from ..models import default_resolution, shipped_base
 from ..models.real import REAL_PREFIX
+from ..models.single_file import detect_file
 from . import planner
 from .measure import dataset_len, distinct_captions
 from .planner import MemoryPlan, PlanError, folder_vae_scale, format_bytes, parse_bytes
@@ -45,8 +48,8 @@ class FitResult:
         """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum,
         vae_tiling."""
         o = self.chosen.options
-        return {k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum",
-                                  "vae_tiling")}
+        return {**{k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum",
+                                     "vae_tiling")}, "blocks_to_swap": o.get("blocks_to_swap", 0)}
 
     def reason(self) -> str:
         s = self.settings
@@ -54,16 +57,19 @@ class FitResult:
         why = ("; faster options did not fit: " + ", ".join(
             f"{_label(p.options)} {format_bytes(p.peak)} ({p.peak_phase})"
             for p in skipped)) if skipped else ""
+        moved = (f"; it copies {format_bytes(self.chosen.moved_per_step)} from host memory to the device "
+                 "per micro-batch" if s["blocks_to_swap"] else "")
         return (f"chose {_label(self.chosen.options)}: predicted peak {format_bytes(self.chosen.peak)} of "
                 f"{format_bytes(self.vram)}, in {self.chosen.why()} (batch {s['batch_size']} x "
-                f"{s['grad_accum']} accumulation){why}")
+                f"{s['grad_accum']} accumulation){moved}{why}")
 
 
 def _label(options: dict) -> str:
     ck = planner.checkpointing_words(options["gradient_checkpointing"]) or "no checkpointing"
     q = f", {options['base_quantization']} base" if options.get("base_quantization") else ""
     tiles = ", vae tiling" if options.get("vae_tiling") else ""
-    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}{tiles}"
+    swap = f", {options['blocks_to_swap']} blocks swapped" if options.get("blocks_to_swap") else ""
+    return f"{ck}, {options['optimizer']}, batch {options['batch_size']}{q}{tiles}{swap}"
 
 
 def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str:
@@ -130,6 +136,9 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
                 if p.fits(vram):
                     return FitResult(vram, p, tried)
             return FitResult(vram, smallest, tried)
+    swapped = _fit_swapping(vram, model, micro[-1], batch_size, checkpointing, plan_options, planned)
+    if swapped is not None:
+        return FitResult(vram, swapped, tried)
     best = min(tried, key=lambda p: p.peak)
     raise PlanError(
         f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
@@ -140,12 +149,67 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
            "(full, every_k, budget:F)"))
 
 
+def _fit_swapping(vram: int, model: str, micro: int, batch_size: int, checkpointing, plan_options: dict,
+                  planned) -> MemoryPlan | None:
+    """The last resort: checkpointing, 8-bit AdamW, the smallest micro-batch, and as few of the denoiser's
+    blocks swapped to host memory as fit (`checkpointing/swap.py`): every block swapped first, which gives
+    the bytes of a block; then the count the room left allows, planned again. None where
+    even every block swapped does not fit, or the model's blocks cannot be counted (a local folder)."""
+    total = _swappable_blocks(model, plan_options.get("size", "real"))
+    if not total:
+        return None
+    kw = {"batch_size": micro, "grad_accum": batch_size // micro, "optimizer": "adamw8bit",
+          "gradient_checkpointing": checkpointing or True, **plan_options}
+    every = planned(**kw, blocks_to_swap=total)
+    if not every.fits(vram):
+        return None
+    per_block = every.moved_per_step // (2 * total)
+    return _fewest_swapped(vram, total, per_block, every, kw, planned)
+
+
+def _fewest_swapped(vram: int, total: int, per_block: int, every: MemoryPlan, kw: dict,
+                    planned) -> MemoryPlan:
+    """From the plan with every block swapped: the fewest blocks whose plan fits (estimated from the room
+    left, checked by planning it; every block where the estimate does not fit)."""
+    room = vram - every.peak  # each block not swapped adds its bytes (those in flight are in every's peak)
+    n = max(1, total - room // max(per_block, 1))
+    if n >= total:
+        return every
+    p = planned(**kw, blocks_to_swap=int(n))
+    return p if p.fits(vram) else every
+
+
+def _swappable_blocks(model: str, size: str) -> int:
+    """How many blocks the denoiser of a real or tiny model has to swap (0: a local folder, not counted)."""
+    import torch
+
+    from ..checkpointing.swap import swappable
+    from ..models import model_kind
+    from ..models.builders import CONFIGS
+    from ..models.real import REAL_CONFIGS, real_kind
+
+    if size == "real":
+        kind = model_kind(real_kind(model))
+        cls_name, cfg = REAL_CONFIGS[model][kind.component]
+    elif size == "tiny":
+        kind = model_kind(model)
+        cfg = CONFIGS[model][kind.component]
+    else:
+        return 0
+    with torch.device("meta"):
+        denoiser = kind.denoiser_class()(**cfg)
+    return len(swappable(denoiser, kind.checkpoint_blocks()))
+
+
 def plan_size(config) -> tuple[str, str]:
     """(model, size) of plan_memory for a TrainConfig's base: a real model, a local folder, or the tiny
     base."""
     base = config.base if config.base is not None else shipped_base(config.model)
     if base is not None and str(base).startswith(REAL_PREFIX):
         return str(base).removeprefix(REAL_PREFIX), "real"
+    if base is not None and str(base).endswith(".safetensors"):  # a single file: lora_lab's configs of it
+        variant = detect_file(base).variant
+        return (config.model, "tiny") if variant == "tiny" else (variant, "real")
     return config.model, "tiny" if base is None or Path(base) == shipped_base(config.model) else str(base)
 
 
@@ -179,7 +243,8 @@ def _dataset_options(config, size: str, resolution: int | None) -> dict[str, int
 def plan_train_config(config) -> MemoryPlan:
     """`lora-lab train --dry-run`: the plan of exactly this run (its options as given)."""
     options = plan_config(config, batch_size=config.batch_size, grad_accum=config.grad_accum,
-                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing)
+                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing,
+                          blocks_to_swap=config.blocks_to_swap)
     return planner.plan_memory(**options)
 
 

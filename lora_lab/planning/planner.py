@@ -118,6 +118,7 @@ class MemoryPlan:
     gradients: int
     seconds: float = 0.0  # the time plan_memory took for this plan (reading it back, where cached)
     cached: bool = False  # read back from the plan cache on disk
+    moved_per_step: int = 0  # block swapping: host -> device bytes of one training step
 
     @classmethod
     def from_dict(cls, fields: dict) -> MemoryPlan:
@@ -128,7 +129,7 @@ class MemoryPlan:
         if not all(isinstance(c, dict) and all(isinstance(k, str) and type(v) is int for k, v in c.items())
                    for c in counts) or set(fields["phases"]) != set(PHASES):
             raise PlanError("a memory plan's phases and parts must map names to integers of bytes")
-        for name in ("peak", "saved_activations", "gradients"):
+        for name in ("peak", "saved_activations", "gradients", "moved_per_step"):
             if type(fields[name]) is not int:
                 raise PlanError(f"a memory plan's {name} must be an integer, got {fields[name]!r}")
         for name in ("model", "size", "attention", "peak_phase", "step_phase"):
@@ -168,7 +169,10 @@ class MemoryPlan:
         rows = [f"{name:<{width}} {format_bytes(n) if n or name != 'sample' else 'none':>12}"
                 + ("   <- the peak" if name == self.peak_phase else "") for name, n in self.phases.items()]
         step = [f"  {name:<{width - 2}} {format_bytes(n):>12}" for name, n in self.parts.items()]
-        return "\n".join([head, *rows, f"the train step at its peak ({self.step_phase}):", *step])
+        swap = ([f"block swapping: {o['blocks_to_swap']} blocks in host memory, "
+                 f"{format_bytes(self.moved_per_step)} copied to the device per step"]
+                if o.get("blocks_to_swap") else [])
+        return "\n".join([head, *rows, f"the train step at its peak ({self.step_phase}):", *step, *swap])
 
     @property
     def base_dtype(self) -> str:
@@ -204,6 +208,7 @@ def plan_options(
     dataset_size: int = 1,
     distinct_captions: int | None = None,
     resident: str | None = None,
+    blocks_to_swap: int = 0,
 ) -> dict[str, Any]:
     """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and
     its `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
@@ -223,6 +228,8 @@ def plan_options(
     dataset_size (examples cached: on the device only on the CPU) and distinct_captions among them (default:
     all distinct, the most the text encoders see at once); checkpoint_options (keywords for
     `enable_checkpointing`). `resident` is lora_lab 0.1's spelling of keep_encoders ("all" | "denoiser").
+    blocks_to_swap: that many of the denoiser's blocks in host memory, copied in to run (with checkpointing;
+    `checkpointing/swap.py`): the plan counts the resident blocks and those in flight, and the bytes moved.
     """
     if resident is not None:
         warn("plan_memory(resident=...)", "plan_memory(keep_encoders=...)")
@@ -252,6 +259,8 @@ def plan_options(
                "keep_encoders": keep_encoders, "vae_tiling": vae_tiling, "sample_steps": sample_steps,
                "attention": attention, "device": device, "dataset_size": dataset_size,
                "distinct_captions": distinct_captions}
+    if blocks_to_swap:
+        options["blocks_to_swap"] = blocks_to_swap  # only where set: plans made before it compare equal
     train_config(options)  # TrainConfig checks the training options
     return options
 
@@ -298,7 +307,8 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
                            mixed_precision=options["mixed_precision"], base_dtype=options["base_dtype"],
                            base_quantization=options["base_quantization"],
                            keep_encoders=options["keep_encoders"], vae_tiling=options["vae_tiling"],
-                           sample_steps=options["sample_steps"], progress=False, device="cpu")
+                           sample_steps=options["sample_steps"], progress=False, device="cpu",
+                           blocks_to_swap=options.get("blocks_to_swap", 0))
     except LoraLabError as e:
         raise PlanError(f"plan_memory: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:  # a value of a type
@@ -359,7 +369,7 @@ def _plan(model: str, options: dict[str, Any]) -> MemoryPlan:
     return MemoryPlan(model=model, size=str(options["size"]), options=options, attention=used, phases=phases,
                       parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase,
                       step_phase=run.step_phase, saved_activations=run.saved_activations,
-                      gradients=run.gradients)
+                      gradients=run.gradients, moved_per_step=run.moved_per_step)
 
 
 def folder_vae_scale(path: Path) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..checkpointing import disable_checkpointing, enable_checkpointing
+from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
 from ..diffusion.config import TrainConfig
 from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples
 from ..diffusion.distributed import DistEnv
@@ -61,6 +61,7 @@ class RunPeaks:
     saved_activations: int  # everything the forward saved for backward (exact, saved-tensor hooks)
     gradients: int
     attention: dict[str, int] = field(default_factory=dict)  # the attention backends that ran, and how often
+    moved_per_step: int = 0  # block swapping: host -> device bytes one step copies
 
 
 def storage_bytes(tensors) -> int:
@@ -121,9 +122,12 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
                 with tracker.phase("sample"):
                     _sample(config, encoders, samples, tracker)
     tracker.phase_peaks.setdefault("sample", 0)
+    swap = block_swap(denoiser(pipe))
+    on_host = {id(t.untyped_storage()) for h in (swap.host if swap else ()) for t in h.values()}
     persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
                                                              *denoiser(pipe).buffers())
-                                                  if not t.requires_grad),
+                                                  if not t.requires_grad and id(t.untyped_storage())
+                                                  not in on_host),
                   "resident (VAE, text encoders)": storage_bytes(_encoder_tensors(encoders))
                   if config.keep_encoders else 0,
                   "adapter weights": step["adapters"], "optimizer state": step["state"],
@@ -133,7 +137,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
     parts["working set at peak"] = peak - sum(parts.values())
     return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
-                    step["grads"], dict(rules.used))
+                    step["grads"], dict(rules.used), swap.bytes_per_step() if swap else 0)
 
 
 @contextlib.contextmanager
@@ -186,7 +190,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
                 checkpoint_options: dict | None) -> tuple[dict, object]:
     """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most
     two micro-batches (the second with the first's gradients live), measured in parts."""
-    _, learner = add_trainable(config, kind, pipe, CPU)
+    _, learner = add_trainable(config, kind, pipe, CPU, host=tracker.elsewhere)  # swapped blocks' host copies
     model = denoiser(pipe)
     if checkpoint_options:
         disable_checkpointing(model)

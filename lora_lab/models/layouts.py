@@ -1,0 +1,271 @@
+"""Where each diffusers tensor is in a single-file checkpoint: the LDM layout (SD1.5, SDXL), SD3.5's, BFL's
+(Flux), and the text encoders' and VAE's inside them or beside them.
+
+    rules = layout_rules("ldm_unet", model_shapes, prefix="model.diffusion_model.")
+    rules["down_blocks.0.resnets.0.conv1.weight"]
+                -> Rule("model.diffusion_model.input_blocks.1.0.in_layers.2.weight")
+    take(rule, file_tensor, like_shape)            -> the diffusers tensor (a view: a slice, a transpose, ...)
+    to_single_file(rules, state_dict)              -> the file's tensors from a diffusers state dict
+
+A rule names one tensor of the file and what to do with it: nothing (a rename), `rows` (a slice of the
+rows: a fused qkv or BFL's linear1 split into q, k, v and the MLP), `swap` (the halves swapped: BFL's and
+SD3's shift/scale against diffusers' scale/shift), `squeeze` (a 1x1 convolution read as a linear layer: the
+LDM VAE's attention), `T` (transposed: OpenCLIP's text projection). The facts are those of diffusers'
+single-file converters (`diffusers.loaders.single_file_utils`: `convert_ldm_unet_checkpoint`,
+`convert_ldm_vae_checkpoint`, `convert_open_clip_checkpoint`,
+`convert_sd3_transformer_checkpoint_to_diffusers`,
+`convert_flux_transformer_checkpoint_to_diffusers`); written here as rules from the model's side, so that a
+tensor is read from the memory-mapped file when the model asks for it (one at a time), and the same rules
+write a tiny checkpoint in the layout (`to_single_file`) for the tests, which check it against those
+converters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str  # the tensor in the file
+    op: str | None = None  # None | "rows" | "swap" | "squeeze" | "T"
+    start: int = 0  # rows: the first row
+    stop: int = 0  # rows: after the last row
+
+
+def take(rule: Rule, t: torch.Tensor) -> torch.Tensor:
+    """The diffusers tensor of `rule` from the file's tensor `t` (a view where one is possible)."""
+    if rule.op is None:
+        return t
+    if rule.op == "rows":
+        return t[rule.start:rule.stop]
+    if rule.op == "swap":
+        shift, scale = t.chunk(2, dim=0)
+        return torch.cat([scale, shift])
+    if rule.op == "squeeze":
+        return t.reshape(t.shape[:2])
+    if rule.op == "T":
+        return t.T
+    raise ValueError(f"unknown rule op {rule.op!r}")
+
+
+def to_single_file(rules: dict[str, Rule], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors that `rules` read `state` from (the inverse of `take`, tensor by tensor); a tensor
+    tied to one already written (T5's shared embedding) is written once, under its first name."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    written: set[int] = set()
+    for name, rule in rules.items():
+        if name not in state or (state[name].data_ptr() in written and not state[name].is_meta):
+            continue
+        t = state[name].detach()
+        written.add(t.data_ptr())
+        if rule.op == "rows":
+            pieces.setdefault(rule.key, []).append((rule.start, t))
+        elif rule.op == "swap":
+            scale, shift = t.chunk(2, dim=0)
+            out[rule.key] = torch.cat([shift, scale])
+        elif rule.op == "squeeze":
+            out[rule.key] = t.reshape(*t.shape, 1, 1)
+        else:
+            out[rule.key] = (t.T if rule.op == "T" else t).contiguous()
+    for key, parts in pieces.items():
+        out[key] = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
+    return out
+
+
+# ----------------------------------------------------------------------------- LDM: the UNet and VAE
+
+_RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"),
+           ("conv2", "out_layers.3"), ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
+_UNET_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+             "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+
+
+def _resnet(rest: str) -> str:
+    for new, old in _RESNET:
+        rest = rest.replace(new, old, 1) if rest.startswith(new) else rest
+    return rest
+
+
+def ldm_unet_key(name: str, layers_per_block: int, up_attention: set[int]) -> str:
+    """The LDM name of a diffusers UNet tensor (`convert_ldm_unet_checkpoint`, the other way round).
+    up_attention: the up blocks that have attentions (their upsampler is the block's third module)."""
+    head, _, leaf = name.rpartition(".")
+    if head in _UNET_TOP:
+        return f"{_UNET_TOP[head]}.{leaf}"
+    n = layers_per_block + 1
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", name):
+        block, what, layer, rest = int(m[1]), m[2], int(m[3]), m[4]
+        i = n * block + layer + 1
+        return f"input_blocks.{i}.0.{_resnet(rest)}" if what == "resnets" else f"input_blocks.{i}.1.{rest}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.+)", name):
+        return f"input_blocks.{n * (int(m[1]) + 1)}.0.op.{m[2]}"
+    if m := re.fullmatch(r"mid_block\.resnets\.(\d+)\.(.+)", name):
+        return f"middle_block.{2 * int(m[1])}.{_resnet(m[2])}"
+    if m := re.fullmatch(r"mid_block\.attentions\.0\.(.+)", name):
+        return f"middle_block.1.{m[1]}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", name):
+        block, what, layer, rest = int(m[1]), m[2], int(m[3]), m[4]
+        i = n * block + layer
+        return f"output_blocks.{i}.0.{_resnet(rest)}" if what == "resnets" else f"output_blocks.{i}.1.{rest}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.+)", name):
+        block = int(m[1])
+        return f"output_blocks.{n * block + layers_per_block}.{2 if block in up_attention else 1}.conv.{m[2]}"
+    raise KeyError(name)
+
+
+def ldm_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
+    """The LDM VAE's tensor of a diffusers AutoencoderKL tensor (`convert_ldm_vae_checkpoint` the other way
+    round); the mid-block attention's projections are 1x1 convolutions there."""
+    key = name.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
+    key = re.sub(r"encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", key)
+    key = re.sub(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", key)
+    key = re.sub(r"decoder\.up_blocks\.(\d+)\.resnets\.",
+                 lambda m: f"decoder.up.{n_up - 1 - int(m[1])}.block.", key)
+    key = re.sub(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                 lambda m: f"decoder.up.{n_up - 1 - int(m[1])}.upsample.", key)
+    key = re.sub(r"mid_block\.resnets\.(\d+)\.", lambda m: f"mid.block_{int(m[1]) + 1}.", key)
+    if ".mid_block.attentions.0." in key:
+        key = key.replace("mid_block.attentions.0.", "mid.attn_1.")
+        for new, old in (("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v", "v"),
+                         ("to_out.0", "proj_out")):
+            key = key.replace(f".{new}.", f".{old}.")
+        if len(shape) == 2:
+            return Rule(prefix + key, "squeeze")
+    return Rule(prefix + key)
+
+
+# ----------------------------------------------------------------------------- text encoders
+
+
+def clip_rule(name: str, prefix: str, with_text_model: bool) -> Rule:
+    """CLIP-L in transformers' names under `prefix` (the LDM files' "cond_stage_model.transformer.", ...);
+    transformers 5's CLIPTextModel has no `text_model.` level, the files do."""
+    return Rule(prefix + ("text_model." + name if with_text_model and not name.startswith("text_model.")
+                          and name != "text_projection.weight" else name))
+
+
+_OPENCLIP = (("layer_norm1", "ln_1"), ("layer_norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"),
+             ("mlp.fc2", "mlp.c_proj"), ("self_attn.out_proj", "attn.out_proj"))
+
+
+def open_clip_rule(name: str, shape: tuple, prefix: str) -> Rule:
+    """OpenCLIP bigG as SDXL's file holds it (`convert_open_clip_checkpoint` the other way round): q, k and v
+    are rows of `in_proj`, the projection is transposed."""
+    top = {"text_model.embeddings.position_embedding.weight": "positional_embedding",
+           "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
+           "text_model.final_layer_norm.weight": "ln_final.weight",
+           "text_model.final_layer_norm.bias": "ln_final.bias"}
+    if name in top:
+        return Rule(prefix + top[name])
+    if name == "text_projection.weight":
+        return Rule(prefix + "text_projection", "T")
+    m = re.fullmatch(r"text_model\.encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m is None:
+        raise KeyError(name)
+    layer, part, leaf = m[1], m[2], m[3]
+    block = f"{prefix}transformer.resblocks.{layer}."
+    if q := re.fullmatch(r"self_attn\.([qkv])_proj", part):
+        i, d = "qkv".index(q[1]), shape[0]
+        return Rule(f"{block}attn.in_proj_{leaf}", "rows", i * d, (i + 1) * d)
+    for new, old in _OPENCLIP:
+        if part == new:
+            return Rule(f"{block}{old}.{leaf}")
+    raise KeyError(name)
+
+
+# ----------------------------------------------------------------------------- MMDiT: SD3.5 and Flux
+
+_QKV = {"to_q": 0, "to_k": 1, "to_v": 2, "add_q_proj": 0, "add_k_proj": 1, "add_v_proj": 2}
+
+
+def _qkv(key: str, proj: str, shape: tuple) -> Rule:
+    i, d = _QKV[proj], shape[0]
+    return Rule(key, "rows", i * d, (i + 1) * d)
+
+
+def sd3_rule(name: str, shape: tuple, last: int, prefix: str) -> Rule:
+    """SD3.5's single-file name of a diffusers SD3Transformer2DModel tensor (the other way round of
+    `convert_sd3_transformer_checkpoint_to_diffusers`)."""
+    top = {"pos_embed.pos_embed": "pos_embed", "pos_embed.proj.weight": "x_embedder.proj.weight",
+           "pos_embed.proj.bias": "x_embedder.proj.bias",
+           "context_embedder.weight": "context_embedder.weight",
+           "context_embedder.bias": "context_embedder.bias", "proj_out.weight": "final_layer.linear.weight",
+           "proj_out.bias": "final_layer.linear.bias"}
+    for emb, old in (("timestep_embedder", "t_embedder"), ("text_embedder", "y_embedder")):
+        for lin, mlp in (("linear_1", "mlp.0"), ("linear_2", "mlp.2")):
+            for leaf in ("weight", "bias"):
+                top[f"time_text_embed.{emb}.{lin}.{leaf}"] = f"{old}.{mlp}.{leaf}"
+    if name in top:
+        return Rule(prefix + top[name])
+    if m := re.fullmatch(r"norm_out\.linear\.(weight|bias)", name):
+        return Rule(f"{prefix}final_layer.adaLN_modulation.1.{m[1]}", "swap")
+    m = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m is None:
+        raise KeyError(name)
+    i, part, leaf = int(m[1]), m[2], m[3]
+    b = f"{prefix}joint_blocks.{i}."
+    attn = re.fullmatch(r"(attn2?)\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)", part)
+    if attn:
+        block = "context_block" if attn[2].startswith("add") else "x_block"
+        return _qkv(f"{b}{block}.{attn[1]}.qkv.{leaf}", attn[2], shape)
+    names = {"attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
+             "attn.norm_added_q": "context_block.attn.ln_q", "attn.norm_added_k": "context_block.attn.ln_k",
+             "attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+             "attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.attn2.ln_k",
+             "attn2.to_out.0": "x_block.attn2.proj", "norm1.linear": "x_block.adaLN_modulation.1",
+             "norm1_context.linear": "context_block.adaLN_modulation.1", "ff.net.0.proj": "x_block.mlp.fc1",
+             "ff.net.2": "x_block.mlp.fc2",
+             "ff_context.net.0.proj": "context_block.mlp.fc1",
+             "ff_context.net.2": "context_block.mlp.fc2"}
+    if part not in names:
+        raise KeyError(name)
+    op = "swap" if part == "norm1_context.linear" and i == last else None
+    return Rule(f"{b}{names[part]}.{leaf}", op)
+
+
+def flux_rule(name: str, shape: tuple, inner: int, prefix: str) -> Rule:
+    """BFL's name of a diffusers FluxTransformer2DModel tensor (the other way round of
+    `convert_flux_transformer_checkpoint_to_diffusers`; `inner`: the model's width, which diffusers' converter
+    fixes at 3072)."""
+    top = {"context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear"}
+    for emb, old in (("timestep_embedder", "time_in"), ("text_embedder", "vector_in"),
+                     ("guidance_embedder", "guidance_in")):
+        for lin, layer in (("linear_1", "in_layer"), ("linear_2", "out_layer")):
+            top[f"time_text_embed.{emb}.{lin}"] = f"{old}.{layer}"
+    head, _, leaf = name.rpartition(".")
+    if head in top:
+        return Rule(f"{prefix}{top[head]}.{leaf}")
+    if head == "norm_out.linear":
+        return Rule(f"{prefix}final_layer.adaLN_modulation.1.{leaf}", "swap")
+    if m := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", head):
+        b, part = f"{prefix}double_blocks.{m[1]}.", m[2]
+        if a := re.fullmatch(r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)", part):
+            stream = "txt" if a[1].startswith("add") else "img"
+            return _qkv(f"{b}{stream}_attn.qkv.{leaf}", a[1], shape)
+        names = {"norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+                 "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+                 "attn.norm_added_q": "txt_attn.norm.query_norm",
+                 "attn.norm_added_k": "txt_attn.norm.key_norm",
+                 "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0",
+                 "ff_context.net.2": "txt_mlp.2", "attn.to_out.0": "img_attn.proj",
+                 "attn.to_add_out": "txt_attn.proj"}
+        if part in names:
+            return Rule(f"{b}{names[part]}.{'scale' if 'norm.' in names[part] else leaf}")
+    if m := re.fullmatch(r"single_transformer_blocks\.(\d+)\.(.+)", head):
+        b, part = f"{prefix}single_blocks.{m[1]}.", m[2]
+        split = {"attn.to_q": 0, "attn.to_k": 1, "attn.to_v": 2}
+        if part in split:
+            return Rule(f"{b}linear1.{leaf}", "rows", split[part] * inner, (split[part] + 1) * inner)
+        if part == "proj_mlp":
+            return Rule(f"{b}linear1.{leaf}", "rows", 3 * inner, 3 * inner + shape[0])
+        names = {"norm.linear": "modulation.lin", "attn.norm_q": "norm.query_norm",
+                 "attn.norm_k": "norm.key_norm", "proj_out": "linear2"}
+        if part in names:
+            return Rule(f"{b}{names[part]}.{'scale' if 'norm.' in names[part] else leaf}")
+    raise KeyError(name)

@@ -1,0 +1,256 @@
+"""Single-file checkpoints, offline: the family read from the file's keys, the configs from lora_lab's own,
+the weights read tensor by tensor from the memory-mapped file.
+
+    detect_file(path)                    -> Detected(kind, variant, layout): "sdxl", "sdxl" (or "tiny"), ...
+    check_file(path, kind, parts)        -> ModelLoadError where the file is not a `kind` (before
+                                            anything is built); parts: --clip-l, --clip-g, --t5xxl, --vae
+    open_single_file(kind, path, dtype, parts, shapes_only) -> OpenedBase (as bases.open_base)
+
+Layouts: an SD1.5 or SDXL file in the LDM layout with its text encoders and VAE inside ("all in one"); an
+SD3.5 file with `model.diffusion_model.joint_blocks...` and, where it has them, `text_encoders.clip_l/clip_g/
+t5xxl` and `first_stage_model`; a Flux transformer in BFL's layout (`double_blocks...`), whose CLIP-L, T5-XXL
+and VAE come as separate files (`parts`, as kohya's `--clip_l`, `--t5xxl`, `--ae`): text encoders in
+transformers' names, the VAE in the LDM/BFL layout or diffusers'. A part given as a file replaces the one
+inside. The configs are lora_lab's: `real.REAL_CONFIGS` for the published sizes (variant sd15, sdxl,
+sd35-medium, sd35-large, flux-dev) and `builders.CONFIGS` for the tiny models the tests write ("tiny"),
+told apart by the first layer's width. Tokenizers: the tiny one, or the real CLIP BPE vocabulary
+(`tokenizers.real_clip_tokenizer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .builders import CONFIGS, build_tokenizer
+from .kinds import ModelKind, ModelLoadError, model_kind
+from .layouts import (
+    Rule,
+    clip_rule,
+    flux_rule,
+    ldm_unet_key,
+    ldm_vae_rule,
+    open_clip_rule,
+    sd3_rule,
+    take,
+)
+
+PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl", "vae": "--vae"}
+DENOISER_PREFIX = "model.diffusion_model."
+
+# The key each family's file is known by, and the key whose first dimension tells the size (the denoiser's
+# first layer), with the widths of the published models and of lora_lab's tiny ones.
+_FAMILIES = (
+    ("sdxl", "input_blocks.0.0.weight", "label_emb.0.0.weight", {320: "sdxl", 32: "tiny"}),
+    ("sd15", "input_blocks.0.0.weight", None, {320: "sd15", 32: "tiny"}),
+    ("sd3", "x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
+     {1536: "sd35-medium", 2432: "sd35-large", 32: "tiny"}),
+    ("flux", "img_in.weight", "double_blocks.0.img_attn.qkv.weight", {3072: "flux-dev", 32: "tiny"}),
+)
+
+
+@dataclass(frozen=True)
+class Detected:
+    kind: str  # sd15 | sdxl | sd3 | flux
+    variant: str  # a name of real.REAL_CONFIGS, or "tiny"
+    prefix: str  # of the denoiser's keys: "model.diffusion_model." or ""
+
+
+class FileHeader:
+    """A safetensors file's tensor names and shapes, read from its header only (no tensor is read)."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        from ..errors import LoraFormatError
+        from ..fileio import read_header
+
+        self.path = Path(path)
+        try:
+            read_header(self.path)  # checked first: a clear error for a file that is not safetensors
+        except LoraFormatError as e:
+            raise ModelLoadError(str(e)) from e
+        with safe_open(str(self.path), "pt") as f:
+            self.shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.shapes
+
+
+def detect(header: FileHeader) -> Detected:
+    """The family and variant of a checkpoint from its keys (and the first layer's width)."""
+    for kind, width_key, marker, widths in _FAMILIES:
+        for prefix in (DENOISER_PREFIX, ""):
+            if prefix + width_key not in header or (marker and prefix + marker not in header):
+                continue
+            if kind == "sd15" and "cond_stage_model.model.token_embedding.weight" in header:
+                raise ModelLoadError(f"{header.path}: a Stable Diffusion 2 checkpoint (OpenCLIP-H), which "
+                                     "lora_lab does not train")
+            width = header.shapes[prefix + width_key][0]
+            if width not in widths:
+                raise ModelLoadError(f"{header.path}: a {kind} checkpoint of a size lora_lab has no config "
+                                     f"for (first layer {width} wide; known: {sorted(widths)})")
+            variant = widths[width]
+            if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
+                raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
+                                     "(schnell), which lora_lab has no config for")
+            return Detected(kind, variant, prefix)
+    first = sorted(header.shapes)[:3]
+    raise ModelLoadError(f"{header.path}: not an SD1.5, SDXL, SD3.5 or Flux checkpoint lora_lab knows "
+                         f"(first keys: {first})")
+
+
+def detect_file(path: str | Path) -> Detected:
+    return detect(FileHeader(Path(path)))
+
+
+def check_file(path: str | Path, kind: ModelKind, parts: dict[str, str | None] | None = None) -> Detected:
+    """ModelLoadError where `path` is not a checkpoint of `kind`, or a part file is missing or given to a
+    family that has no such part: one line, from the headers only."""
+    found = detect_file(path)
+    if found.kind != kind.name:
+        raise ModelLoadError(f"{path} is a {found.kind} checkpoint ({found.variant}), not {kind.name}: "
+                             f"train it with --model {found.kind}")
+    for part, file in (parts or {}).items():
+        if file is None:
+            continue
+        if part not in _PARTS[kind.name]:
+            raise ModelLoadError(f"{PART_FLAGS[part]}: a {kind.name} model has no such part "
+                                 f"(its parts: {', '.join(PART_FLAGS[p] for p in _PARTS[kind.name])})")
+        if not Path(file).is_file():
+            raise ModelLoadError(f"{PART_FLAGS[part]} {file}: no such file")
+    return found
+
+
+# ----------------------------------------------------------------------------- the parts of each family
+
+# part -> (pipeline component, the prefix inside an all-in-one file, the layout inside it)
+_PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "sd15": {"clip_l": ("text_encoder", "cond_stage_model.transformer.", "clip"),
+             "vae": ("vae", "first_stage_model.", "ldm_vae")},
+    "sdxl": {"clip_l": ("text_encoder", "conditioner.embedders.0.transformer.", "clip"),
+             "clip_g": ("text_encoder_2", "conditioner.embedders.1.model.", "open_clip"),
+             "vae": ("vae", "first_stage_model.", "ldm_vae")},
+    "sd3": {"clip_l": ("text_encoder", "text_encoders.clip_l.transformer.", "clip"),
+            "clip_g": ("text_encoder_2", "text_encoders.clip_g.transformer.", "clip"),
+            "t5xxl": ("text_encoder_3", "text_encoders.t5xxl.transformer.", "hf"),
+            "vae": ("vae", "first_stage_model.", "ldm_vae")},
+    "flux": {"clip_l": ("text_encoder", "", "clip"), "t5xxl": ("text_encoder_2", "", "hf"),
+             "vae": ("vae", "", "ldm_vae")},
+}
+
+
+def component_rules(kind: str, component: str, model: torch.nn.Module, layout: str, prefix: str,
+                    header: FileHeader | None = None) -> dict[str, Rule]:
+    """For each tensor of `model` (a skeleton: shapes only), where it is in a file of `layout` under
+    `prefix`."""
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    diffusers_vae = f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight"
+    if layout == "ldm_vae" and header is not None and diffusers_vae in header:
+        layout = "hf"  # a VAE in diffusers' names
+    if layout == "hf":
+        return {n: Rule(prefix + n) for n in shapes}
+    if layout == "clip":
+        with_text_model = not any(n.startswith("text_model.") for n in shapes)
+        return {n: clip_rule(n, prefix, with_text_model) for n in shapes}
+    if layout == "open_clip":
+        return {n: open_clip_rule(n, s, prefix) for n, s in shapes.items()
+                if not n.endswith("position_ids")}
+    if layout == "ldm_vae":
+        n_up = len(model.config.up_block_types)
+        return {n: ldm_vae_rule(n, s, n_up, prefix) for n, s in shapes.items()}
+    cfg = model.config
+    if layout == "ldm_unet":
+        up_attention = {i for i, t in enumerate(cfg.up_block_types) if "CrossAttn" in t}
+        return {n: Rule(prefix + ldm_unet_key(n, cfg.layers_per_block, up_attention)) for n in shapes}
+    if layout == "sd3":
+        return {n: sd3_rule(n, s, cfg.num_layers - 1, prefix) for n, s in shapes.items()}
+    if layout == "flux":
+        inner = cfg.num_attention_heads * cfg.attention_head_dim
+        return {n: flux_rule(n, s, inner, prefix) for n, s in shapes.items()}
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+DENOISER_LAYOUT = {"sd15": "ldm_unet", "sdxl": "ldm_unet", "sd3": "sd3", "flux": "flux"}
+
+
+class MappedWeights:
+    """A `loading.fill` source: each of the model's tensors read by its `Rule` from a memory-mapped
+    safetensors file when it is loaded (one file tensor at a time; the last one kept for the q, k and v
+    read from it in turn)."""
+
+    def __init__(self, path: Path, header: FileHeader, rules: dict[str, Rule], what: str):
+        self.path, self.rules, self.what = path, rules, what
+        self._have = {n for n, r in rules.items() if r.key in header}
+        self._file = None
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def keys(self) -> set[str]:
+        return set(self._have)
+
+    def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        rule = self.rules[name]
+        if self._last is None or self._last[0] != rule.key:
+            if self._file is None:
+                self._file = safe_open(str(self.path), "pt")
+            self._last = (rule.key, self._file.get_tensor(rule.key))
+        return take(rule, self._last[1])
+
+    def close(self) -> None:
+        self._file, self._last = None, None
+
+
+def part_source(kind: str, component: str, model, main: FileHeader, parts: dict[str, str | None],
+                detected: Detected) -> MappedWeights:
+    """Where a component's weights are: its part file where one is given, else the checkpoint itself;
+    ModelLoadError naming the flag where neither holds it."""
+    if component == model_kind(kind).component:
+        rules = component_rules(kind, component, model, DENOISER_LAYOUT[kind], detected.prefix)
+        return MappedWeights(main.path, main, rules, f"{main.path} ({component})")
+    part = next(p for p, (c, _, _) in _PARTS[kind].items() if c == component)
+    _, prefix, layout = _PARTS[kind][part]
+    if parts.get(part):
+        header = FileHeader(Path(parts[part]))
+        rules = component_rules(kind, component, model, layout, "", header)
+        if not any(r.key in header for r in rules.values()):  # kohya's and ComfyUI's files, with a prefix
+            rules = component_rules(kind, component, model, layout, prefix, header)
+        return MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
+    rules = component_rules(kind, component, model, layout, prefix, main)
+    source = MappedWeights(main.path, main, rules, f"{main.path} ({component})")
+    if not source.keys():
+        raise ModelLoadError(f"{main.path} holds no {component} ({part}): give it as a file with "
+                             f"{PART_FLAGS[part]} FILE")
+    return source
+
+
+def component_configs(kind: str, variant: str) -> dict[str, tuple[str, dict]]:
+    """(class name, config) of each model component: the real configs, or the tiny ones of builders.py."""
+    from .real import REAL_CONFIGS
+
+    if variant != "tiny":
+        return dict(REAL_CONFIGS[variant])
+    spec = model_kind(kind)
+    out = {spec.component: (spec.denoiser, CONFIGS[kind][spec.component]), "vae": ("AutoencoderKL",
+                                                                                  CONFIGS[kind]["vae"])}
+    for enc in spec.text_encoders:
+        name = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
+                "t5": "T5EncoderModel"}[enc.arch]
+        out[enc.component] = (name, CONFIGS[kind][enc.component])
+    return out
+
+
+def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind, near: Path):
+    """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`; T5's from a
+    spiece.model beside `near`, the file that holds the encoder)."""
+    if variant == "tiny":
+        return build_tokenizer("t5" if arch == "t5" else "clip")
+    from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
+
+    if arch == "t5":
+        return real_t5_tokenizer(kind.t5_tokens, near)
+    return real_clip_tokenizer(pad="!" if kind.name == "sdxl" and component == "text_encoder_2" else
+                               "<|endoftext|>")
