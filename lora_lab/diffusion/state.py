@@ -50,7 +50,7 @@ CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": di
 # a run stopped by a non-finite loss can go on from its last good checkpoint.
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
-               "keep_encoders", "vae_tiling"}
+               "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with"}
 # Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
 # fp32).
 BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
