@@ -60,7 +60,8 @@ def validation_noise(i: int, k: int, shape: tuple[int, ...]) -> torch.Tensor:
 def validation_loss(config: TrainConfig, kind: ModelKind, pipe, val: EncodedExamples,
                     objective=None) -> float:
     """The mean over the held-out examples and the fixed timesteps of the denoising loss (module docstring),
-    with the adapter as it is; one forward of k rows per example, no gradients."""
+    with the adapter as it is; no gradients, forwards of at most batch_size rows (a training micro-batch's,
+    so validating never needs more memory than a training step)."""
     objective = objective or objective_for(pipe)
     model = denoiser(pipe)
     device = next(p.device for p in model.parameters())
@@ -71,13 +72,18 @@ def validation_loss(config: TrainConfig, kind: ModelKind, pipe, val: EncodedExam
     try:
         total = 0.0
         for i, latent in enumerate(val.latents):
-            x0 = latent.to(device).expand(k, *latent.shape)
-            noise = validation_noise(i, k, tuple(latent.shape)).to(device)
-            cond = val.embeds_of([i] * k, None, None, device)
-            total += denoising_loss(config, kind, pipe, objective, x0, noise, t.to(device), cond).item()
+            noise = validation_noise(i, k, tuple(latent.shape))
+            for start in range(0, k, config.batch_size):
+                rows = slice(start, min(k, start + config.batch_size))
+                n = rows.stop - rows.start
+                x0 = latent.to(device).expand(n, *latent.shape)
+                cond = val.embeds_of([i] * n, None, None, device)
+                loss = denoising_loss(config, kind, pipe, objective, x0, noise[rows].to(device),
+                                      t[rows].to(device), cond)
+                total += loss.item() * n
     finally:
         model.train(was_training)
-    return total / len(val.latents)
+    return total / (k * len(val.latents))
 
 
 def step_lora_path(output: Path, step: int) -> Path:
@@ -166,15 +172,17 @@ class Watch:
 
     def sample_step(self) -> Path:
         """samples/step_NNNNNNN.png: the sample prompts with the adapter as it is, one image per prompt from
-        the run's seed (the same noise at every step), prompts as rows."""
+        the run's seed (the same noise at every step), prompts as rows; one prompt at a time, as the end's
+        grid (`sample_grid`): the sampler's memory does not grow with the prompts."""
         prompts, inputs = self.samples
         model = denoiser(self.pipe)
         was_training = model.training
         model.eval()
         try:
             with self.encoders.on_device(["vae"]) as pipe:
-                images = sample(pipe, prompts, seed=self.config.seed, steps=self.config.sample_steps,
-                                inputs=inputs, tiled=self.config.vae_tiling)
+                images = torch.cat([sample(pipe, [p], seed=self.config.seed, steps=self.config.sample_steps,
+                                           inputs={k: v[i: i + 1] for k, v in inputs.items()},
+                                           tiled=self.config.vae_tiling) for i, p in enumerate(prompts)])
         finally:
             model.train(was_training)
         grid = image_grid(images, rows=len(prompts), scale=max(1, 128 // images.shape[-1]))

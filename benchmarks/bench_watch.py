@@ -1,0 +1,86 @@
+"""What watching a run costs: a tiny-base training run with samples every 50 steps and the validation loss
+every 25 steps, against the same run without them, side by side.
+
+    PYTHONPATH=. python benchmarks/bench_watch.py [--model sdxl] [--steps 200] [--batch-size 4] [--rounds 2]
+                                                  [--held-out 10] [--threads 2]
+
+Both runs train the same steps on the same data (data/lora_inverted) with the same seed; the watched one also
+samples its 4 default prompts (20 denoising steps) at step 0 and every 50 steps, and computes the validation
+loss of `--held-out` images (copied from the dataset into a validation folder, so the training set is the same
+in both rows) at step 0 and every 25 steps. Rows are interleaved (each once per round); the table shows the
+median wall time of `train()` over the rounds (the whole run: opening the base, caching, the steps, the files)
+and the ratio to the plain run, and the same for this process's CPU seconds (user + system: what the run
+computed, less disturbed by other work on a shared machine than the wall time). Target: ratio <= 1.15. This
+script sets torch's thread count and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lora_lab.diffusion.trainer import TrainConfig, train
+from lora_lab.models import DATA_DIR
+
+DATASET = DATA_DIR / "lora_inverted"
+
+
+def held_out_folder(folder: Path, n: int) -> Path:
+    """A folder holding copies of the dataset's first n images and captions (the validation set)."""
+    for image in sorted(DATASET.glob("*.png"))[:n]:
+        shutil.copy(image, folder / image.name)
+        shutil.copy(image.with_suffix(".txt"), folder / image.with_suffix(".txt").name)
+    return folder
+
+
+def one_run(config: TrainConfig) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one train()."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    train(config)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="sdxl")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--held-out", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}; model {args.model} (tiny base), {args.steps} steps of "
+          f"batch {args.batch_size}, {args.rounds} rounds")
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "samples every 50 + validation every 25": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "val").mkdir()
+        val = held_out_folder(Path(tmp) / "val", args.held_out)
+        base = {"model": args.model, "dataset": str(DATASET), "steps": args.steps,
+                "batch_size": args.batch_size, "progress": False, "seed": 0}
+        for r in range(args.rounds):
+            for name in times:
+                # both draw the end's with/without grid (the default); only the watching differs
+                watched = {"sample_every": 50, "validation_dataset": str(val), "validate_every": 25} \
+                    if name != "plain" else {}
+                wall, cpu = one_run(TrainConfig(output=f"{tmp}/{name[:5]}{r}", **base, **watched))
+                times[name].append((wall, cpu))
+                print(f"  round {r + 1}: {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+    wall0 = statistics.median(w for w, _ in times["plain"])
+    cpu0 = statistics.median(c for _, c in times["plain"])
+    print(f"\n| run ({args.model}, {args.steps} steps, batch {args.batch_size}, {args.threads} threads) "
+          "| wall s | ratio | CPU s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, values in times.items():
+        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        print(f"| {name} | {wall:.1f} | {wall / wall0:.3f} | {cpu:.1f} | {cpu / cpu0:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
