@@ -273,3 +273,24 @@ def test_caption_variants_keep_the_first_tokens_shuffle_and_drop_the_rest():
     assert len(seen) > 10  # they do vary
     assert caption_variant(caption, random.Random(3), 1, True, 0.2) == \
         caption_variant(caption, random.Random(3), 1, True, 0.2)  # a function of its generator's seed
+
+
+def test_a_checkpoint_from_before_these_fields_resumes_and_watching_may_change(tmp_path):
+    """A checkpoint's config without the new fields is the run it was (one folder, no caption variants); the
+    fields of watching may change at a resume, those that change the training may not."""
+    from dataclasses import replace
+
+    from lora_lab.diffusion.state import RunState, check_resumable
+
+    now = TrainConfig(model="sdxl", output=str(tmp_path))
+    old = asdict(now)
+    for name in ("sample_every", "validation_split", "validation_dataset", "validate_every", "log_with",
+                 "datasets", "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants"):
+        del old[name]
+    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "f"}
+    watched = replace(now, sample_every=5, validate_every=2, log_with="tensorboard",
+                      validation_dataset=str(tmp_path))
+    check_resumable(state, RunState(tmp_path, watched, 3, "f"), tmp_path / "step_0000001.pt")
+    with pytest.raises(TrainConfigError, match="the config changed \\(shuffle_captions: None -> True"):
+        check_resumable(state, RunState(tmp_path, replace(now, shuffle_captions=True), 3, "f"),
+                        tmp_path / "x.pt")
