@@ -1,10 +1,11 @@
 """What watching a run costs: a tiny-base training run with samples every 50 steps and the validation loss
 every 25 steps, against the same run without them, side by side.
 
-    PYTHONPATH=. python benchmarks/bench_watch.py [--model sdxl] [--steps 200] [--batch-size 4] [--rounds 2]
-                                                  [--held-out 10] [--threads 2]
+    PYTHONPATH=. python benchmarks/bench_watch.py [--model sd3] [--steps 200] [--batch-size 16] [--rounds 2]
+                                                  [--held-out 10] [--threads 1]
 
-Both runs train the same steps on the same data (data/lora_inverted) with the same seed; the watched one also
+The defaults are notebook 07's run (the tiny sd3 base, 200 steps of batch 16, 10 held-out images). Both runs
+train the same steps on the same data (data/lora_inverted) with the same seed; the watched one also
 samples its 4 default prompts (20 denoising steps) at step 0 and every 50 steps, and computes the validation
 loss of `--held-out` images (copied from the dataset into a validation folder, so the training set is the same
 in both rows) at step 0 and every 25 steps. Rows are interleaved (each once per round); the table shows the
@@ -48,12 +49,12 @@ def one_run(config: TrainConfig) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="sdxl")
+    ap.add_argument("--model", default="sd3")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--held-out", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}; model {args.model} (tiny base), {args.steps} steps of "

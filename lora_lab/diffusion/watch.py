@@ -171,20 +171,24 @@ class Watch:
         return out
 
     def sample_step(self) -> Path:
-        """samples/step_NNNNNNN.png: the sample prompts with the adapter as it is, one image per prompt from
-        the run's seed (the same noise at every step), prompts as rows; one prompt at a time, as the end's
-        grid (`sample_grid`): the sampler's memory does not grow with the prompts."""
-        prompts, inputs = self.samples
+        """samples/step_NNNNNNN.png: the sample prompts with the adapter as it is, one image per prompt,
+        prompts as rows. The prompts go through the sampler batch_size at a time (a training micro-batch's
+        images: no more memory than a training step), each group from the run's seed: the same noise at every
+        step. On the CPU the VAE stays after the first sampling (the host is the device: rebuilding it each
+        time would cost more than keeping it); elsewhere it comes back for each sampling and leaves after."""
         model = denoiser(self.pipe)
         was_training = model.training
         model.eval()
         try:
-            with self.encoders.on_device(["vae"]) as pipe:
-                images = torch.cat([sample(pipe, [p], seed=self.config.seed, steps=self.config.sample_steps,
-                                           inputs={k: v[i: i + 1] for k, v in inputs.items()},
-                                           tiled=self.config.vae_tiling) for i, p in enumerate(prompts)])
+            if self.encoders.device.type == "cpu":
+                self.encoders.restore(["vae"])
+                images = self.sample_images()
+            else:
+                with self.encoders.on_device(["vae"]):
+                    images = self.sample_images()
         finally:
             model.train(was_training)
+        prompts = self.samples[0]
         grid = image_grid(images, rows=len(prompts), scale=max(1, 128 // images.shape[-1]))
         path = self.run.output / "samples" / f"step_{self.run.step:07d}.png"
         path.parent.mkdir(exist_ok=True)
@@ -194,6 +198,15 @@ class Watch:
 
             self.tb.add_image("samples", np.asarray(grid), self.run.step, dataformats="HWC")
         return path
+
+    def sample_images(self) -> torch.Tensor:
+        """(P, 3, H, W) the sample prompts' images, batch_size prompts per sampler call."""
+        prompts, inputs = self.samples
+        b = self.config.batch_size
+        return torch.cat([sample(self.pipe, prompts[i: i + b], seed=self.config.seed,
+                                 steps=self.config.sample_steps, tiled=self.config.vae_tiling,
+                                 inputs={k: v[i: i + b] for k, v in inputs.items()})
+                          for i in range(0, len(prompts), b)])
 
     def write(self, record: dict) -> None:
         if not self.env.main:
