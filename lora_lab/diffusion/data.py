@@ -300,6 +300,8 @@ class EncodedExamples:
 
     def select(self, idx: list[int]) -> EncodedExamples:
         """The examples `idx` (repeats allowed: a repeated latent is the same tensor, not a copy)."""
+        if list(idx) == list(range(len(self.captions))):
+            return self  # all of them, in order: no copy of the embeddings (the cache phase's peak)
         rows = torch.tensor([i * self.variants + v for i in idx for v in range(self.variants)],
                             dtype=torch.long)
         return EncodedExamples([self.latents[i] for i in idx], {k: v[rows] for k, v in self.embeds.items()},
