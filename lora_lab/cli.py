@@ -13,6 +13,7 @@ from pathlib import Path
 from .checkpointing import CheckpointingError, parse_policy
 from .diffusion.config import BASE_DTYPES
 from .diffusion.distributed import resolve_device
+from .diffusion.runfile import config_from_file
 from .diffusion.sampling import sample_with_without
 from .diffusion.trainer import TrainConfig, train
 from .errors import LoraLabError
@@ -140,14 +141,15 @@ def add_lora_file_parsers(sub) -> None:
 # ----------------------------------------------------------------------------- the parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(flag_defaults: bool = True) -> argparse.ArgumentParser:
+    """The `lora-lab` parser; flag_defaults=False: train's TrainConfig flags have none (what was given)."""
     ap = argparse.ArgumentParser(
         prog="lora-lab",
         description="Adapter (LoRA/DoRA) training on frozen models: LoRA files, merging, diffusion training.",
     )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     add_lora_file_parsers(sub)
-    add_train_parser(sub)
+    add_train_parser(sub, flag_defaults)
     add_sample_parser(sub)
     add_plan_parser(sub)
     return ap
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- lora-lab train
 
 
-def add_train_parser(sub) -> argparse.ArgumentParser:
+def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser:
     """`lora-lab train`: one --flag per TrainConfig field (same name, dashes), with its help and default."""
     p = sub.add_parser(
         "train",
@@ -164,23 +166,31 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
         description="Train a LoRA on a diffusion model. Example: lora-lab train --model sdxl --dataset DIR "
         "--output DIR --rank 32 --steps 1000. Runs data-parallel under torchrun.",
     )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a run file (TOML, or a run's config.json): every setting below by its name "
+                   "(sample_every or sample-every), [[datasets]] tables of path, repeats, caption_extension, "
+                   "is_reg; the flags given override it")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        # without flag_defaults, a flag not given is absent: the run file's value (or the default) stays
+        unset = f.default if flag_defaults else argparse.SUPPRESS
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         helptext = f"{f.metadata['help']} (default: {f.default})"
+        if f.name == "datasets":  # tables: a --config file only
+            continue
         if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=unset, help=helptext)
         elif f.name == "gradient_checkpointing":  # a flag alone means "full"
-            p.add_argument(flag, nargs="?", const="full", default=f.default, metavar="POLICY", help=helptext)
+            p.add_argument(flag, nargs="?", const="full", default=unset, metavar="POLICY", help=helptext)
             p.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
-                           help=argparse.SUPPRESS)
+                           default=unset, help=argparse.SUPPRESS)
         elif f.name == "sample_prompts":
-            p.add_argument(flag, nargs="+", default=None, metavar="PROMPT", help=helptext)
+            p.add_argument(flag, nargs="+", default=unset, metavar="PROMPT", help=helptext)
         else:
             # int | None -> int
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            p.add_argument(flag, type=base, default=f.default, help=helptext)
+            p.add_argument(flag, type=base, default=unset, help=helptext)
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
                    help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, "
                    "optimizer, micro-batch and VAE tiling so that every phase fits (--batch-size is then the "
@@ -193,7 +203,13 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "datasets"]
+    if args.config is None:
+        config = TrainConfig(**{name: getattr(args, name) for name in names})
+    else:  # the flags given (not their defaults) over the file
+        given = build_parser(flag_defaults=False).parse_args(args.argv)
+        config = config_from_file(args.config, {name: getattr(given, name) for name in names
+                                                if hasattr(given, name)})
     if args.vram is not None:
         config, why = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
@@ -338,6 +354,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     if args.command is None:
         ap.print_help()
         return 0

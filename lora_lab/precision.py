@@ -64,6 +64,7 @@ class MixedPrecision:
         self.device_type = torch.device(device).type
         self.scaler = (torch.amp.GradScaler(self.device_type, init_scale=init_scale) if mode == "fp16"
                        else None)
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm (before clipping)
 
     def autocast(self):
         """The forward's context: autocast to bf16/fp16, or nothing for "no"."""
@@ -97,8 +98,11 @@ class MixedPrecision:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+        # the global norm before clipping (what the loss log records), inf/nan where fp16 overflowed
         if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        else:
+            self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if self.scaler is None or any(isinstance(p, FakeTensor) for p in params):
             optimizer.step()
             stepped = True

@@ -5,6 +5,10 @@
     config.py      TrainConfig, its validation (TrainConfigError), the adapter's targets, the lr schedule
     state.py       a run's state on disk: checkpoints (written, read, checked), resumption
     data.py        image+caption folders, aspect-ratio buckets, the dataset encoded once
+    datasets.py    several folders (kohya's N_name/, [[datasets]]), the held-out split, caption variants
+    watch.py       during a run: the validation loss, samples every N steps, loss.jsonl and TensorBoard
+    runfile.py     lora-lab train --config run.toml
+    options.py     the checks of the fields for watching a run and for several folders
     objectives.py  DDPM (epsilon / v) and flow matching behind one interface
     sampling.py    sample(pipe, prompts, loras=...) with and without LoRA files, image_grid
 

@@ -28,6 +28,7 @@ from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
 from ..quant import FORMATS
+from .options import check_watch_fields
 
 MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
@@ -181,6 +182,53 @@ class TrainConfig:
     )
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     progress: bool = field(default=True, metadata={"help": "show a tqdm progress bar"})
+    # watching a run: samples and validation loss during training, logs, data folders (diffusion/watch.py,
+    # diffusion/datasets.py, diffusion/runfile.py)
+    sample_every: int = field(
+        default=0,
+        metadata={"help": "also sample the prompts (with the LoRA, fixed seeds) at step 0 and every N steps "
+                  "into samples/step_NNNNNNN.png, and a strip over the steps at the end (0: only the "
+                  "end's grid)"},
+    )
+    validation_split: float | None = field(
+        default=None,
+        metadata={"help": "hold out this fraction of the dataset's images (0 < F < 1, chosen by a fixed "
+                  "seed) for the validation loss; they are never trained on"},
+    )
+    validation_dataset: str | None = field(
+        default=None, metadata={"help": "a folder of held-out images with captions for the validation loss"}
+    )
+    validate_every: int = field(
+        default=0,
+        metadata={"help": "with a validation set: its loss at step 0, every N steps and at the end (0: at "
+                  "step 0 and the end)"},
+    )
+    log_with: str | None = field(
+        default=None,
+        metadata={"help": "also log to: tensorboard (event files in <output>/tensorboard); loss.jsonl is "
+                  "always written"},
+    )
+    datasets: list[dict] | None = field(
+        default=None,
+        metadata={"help": "several folders: [[datasets]] tables of path, repeats, caption_extension, is_reg "
+                  "(a --config file only)"},
+    )
+    shuffle_captions: bool = field(
+        default=False,
+        metadata={"help": "shuffle each caption's comma-separated tags (the first --keep-tokens stay)"},
+    )
+    keep_tokens: int = field(
+        default=0,
+        metadata={"help": "with shuffling and tag dropout: the first K tags stay in place, never dropped"},
+    )
+    tag_dropout: float = field(
+        default=0.0, metadata={"help": "probability that a tag (after the first --keep-tokens) is dropped"}
+    )
+    caption_variants: int = field(
+        default=8,
+        metadata={"help": "with shuffling or tag dropout: caption variants per image, encoded while caching "
+                  "(the text encoders leave the device); each step draws one"},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -259,6 +307,7 @@ class TrainConfig:
             bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+        check_watch_fields(self, bad)
 
     def base_parts(self) -> dict[str, str | None]:
         """A single-file base's part files by part (None: inside the base file)."""
@@ -301,7 +350,7 @@ class TrainConfig:
             resolution=resolution,
             base_dtype=next(k for k, v in BASE_DTYPES.items() if v == dtype),
             alpha=self.adapter_alpha(),
-            dataset=str(self.dataset_dir()),
+            dataset=None if self.datasets is not None else str(self.dataset_dir()),
             reg_dataset=None if self.reg_dataset is None else str(self.reg_dataset),
         )
 

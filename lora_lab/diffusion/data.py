@@ -108,7 +108,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     """A folder of images with same-stem .txt captions (see the module docstring)."""
 
     def __init__(self, folder: str | Path, resolution: int = RESOLUTION,
-                 buckets: list[tuple[int, int]] | None = None, skip_bad: bool = False):
+                 buckets: list[tuple[int, int]] | None = None, skip_bad: bool = False,
+                 caption_extension: str = ".txt"):
         self.folder = Path(folder)
         self.resolution = resolution
         self.buckets = buckets
@@ -123,7 +124,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.sizes: list[tuple[int, int]] = []
         bad: list[str] = []
         for path in files:
-            caption_path = path.with_suffix(".txt")
+            caption_path = path.with_suffix(caption_extension)
             try:
                 caption = _read_caption(path, caption_path)
                 w, h = _open_image(path).size
@@ -180,15 +181,15 @@ def _open_image(path: Path):
         raise DatasetError(f"{path}: unreadable image ({e})") from None
 
 
-def folder_fingerprint(folder: str | Path) -> str:
+def folder_fingerprint(folder: str | Path, caption_extension: str = ".txt") -> str:
     """A digest that changes when a training folder's images or captions change: sha256 over the sorted
-    names and byte sizes of its image files, and the bytes of its .txt captions (images are not read)."""
+    names and byte sizes of its image files, and the bytes of its captions (images are not read)."""
     h = hashlib.sha256()
     for p in sorted(Path(folder).iterdir()):
         suffix = p.suffix.lower()
-        if p.is_file() and (suffix in IMAGE_EXTS or suffix == ".txt"):
+        if p.is_file() and (suffix in IMAGE_EXTS or suffix == caption_extension):
             h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-            if suffix == ".txt":
+            if suffix == caption_extension:
                 h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -287,12 +288,25 @@ def collate(items: list[dict]) -> dict:
 @dataclass
 class EncodedExamples:
     """A dataset as the training loop uses it: one cached latent (C, h, w) per example (shapes differ across
-    aspect-ratio buckets, never within a batch), text embeddings (N, ...), captions, bucket sizes."""
+    aspect-ratio buckets, never within a batch), text embeddings (N * variants, ...: example i's caption
+    variants in rows i * variants ... (i + 1) * variants - 1), captions, bucket sizes, image files."""
 
     latents: list[torch.Tensor]
     embeds: dict[str, torch.Tensor]
     captions: list[str]
     sizes: list[tuple[int, int]]
+    paths: list[str] | None = None
+    variants: int = 1  # caption variants per example (shuffled tags, tag dropout), each step draws one
+
+    def select(self, idx: list[int]) -> EncodedExamples:
+        """The examples `idx` (repeats allowed: a repeated latent is the same tensor, not a copy)."""
+        if list(idx) == list(range(len(self.captions))):
+            return self  # all of them, in order: no copy of the embeddings (the cache phase's peak)
+        rows = torch.tensor([i * self.variants + v for i in idx for v in range(self.variants)],
+                            dtype=torch.long)
+        return EncodedExamples([self.latents[i] for i in idx], {k: v[rows] for k, v in self.embeds.items()},
+                               [self.captions[i] for i in idx], [self.sizes[i] for i in idx],
+                               None if self.paths is None else [self.paths[i] for i in idx], self.variants)
 
     def latents_of(self, idx: list[int] | torch.Tensor) -> torch.Tensor:
         # (B, C, h, w)
@@ -300,8 +314,11 @@ class EncodedExamples:
                             for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])
 
     def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None,
-                  device) -> dict:
-        """The examples' text embeddings; where `drop` is True, the empty prompt's (caption dropout)."""
+                  device, variant: torch.Tensor | None = None) -> dict:
+        """The examples' text embeddings (of caption variant `variant`, else the first); where `drop` is True,
+        the empty prompt's (caption dropout)."""
+        if self.variants > 1:
+            idx = torch.as_tensor(idx) * self.variants + (0 if variant is None else variant)
         out = {}
         for k, v in self.embeds.items():
             e = v[idx]
@@ -312,11 +329,11 @@ class EncodedExamples:
 
 
 def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = False, skip_bad: bool = False,
-                   seed: int = 0) -> EncodedExamples:
+                   seed: int = 0, caption_extension: str = ".txt") -> EncodedExamples:
     """Every example of `folder` once through the pipeline's frozen VAE and text encoders
     (`encode_examples`)."""
     ds = ImageCaptionDataset(folder, resolution, buckets=aspect_buckets(resolution) if buckets else None,
-                             skip_bad=skip_bad)
+                             skip_bad=skip_bad, caption_extension=caption_extension)
     return encode_examples(pipe, ds, seed)
 
 
@@ -345,7 +362,9 @@ def encode_examples(pipe, ds, seed: int = 0, phase=None) -> EncodedExamples:
         start = stop
     with (phase or _unnamed)("cache captions"):
         embeds = encode_captions(pipe, ds.captions)
-    return EncodedExamples(latents, embeds, list(ds.captions), list(ds.sizes))
+    paths = getattr(ds, "paths", None)
+    return EncodedExamples(latents, embeds, list(ds.captions), list(ds.sizes),
+                           None if paths is None else [str(p) for p in paths])
 
 
 def _unnamed(name: str) -> contextlib.AbstractContextManager:

@@ -50,10 +50,13 @@ CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": di
 # a run stopped by a non-finite loss can go on from its last good checkpoint.
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
-               "keep_encoders", "vae_tiling"}
+               "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
+               "validation_dataset"}
 # Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
 # fp32).
 BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
+# ... and the caption variants' fields (the others added with them default to None), as runs before them had
+BEFORE_0_2.update({"shuffle_captions": False, "keep_tokens": 0, "tag_dropout": 0.0, "caption_variants": 8})
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"

@@ -40,6 +40,7 @@ class StepDraws:
     t: torch.Tensor  # (b*a,)
     drop: torch.Tensor | None  # (b*a,) bool: caption replaced by the unconditional input
     reg: tuple[list[int], torch.Tensor, torch.Tensor] | None  # (idx, noise, t) of the regularization examples
+    variant: torch.Tensor | None = None  # (b*a,) which caption variant (with caption shuffling, tag dropout)
 
 
 def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -73,8 +74,9 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
         reg_idx = batch_indices(config.seed + 1, step, global_batch, reg.sizes)
         reg_noise, reg_t = draw_noise(config, objective, reg, reg_idx, g)
         reg_draws = (reg_idx[mine].tolist(), reg_noise[mine], reg_t[mine])
+    variant = torch.randint(data.variants, (global_batch,), generator=g)[mine] if data.variants > 1 else None
     return StepDraws(idx[mine].tolist(), noise[mine], t[mine], None if drop is None else drop[mine],
-                     reg_draws)
+                     reg_draws, variant)
 
 
 def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
@@ -104,7 +106,8 @@ def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples
     mb = slice(m * config.batch_size, (m + 1) * config.batch_size)
     idx = draws.idx[mb]
     batch = MicroBatch(data.latents_of(idx).to(device), draws.noise[mb].to(device), draws.t[mb].to(device),
-                       data.embeds_of(idx, None if draws.drop is None else draws.drop[mb], empty, device))
+                       data.embeds_of(idx, None if draws.drop is None else draws.drop[mb], empty, device,
+                                      None if draws.variant is None else draws.variant[mb]))
     if draws.reg is not None:
         reg_idx, reg_noise, reg_t = (d[mb] for d in draws.reg)
         batch.reg = MicroBatch(reg.latents_of(reg_idx).to(device), reg_noise.to(device), reg_t.to(device),

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import time
 from collections.abc import Callable
@@ -60,7 +59,8 @@ from ..models.loading import fill
 from ..optim import AdamW8bit
 from ..precision import MixedPrecision
 from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
-from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
+from .data import EncodedExamples, encode_examples, unconditional_embeds
+from .datasets import encode_run_data, sources_fingerprint
 from .distributed import DistEnv, resolve_device
 from .encoders import Encoders
 from .objectives import objective_for
@@ -79,6 +79,7 @@ from .state import (
     write_config,
 )
 from .step import accumulate_grads
+from .watch import Watch, train_config_metadata
 
 __all__ = ["PHASES", "NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
            "load_checkpoint", "train"]
@@ -111,6 +112,8 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
+                    with save_every: lora_step_NNNNNNN.safetensors; with sample_every:
+                    samples/step_NNNNNNN.png, samples/strip.png; with log_with="tensorboard": tensorboard/
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     `phase(name)` is entered around each memory phase (see the module docstring).
     """
@@ -124,20 +127,22 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     opened, resolution = open_run_base(config, kind, dtype)
     encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keep_encoders)
     with phase("cache"):
-        data, reg, empty, samples = encode_data(config, encoders, resolution)
+        data, reg, empty, samples, val = encode_data(config, encoders, resolution)
     with phase("load"):
         load_denoiser(config, opened, device, dtype)
     pipe = opened.pipe
     run = RunState(out, config.resolved(opened.base, resolution, dtype), len(data.captions),
-                   dataset_fingerprint(config))
+                   sources_fingerprint(config))
     with phase("train step"):
         adapted, learner = add_trainable(config, kind, pipe, device)
         open_run(run, learner, env, bad_checkpoints, resume_from, state)
-    run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase)
+    watch = Watch(config, kind, pipe, run, env, encoders, samples, val)
+    run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase, watch=watch)
     with phase("save"):
         outputs = save_outputs(config, kind, pipe, run, env)
     with phase("sample"):
         outputs.update(sample_outputs(config, encoders, run, env, samples))
+        outputs.update(watch.close())
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
                        seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
@@ -170,13 +175,14 @@ def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
 
 class Cached(NamedTuple):
     """What the cache phase leaves on the host: the dataset's latents and embeddings, the regularization set's
-    (or None), what a dropped caption becomes (None without caption dropout), and the sample prompts with
-    their `prompt_inputs` (None when the run samples nothing)."""
+    (or None), what a dropped caption becomes (None without caption dropout), the sample prompts with
+    their `prompt_inputs` (None when the run samples nothing), and the held-out examples (or None)."""
 
     data: EncodedExamples
     reg: EncodedExamples | None
     empty: dict | None
     samples: tuple[list[str], dict] | None
+    val: EncodedExamples | None = None
 
 
 def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None,
@@ -185,16 +191,15 @@ def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, exampl
     encoders and VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the
     VAE back); then they leave the device (`--keep-encoders` keeps them). `examples` replaces the dataset
     folder (a memory plan's examples of the right sizes, with `phase` around their captions' part)."""
-    options = {"buckets": config.buckets, "skip_bad": config.skip_bad_images, "seed": config.seed}
     with encoders.on_device() as pipe:
-        data = (encode_examples(pipe, examples, config.seed, phase) if examples is not None
-                else encode_dataset(pipe, config.dataset_dir(), resolution, **options))
-        reg = (None if config.reg_dataset is None
-               else encode_dataset(pipe, config.reg_dataset, resolution, **options))
+        if examples is not None:
+            data, reg, val = encode_examples(pipe, examples, config.seed, phase), None, None
+        else:  # every folder, the held-out examples, the caption variants (datasets.py)
+            data, reg, val = encode_run_data(pipe, config, resolution)
         empty = unconditional_embeds(pipe) if config.caption_dropout else None
         prompts = config.sample_prompts or list(dict.fromkeys(data.captions))[:SAMPLE_PROMPTS]
         samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
-    return Cached(data, reg, empty, samples)
+    return Cached(data, reg, empty, samples, val)
 
 
 def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device, dtype: torch.dtype) -> None:
@@ -203,15 +208,6 @@ def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device,
     `dtype`)."""
     fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device,
          quantization=config.base_quantization)
-
-
-def dataset_fingerprint(config: TrainConfig) -> str:
-    """What a resume checks the data folders against: the dataset's (and the regularization folder's)
-    files."""
-    fingerprint = folder_fingerprint(config.dataset_dir())
-    if config.reg_dataset is not None:  # a changed regularization folder changes the run too
-        fingerprint += "+" + folder_fingerprint(config.reg_dataset)
-    return fingerprint
 
 
 def add_trainable(config: TrainConfig, kind: ModelKind, pipe, device: torch.device,
@@ -249,15 +245,18 @@ def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: lis
 
 def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, reg: EncodedExamples | None,
              empty: dict | None, learner: Learner, run: RunState, env: DistEnv,
-             phase: Callable[[str], contextlib.AbstractContextManager] = no_phase) -> None:
+             phase: Callable[[str], contextlib.AbstractContextManager] = no_phase, watch: Watch | None = None
+             ) -> None:
     """Optimizer steps from `run.step` to config.steps: lr, this process's share of the global batch, the
-    accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step,
-    a checkpoint every save_every steps and at the end. NonFiniteLossError on a NaN/inf loss."""
+    accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step
+    (with the validation loss and samples when due: `watch`), a checkpoint and its LoRA file every save_every
+    steps, a checkpoint at the end. NonFiniteLossError on a NaN/inf loss."""
     objective = objective_for(pipe)
-    log_path = run.output / "loss.jsonl"
+    watch = watch or Watch(config, kind, pipe, run, env)
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {kind.name}", unit="step",
                disable=not (config.progress and env.main), dynamic_ncols=True)
     try:
+        watch.start()
         while run.step < config.steps:
             t0 = time.perf_counter()
             lr = config.lr * lr_factor(run.step, config)
@@ -272,35 +271,43 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
                 learner.precision.step(learner.optimizer, config.max_grad_norm)
             run.step += 1
             run.losses.append(loss)
-            dt = time.perf_counter() - t0
-            if env.main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": run.step, "loss": loss, "lr": lr, "seconds": round(dt, 4)})
-                            + "\n")
-            bar.set_postfix(loss=f"{loss:.4f}", s_per_step=f"{dt:.3f}")
+            norm = learner.precision.grad_norm
+            record = watch.after_step(loss, lr, time.perf_counter() - t0,
+                                      None if norm is None else norm.item())
+            bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{record['val_loss']:.4f}"}
+                                                    if "val_loss" in record else {}))
             bar.update(1)
             if (config.save_every and run.step % config.save_every == 0) or run.step == config.steps:
                 with phase("save"):
                     save_checkpoint(run, learner, env.main)
+                    if config.save_every and run.step % config.save_every == 0:
+                        watch.saved(lambda path, step: write_lora(kind, pipe, path, "kohya", run.config,
+                                                                  step))
                 env.barrier()
     finally:
         bar.close()
     env.check_identical(learner.params, "the adapter weights")
 
 
+def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
+    """The denoiser's adapter as a LoRA file (kohya/ComfyUI or PEFT/diffusers keys), its metadata holding the
+    resolved config and the step."""
+    model = denoiser(pipe)
+    tensors = lora_state_dict(model)  # fp32 host copies
+    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
+    return save_lora(path, tensors, format=format, base=kind.name, component=kind.component, unet=layout,
+                     metadata=train_config_metadata(config, step))
+
+
 def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv) -> dict[str, Path]:
-    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) from one host copy of the adapter (rank 0)."""
+    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) of the adapter (rank 0)."""
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
     if env.main:
-        model = denoiser(pipe)
-        tensors = lora_state_dict(model)  # fp32 host copies
-        layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-        outputs["lora_kohya"] = save_lora(out / "lora.safetensors", tensors, format="kohya", base=kind.name,
-                                          component=kind.component, unet=layout)
-        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", tensors,
-                                              format="peft", base=kind.name, component=kind.component,
-                                              unet=layout)
+        outputs["lora_kohya"] = write_lora(kind, pipe, out / "lora.safetensors", "kohya", run.config,
+                                           run.step)
+        outputs["lora_diffusers"] = write_lora(kind, pipe, out / "pytorch_lora_weights.safetensors", "peft",
+                                               run.config, run.step)
     env.barrier()
     return outputs
 

@@ -164,9 +164,10 @@ def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_siz
     the captions go through the text encoders (the peak of that part is its own sub-phase)."""
     group = min(dataset_size, ENCODE_BATCH, max(1, ENCODE_PIXELS // resolution**2))
     examples = PlannedExamples(group, resolution, min(distinct, group))
-    data, _, _, samples = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None,
-                                              sample_prompts=(config.sample_prompts or ["a photo"])[:1]),
-                                      encoders, resolution, examples=examples, phase=tracker.phase)
+    cached = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None,
+                                 sample_prompts=(config.sample_prompts or ["a photo"])[:1]),
+                         encoders, resolution, examples=examples, phase=tracker.phase)
+    data, samples = cached.data, cached.samples
     captions_peak = tracker.phase_peaks.pop("cache captions")
     if on_host:
         tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ())])

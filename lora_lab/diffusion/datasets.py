@@ -1,0 +1,187 @@
+"""A run's data as people lay it out: several folders with repeats, a held-out validation set, caption
+shuffling and tag dropout; all encoded once in the cache phase.
+
+API:
+    data_sources(config) -> [DataSource(path, repeats, caption_extension, is_reg), ...]: the `[[datasets]]`
+        tables, else the dataset folder (kohya's layout: a folder of `N_name/` subfolders, N repeats each)
+        and the regularization folder
+    encode_run_data(pipe, config, resolution) -> RunData(train, reg, val): the training examples (repeats
+        expanded, caption variants encoded), the regularization examples, the held-out examples (or None)
+    held_out(n, fraction) -> the indices of n images a validation split holds out (a fixed seed)
+    caption_variant(caption, rng, keep_tokens, shuffle, tag_dropout) -> one shuffled / thinned caption
+    sources_fingerprint(config) -> what a resume checks every data folder against
+
+A held-out image is never trained on: the split is made over the distinct images before repeats are
+expanded, so no repeat of a held-out image is left in the training set. The split and the caption variants
+are functions of fixed seeds (`VALIDATION_SEED`, the run's seed), so a repeated run holds out the same images.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from .config import TrainConfig, TrainConfigError
+from .data import (
+    IMAGE_EXTS,
+    EncodedExamples,
+    ImageCaptionDataset,
+    aspect_buckets,
+    encode_captions,
+    encode_examples,
+    folder_fingerprint,
+)
+
+KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")  # kohya's `10_style/`: 10 repeats of the images in it
+VALIDATION_SEED = 20_251_125  # the held-out split's seed: the same images held out whatever the run's seed
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One folder of images with captions: how often each image counts per epoch, the captions' extension,
+    and whether it holds regularization images (prior preservation)."""
+
+    path: str
+    repeats: int = 1
+    caption_extension: str = ".txt"
+    is_reg: bool = False
+
+
+def kohya_sources(folder: Path, is_reg: bool = False) -> list[DataSource]:
+    """`folder` as its sources: its `N_name/` subfolders (N repeats) when it holds no images itself and
+    has such subfolders (kohya's layout), else the folder once."""
+    if not folder.is_dir():
+        return [DataSource(str(folder), is_reg=is_reg)]
+    entries = sorted(folder.iterdir())
+    has_images = any(p.is_file() and p.suffix.lower() in IMAGE_EXTS for p in entries)
+    subfolders = [(int(m.group(1)), p) for p in entries if p.is_dir() and (m := KOHYA_FOLDER.match(p.name))]
+    if has_images or not subfolders:
+        return [DataSource(str(folder), is_reg=is_reg)]
+    return [DataSource(str(p), repeats=max(1, n), is_reg=is_reg) for n, p in subfolders]
+
+
+def data_sources(config: TrainConfig) -> list[DataSource]:
+    """The run's folders: `config.datasets` tables, else the dataset folder and the regularization folder
+    (each a kohya `N_name/` layout or a plain folder)."""
+    if config.datasets is not None:  # each table's folder, or its N_name/ subfolders (repeats multiplied)
+        sources = []
+        for table in (DataSource(**t) for t in config.datasets):
+            sources += [DataSource(s.path, s.repeats * table.repeats, table.caption_extension, table.is_reg)
+                        for s in kohya_sources(Path(table.path))]
+    else:
+        sources = kohya_sources(config.dataset_dir())
+    if config.reg_dataset is not None:
+        sources += kohya_sources(Path(config.reg_dataset), is_reg=True)
+    return sources
+
+
+class Images:
+    """The distinct images of several folders, in order, as one dataset (what `encode_examples` takes), with
+    each image's repeats."""
+
+    def __init__(self, parts: list[ImageCaptionDataset], repeats: list[int]):
+        self.parts = parts
+        self.where = [(k, i) for k, part in enumerate(parts) for i in range(len(part))]
+        self.repeats = [r for part, r in zip(parts, repeats) for _ in range(len(part))]
+        self.paths = [p for part in parts for p in part.paths]
+        self.captions = [c for part in parts for c in part.captions]
+        self.sizes = [s for part in parts for s in part.sizes]
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __getitem__(self, i: int) -> dict:
+        k, j = self.where[i]
+        return self.parts[k][j]
+
+
+def open_images(sources: list[DataSource], config: TrainConfig, resolution: int) -> Images:
+    """The sources' folders opened (every file checked now, before anything is encoded)."""
+    buckets = aspect_buckets(resolution) if config.buckets else None
+    parts = [ImageCaptionDataset(s.path, resolution, buckets=buckets, skip_bad=config.skip_bad_images,
+                                 caption_extension=s.caption_extension) for s in sources]
+    return Images(parts, [s.repeats for s in sources])
+
+
+def held_out(n: int, fraction: float) -> list[int]:
+    """The images (of n) a validation split of `fraction` holds out: round(fraction * n), at least one, chosen
+    by VALIDATION_SEED; sorted. TrainConfigError if none would be left to train on."""
+    count = max(1, round(fraction * n))
+    if count >= n:
+        raise TrainConfigError(f"TrainConfig.validation_split={fraction}: holds out {count} of the {n} "
+                               "images, leaving none to train on")
+    return sorted(random.Random(VALIDATION_SEED).sample(range(n), count))
+
+
+def caption_variant(caption: str, rng: random.Random, keep_tokens: int = 0, shuffle: bool = False,
+                    tag_dropout: float = 0.0) -> str:
+    """One variant of a caption of comma-separated tags: the first `keep_tokens` tags in place, the others
+    each dropped with probability `tag_dropout`, then (with `shuffle`) shuffled."""
+    tags = [t.strip() for t in caption.split(",")]
+    kept, rest = tags[:keep_tokens], tags[keep_tokens:]
+    rest = [t for t in rest if not (tag_dropout and rng.random() < tag_dropout)]
+    if shuffle:
+        rng.shuffle(rest)
+    return ", ".join(t for t in kept + rest if t)
+
+
+class RunData(NamedTuple):
+    """The cache phase's examples: to train on, of the regularization folders (or None), held out (or
+    None)."""
+
+    train: EncodedExamples
+    reg: EncodedExamples | None
+    val: EncodedExamples | None
+
+
+def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
+    """Every source's distinct images once through the VAE and the text encoders (the held-out ones and the
+    validation folder's too), the training captions' variants encoded, the repeats expanded."""
+    sources = data_sources(config)
+    train_sources = [s for s in sources if not s.is_reg]
+    images = open_images(train_sources, config, resolution)
+    encoded = encode_examples(pipe, images, config.seed)
+    val_idx = held_out(len(images), config.validation_split) if config.validation_split else []
+    train_idx = [i for i in range(len(images)) if i not in set(val_idx)]
+    train = with_variants(pipe, encoded.select(train_idx), config)
+    train = train.select([j for j, i in enumerate(train_idx) for _ in range(images.repeats[i])])
+    val = encoded.select(val_idx) if val_idx else None
+    if config.validation_dataset is not None:
+        val = encode_examples(pipe, open_images(kohya_sources(Path(config.validation_dataset)), config,
+                                                resolution), config.seed)
+    reg_sources = [s for s in sources if s.is_reg]
+    reg = None
+    if reg_sources:
+        reg_images = open_images(reg_sources, config, resolution)
+        reg_encoded = encode_examples(pipe, reg_images, config.seed)
+        reg = reg_encoded.select([i for i in range(len(reg_images)) for _ in range(reg_images.repeats[i])])
+    return RunData(train, reg, val)
+
+
+def with_variants(pipe, data: EncodedExamples, config: TrainConfig) -> EncodedExamples:
+    """`data` with `caption_variants` variants of each caption encoded (with caption shuffling or tag
+    dropout; else `data` as it is). Variant v of example i: `caption_variant` from a generator seeded by
+    (seed, i, v)."""
+    if not (config.shuffle_captions or config.tag_dropout):
+        return data
+    n = config.caption_variants
+    captions = [caption_variant(c, random.Random(f"{config.seed}:{i}:{v}"), config.keep_tokens,
+                                config.shuffle_captions, config.tag_dropout)
+                for i, c in enumerate(data.captions) for v in range(n)]
+    embeds = encode_captions(pipe, captions)
+    return EncodedExamples(data.latents, embeds, data.captions, data.sizes, data.paths, n)
+
+
+def sources_fingerprint(config: TrainConfig) -> str:
+    """What a resume checks the data folders against: every source's files (`folder_fingerprint`) with its
+    repeats and caption extension. A plain dataset folder (and regularization folder) gives the digest runs
+    before several folders wrote."""
+    sources = data_sources(config)
+    if all(s.repeats == 1 and s.caption_extension == ".txt" for s in sources) and config.datasets is None \
+            and len([s for s in sources if not s.is_reg]) == 1 and len(sources) <= 2:
+        return "+".join(folder_fingerprint(s.path) for s in sources)
+    return "+".join(f"{s.repeats}:{s.caption_extension}:{int(s.is_reg)}:"
+                    f"{folder_fingerprint(s.path, s.caption_extension)}" for s in sources)
