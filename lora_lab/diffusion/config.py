@@ -28,6 +28,7 @@ from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
 from ..quant import FORMATS
+from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
 MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
@@ -43,6 +44,10 @@ CONV_TARGETS = ("conv1", "conv2")
 # The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
 # UNets' transformer blocks and SD3's and Flux's joint blocks. With --feed-forward.
 FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
+# the knobs of one objective only (a changed value for the other objective's model is an error)
+FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
+              "loss_weighting")
+DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
 
 
 class TrainConfigError(LoraLabError, ValueError):
@@ -129,6 +134,49 @@ class TrainConfig:
         metadata={"help": "sd15/sdxl: add this times per-channel N(0,1) constants to the noise, so the model "
                   "can change an image's overall brightness (kohya's --noise_offset)"},
     )
+    # the knobs of loss weighting, timesteps (weighting.py), EMA and LoRA+
+    min_snr_gamma: float | None = field(
+        default=None,
+        metadata={"help": "sd15/sdxl: min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's), "
+                  "min(snr, gamma)/snr for epsilon, /(snr+1) for v (default: off)"})
+    debiased_estimation: bool = field(
+        default=False,
+        metadata={"help": "sd15/sdxl: weight each example's loss by 1/sqrt(snr) (v: 1/(snr+1)), kohya's "
+                  "--debiased_estimation_loss"})
+    timestep_sampling: str = field(
+        default="logit-normal",
+        metadata={"help": "sd3/flux: how sigmas are drawn: uniform | logit-normal (sigmoid of "
+                  "N(logit_mean, logit_std^2)) | mode (with mode_scale) (Esser et al. 2024, sec. 3.1)"})
+    logit_mean: float = field(default=0.0, metadata={"help": "sd3/flux: logit-normal's mean m"})
+    logit_std: float = field(default=1.0, metadata={"help": "sd3/flux: logit-normal's standard deviation s"})
+    mode_scale: float = field(
+        default=1.29, metadata={"help": "sd3/flux: the mode sampling's scale, in [-1, 2/(pi-2)]"})
+    timestep_shift: float | None = field(
+        default=None,
+        metadata={"help": "sd3/flux: a fixed shift s' = shift s/(1 + (shift-1) s) of the drawn sigmas "
+                  "(default: the scheduler's: its shift, or with its use_dynamic_shifting the "
+                  "resolution-dependent one)"})
+    dynamic_shift: bool = field(
+        default=False,
+        metadata={"help": "sd3/flux: Flux's resolution-dependent shift e^mu, mu linear in the image's token "
+                  "count (the scheduler's base/max shift), even where the scheduler does not use it"})
+    loss_weighting: str = field(
+        default="none",
+        metadata={"help": "sd3/flux: the SD3 paper's loss weighting: none | sigma_sqrt | cosmap"})
+    train_guidance: float = field(
+        default=1.0, metadata={"help": "flux: the guidance-embedding value the denoiser sees while training"})
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "keep an exponential moving average of the adapter with this decay in (0, 1), "
+                  "saved beside the raw one as lora_ema.safetensors (default: off)"})
+    ema_warmup: bool = field(
+        default=True,
+        metadata={"help": "with --ema-decay: the decay of step n is min(decay, (1 + n)/(10 + n)), so the "
+                  "average forgets the random start"})
+    loraplus_ratio: float | None = field(
+        default=None,
+        metadata={"help": "LoRA+ (Hayou et al. 2024): the up matrices B learn at ratio x lr (16 is the "
+                  "paper's) (default: off, one lr)"})
     # memory features
     mixed_precision: str = field(
         default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"}
@@ -235,6 +283,35 @@ class TrainConfig:
             bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+        self.check_knobs(bad)
+
+    def check_knobs(self, bad) -> None:
+        """The knobs of loss weighting, timesteps, EMA and LoRA+: each in range, and only for the objective
+        it belongs to."""
+        flow = model_kind(self.model).objective == "flow"
+        for name in ("min_snr_gamma", "loraplus_ratio", "timestep_shift"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                bad(name, "must be > 0")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            bad("ema_decay", "must be in (0, 1)")
+        if not self.logit_std > 0:
+            bad("logit_std", "must be > 0")
+        if not -1 <= self.mode_scale <= 2 / (math.pi - 2):
+            bad("mode_scale", "must be in [-1, 2/(pi-2)] (else the mode sampling leaves (0, 1))")
+        for name, allowed in (("timestep_sampling", TIMESTEP_SAMPLING), ("loss_weighting", LOSS_WEIGHTINGS)):
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {', '.join(allowed)}")
+        defaults = {f.name: f.default for f in fields(self)}
+        only = FLOW_KNOBS if not flow else DDPM_KNOBS
+        for name in only:
+            if getattr(self, name) != defaults[name]:
+                bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {self.model}")
+        if self.train_guidance != 1.0 and self.model != "flux":
+            bad("train_guidance", "applies to flux only (its guidance embedding)")
+        if self.dynamic_shift and self.timestep_shift is not None:
+            bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
+        if self.min_snr_gamma is not None and self.debiased_estimation:
+            bad("debiased_estimation", "and min_snr_gamma are two weightings: choose one")
 
     def base_torch_dtype(self, device: torch.device) -> torch.dtype:
         """The frozen base's dtype: `base_dtype`, or for "auto" bf16 on CUDA and fp32 elsewhere."""

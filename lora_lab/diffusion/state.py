@@ -54,6 +54,11 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
 # Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
 # fp32).
 BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
+# The knobs added with loss weighting, EMA and LoRA+: a checkpoint written before them ran with these values.
+BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampling="logit-normal",
+                  logit_mean=0.0, logit_std=1.0, mode_scale=1.29, timestep_shift=None, dynamic_shift=False,
+                  loss_weighting="none", train_guidance=1.0, ema_decay=None, ema_warmup=True,
+                  loraplus_ratio=None)
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"

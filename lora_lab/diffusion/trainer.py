@@ -63,7 +63,6 @@ from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_fac
 from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
 from .distributed import DistEnv, resolve_device
 from .encoders import Encoders
-from .objectives import objective_for
 from .sampling import prompt_inputs, sample_grid
 from .state import (
     Learner,
@@ -78,7 +77,7 @@ from .state import (
     truncate_log,
     write_config,
 )
-from .step import accumulate_grads
+from .step import accumulate_grads, training_objective
 
 __all__ = ["PHASES", "NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
            "load_checkpoint", "train"]
@@ -250,7 +249,7 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
     """Optimizer steps from `run.step` to config.steps: lr, this process's share of the global batch, the
     accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step,
     a checkpoint every save_every steps and at the end. NonFiniteLossError on a NaN/inf loss."""
-    objective = objective_for(pipe)
+    objective = training_objective(config, pipe, run.config.resolution)
     log_path = run.output / "loss.jsonl"
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {kind.name}", unit="step",
                disable=not (config.progress and env.main), dynamic_ncols=True)
