@@ -31,7 +31,7 @@ from ..quant import FORMATS
 from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
 MODELS = KINDS
-OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
@@ -125,7 +125,8 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from lr/warmup to lr"})
     optimizer: str = field(
         default="adamw",
-        metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"},
+        metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes) | prodigy "
+                  "(prodigyopt; --lr multiplies its own step size estimate: 1.0) | adafactor (transformers)"},
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
@@ -292,6 +293,10 @@ class TrainConfig:
         for name in ("min_snr_gamma", "loraplus_ratio", "timestep_shift"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 bad(name, "must be > 0")
+        if self.optimizer == "prodigy" and not self.lr >= 0.1:
+            bad("lr", "with prodigy is a multiplier of its own step size estimate: use 1.0 (0.1 or more)")
+        if self.optimizer == "prodigy" and self.loraplus_ratio is not None:
+            bad("loraplus_ratio", "prodigy takes one lr for every parameter group: no LoRA+ with it")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             bad("ema_decay", "must be in (0, 1)")
         if not self.logit_std > 0:

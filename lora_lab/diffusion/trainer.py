@@ -57,12 +57,12 @@ from ..lora import LoRAConfig, add_lora, lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import OpenedBase, open_base
 from ..models.loading import fill
-from ..optim import AdamW8bit
 from ..precision import MixedPrecision
 from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
 from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
 from .distributed import DistEnv, resolve_device
 from .encoders import Encoders
+from .optimizers import make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs, sample_grid
 from .state import (
     Learner,
@@ -223,7 +223,7 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
         enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = make_optimizer([p for _, p in named], config)
+    optimizer = make_optimizer(param_groups(named, config), config)
     return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device))
 
 
@@ -257,8 +257,7 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
         while run.step < config.steps:
             t0 = time.perf_counter()
             lr = config.lr * lr_factor(run.step, config)
-            for group in learner.optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(learner.optimizer, lr)
             with phase("train step"):
                 loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step,
                                         env).item()
@@ -334,20 +333,3 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
     return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
                                       targets=config.adapter_targets(), use_dora=config.dora,
                                       conv=config.conv))
-
-
-def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW in fp32 (torch), lora_lab's block-wise 8-bit AdamW, or bitsandbytes' 8-bit AdamW."""
-    kw = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kw)
-    if config.optimizer == "adamw8bit":
-        return AdamW8bit(params, **kw)
-    try:  # imported here: bitsandbytes is optional (the dev extra)
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise TrainConfigError("TrainConfig.optimizer='bnb-adamw8bit' needs bitsandbytes "
-                               "(pip install bitsandbytes)") from e
-    return bnb.optim.AdamW8bit(params, **kw)
-
-
