@@ -192,8 +192,8 @@ def plan_options(
     the same state layout) | prodigy | adafactor, gradient_checkpointing False | True | a policy (full |
     selective | every_k | budget:F), mixed_precision no | bf16 | fp16, base_dtype auto | fp32 | bf16 | fp16
     (auto: bf16 on CUDA), base_quantization None | int8 | int8-block | nf4 | fp8 | fp8-row, keep_encoders
-    (the text encoders and VAE on the device for the whole run), vae_tiling (samples decoded in tiles), sample_steps (0: no
-    sample grid). Plan options: attention auto | flash | efficient | math | native (see
+    (the text encoders and VAE on the device for the whole run), vae_tiling (samples decoded in tiles),
+    sample_steps (0: no sample grid). Plan options: attention auto | flash | efficient | math | native (see
     `planning/fakedevice.py`); device "cuda" | "cpu" (whose rules the plan follows: nothing runs on it);
     dataset_size (examples cached: on the device only on the CPU) and distinct_captions among them (default:
     all distinct, the most the text encoders see at once); checkpoint_options (keywords for
