@@ -98,6 +98,7 @@ class Learner:
     named: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.Optimizer
     precision: MixedPrecision
+    ema: Any = None  # ema.AdapterEMA with --ema-decay: the moving average of the adapter's weights
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -234,7 +235,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-OPTIONAL_KEYS = {"dataset_fingerprint", "checksums"}  # written since 0.2 and 0.3: older checkpoints lack them
+# written since 0.2 and 0.3: older checkpoints lack them; "ema" only with --ema-decay
+OPTIONAL_KEYS = {"dataset_fingerprint", "checksums", "ema"}
 
 
 def check_sums(path: Path, state: dict[str, Any]) -> None:
@@ -342,6 +344,8 @@ def save_checkpoint(run: RunState, learner: Learner, main: bool) -> Path:
             "n_examples": run.n_examples,
             "dataset_fingerprint": run.fingerprint,
         }
+        if learner.ema is not None:
+            state["ema"] = learner.ema.state_dict()
         state["checksums"] = {k: digest(v) for k, v in state.items()}
         atomic_torch_save(state, path)
         prune(run.output, run.step, run.config.keep_checkpoints)
@@ -376,6 +380,11 @@ def restore(run: RunState, learner: Learner, state: dict[str, Any], path: Path) 
         for n, p in named:
             p.copy_(state["adapter"][n])
     learner.optimizer.load_state_dict(state["optimizer"])
+    if learner.ema is not None:  # ema_decay is not RESUME_FREE: a checkpoint of this run holds it
+        try:
+            learner.ema.load_state_dict(state.get("ema", {}))
+        except ValueError as e:
+            raise TrainConfigError(f"cannot resume from {path}: {e}") from None
     learner.precision.load_state_dict(state["scaler"])  # empty when saved without fp16
     set_rng_state(state["rng"])
     run.step, run.losses, run.last_good = state["step"], list(state["losses"]), path

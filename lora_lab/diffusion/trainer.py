@@ -61,6 +61,7 @@ from ..precision import MixedPrecision
 from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
 from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
 from .distributed import DistEnv, resolve_device
+from .ema import AdapterEMA
 from .encoders import Encoders
 from .optimizers import make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs, sample_grid
@@ -109,6 +110,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
+                    with --ema-decay the average too: lora_ema.safetensors, pytorch_lora_weights_ema...
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     `phase(name)` is entered around each memory phase (see the module docstring).
@@ -134,7 +136,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
         open_run(run, learner, env, bad_checkpoints, resume_from, state)
     run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase)
     with phase("save"):
-        outputs = save_outputs(config, kind, pipe, run, env)
+        outputs = save_outputs(config, kind, pipe, run, env, learner)
     with phase("sample"):
         outputs.update(sample_outputs(config, encoders, run, env, samples))
     encoders.restore()  # the pipeline returned is whole again
@@ -224,7 +226,8 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = make_optimizer(param_groups(named, config), config)
-    return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device))
+    ema = None if config.ema_decay is None else AdapterEMA(named, config.ema_decay, config.ema_warmup)
+    return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device), ema)
 
 
 def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: list[Path],
@@ -265,6 +268,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
                     raise NonFiniteLossError(f"loss is {loss} at step {run.step + 1} of {config.steps} "
                                              f"(lr {lr:.3g}); training stopped: {run.stopped_advice()}")
                 learner.precision.step(learner.optimizer, config.max_grad_norm)
+                if learner.ema is not None:
+                    learner.ema.update(learner.named, run.step + 1)
             run.step += 1
             run.losses.append(loss)
             dt = time.perf_counter() - t0
@@ -283,21 +288,32 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
     env.check_identical(learner.params, "the adapter weights")
 
 
-def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv) -> dict[str, Path]:
-    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) from one host copy of the adapter (rank 0)."""
+def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
+                 learner: Learner | None = None) -> dict[str, Path]:
+    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) from one host copy of the adapter (rank 0); with
+    an EMA, its files beside them (lora_ema.safetensors, pytorch_lora_weights_ema.safetensors)."""
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
     if env.main:
-        model = denoiser(pipe)
-        tensors = lora_state_dict(model)  # fp32 host copies
-        layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-        outputs["lora_kohya"] = save_lora(out / "lora.safetensors", tensors, format="kohya", base=kind.name,
-                                          component=kind.component, unet=layout)
-        outputs["lora_diffusers"] = save_lora(out / "pytorch_lora_weights.safetensors", tensors,
-                                              format="peft", base=kind.name, component=kind.component,
-                                              unet=layout)
+        outputs.update(save_adapter(kind, pipe, out, ""))
+        if learner is not None and learner.ema is not None:
+            with learner.ema.applied(learner.named):
+                outputs.update(save_adapter(kind, pipe, out, "_ema"))
     env.barrier()
     return outputs
+
+
+def save_adapter(kind: ModelKind, pipe, out: Path, suffix: str) -> dict[str, Path]:
+    """The denoiser's adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors
+    (PEFT)."""
+    model = denoiser(pipe)
+    tensors = lora_state_dict(model)  # fp32 host copies
+    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
+    return {f"lora_kohya{suffix}": save_lora(out / f"lora{suffix}.safetensors", tensors, format="kohya",
+                                             base=kind.name, component=kind.component, unet=layout),
+            f"lora_diffusers{suffix}": save_lora(out / f"pytorch_lora_weights{suffix}.safetensors", tensors,
+                                                 format="peft", base=kind.name, component=kind.component,
+                                                 unet=layout)}
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
