@@ -44,6 +44,8 @@ CONV_TARGETS = ("conv1", "conv2")
 # The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
 # UNets' transformer blocks and SD3's and Flux's joint blocks. With --feed-forward.
 FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
+# A CLIP text encoder's attention and MLP layers (kohya's text-encoder LoRA targets), with --text-encoder-lr.
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 # the knobs of one objective only (a changed value for the other objective's model is an error)
 FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
               "loss_weighting")
@@ -174,6 +176,11 @@ class TrainConfig:
         default=True,
         metadata={"help": "with --ema-decay: the decay of step n is min(decay, (1 + n)/(10 + n)), so the "
                   "average forgets the random start"})
+    text_encoder_lr: float | None = field(
+        default=None,
+        metadata={"help": "also train a LoRA on the CLIP text encoders (sd15, sdxl, sd3: all; flux: CLIP-L, "
+                  "not T5) at this lr; their embeddings are then computed at each step, and the encoders "
+                  "stay on the device (default: off)"})
     loraplus_ratio: float | None = field(
         default=None,
         metadata={"help": "LoRA+ (Hayou et al. 2024): the up matrices B learn at ratio x lr (16 is the "
@@ -290,7 +297,7 @@ class TrainConfig:
         """The knobs of loss weighting, timesteps, EMA and LoRA+: each in range, and only for the objective
         it belongs to."""
         flow = model_kind(self.model).objective == "flow"
-        for name in ("min_snr_gamma", "loraplus_ratio", "timestep_shift"):
+        for name in ("min_snr_gamma", "loraplus_ratio", "timestep_shift", "text_encoder_lr"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 bad(name, "must be > 0")
         if self.optimizer == "prodigy" and not self.lr >= 0.1:

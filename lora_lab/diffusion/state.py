@@ -58,7 +58,7 @@ BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attent
 BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampling="logit-normal",
                   logit_mean=0.0, logit_std=1.0, mode_scale=1.29, timestep_shift=None, dynamic_shift=False,
                   loss_weighting="none", train_guidance=1.0, ema_decay=None, ema_warmup=True,
-                  loraplus_ratio=None)
+                  loraplus_ratio=None, text_encoder_lr=None)
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"

@@ -140,6 +140,8 @@ class MicroBatch:
     t: torch.Tensor  # (b,)
     cond: dict[str, torch.Tensor]
     reg: MicroBatch | None = None
+    # with a text-encoder LoRA: the captions ("" where dropped), encoded at the step (`cond` is then unused)
+    captions: list[str] | None = None
 
 
 def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
@@ -153,17 +155,31 @@ def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples
         reg_idx, reg_noise, reg_t = (d[mb] for d in draws.reg)
         batch.reg = MicroBatch(reg.latents_of(reg_idx).to(device), reg_noise.to(device), reg_t.to(device),
                                reg.embeds_of(reg_idx, None, None, device))
+    if config.text_encoder_lr is not None:  # the text encoders train: their embeddings cannot be cached
+        dropped = [False] * len(idx) if draws.drop is None else draws.drop[mb].tolist()
+        batch.captions = ["" if d else data.captions[i] for i, d in zip(idx, dropped)]
+        if batch.reg is not None:
+            batch.reg.captions = [reg.captions[i] for i in reg_idx]
     return batch
+
+
+def live_cond(kind: ModelKind, pipe, batch: MicroBatch) -> dict[str, torch.Tensor]:
+    """The batch's text embeddings: from the cache, or with a text-encoder LoRA through the encoders now
+    (with their gradients)."""
+    if batch.captions is None:
+        return batch.cond
+    return {k: v.float() for k, v in kind.encode(pipe, batch.captions, batch.x0.device).items()}
 
 
 def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
                      batch: MicroBatch) -> torch.Tensor:
     """A micro-batch's denoising loss (plus prior_loss_weight times its regularization examples' loss)."""
-    loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t, batch.cond)
+    loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t,
+                          live_cond(kind, pipe, batch))
     if batch.reg is not None:
         r = batch.reg
         loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise,
-                                                                r.t, r.cond)
+                                                                r.t, live_cond(kind, pipe, r))
     return loss
 
 

@@ -58,7 +58,7 @@ from ..models import ModelKind, default_resolution, denoiser, model_kind, shippe
 from ..models.bases import OpenedBase, open_base
 from ..models.loading import fill
 from ..precision import MixedPrecision
-from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
+from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError, check_config_for_base, lr_factor
 from .data import EncodedExamples, encode_dataset, encode_examples, folder_fingerprint, unconditional_embeds
 from .distributed import DistEnv, resolve_device
 from .ema import AdapterEMA
@@ -123,7 +123,9 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     out = Path(config.output)
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
-    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keep_encoders)
+    # a text-encoder LoRA trains the encoders: they stay on the device
+    encoders = Encoders(opened.pipe, device, opened.reload,
+                        keep=config.keep_encoders or config.text_encoder_lr is not None)
     with phase("cache"):
         data, reg, empty, samples = encode_data(config, encoders, resolution)
     with phase("load"):
@@ -225,7 +227,14 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
         enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = make_optimizer(param_groups(named, config), config)
+    groups = param_groups(named, config)
+    if config.text_encoder_lr is not None:  # their own group, at text_encoder_lr through every schedule
+        text = text_encoder_adapters(config, kind, pipe)
+        adapted += [n for n, _ in text]
+        named += text
+        groups.append({"params": [p for _, p in text], "lr": config.text_encoder_lr,
+                       "lr_ratio": config.text_encoder_lr / config.lr})
+    optimizer = make_optimizer(groups, config)
     ema = None if config.ema_decay is None else AdapterEMA(named, config.ema_decay, config.ema_warmup)
     return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device), ema)
 
@@ -295,25 +304,30 @@ def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env:
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
     if env.main:
-        outputs.update(save_adapter(kind, pipe, out, ""))
+        text = config.text_encoder_lr is not None
+        outputs.update(save_adapter(kind, pipe, out, "", text))
         if learner is not None and learner.ema is not None:
             with learner.ema.applied(learner.named):
-                outputs.update(save_adapter(kind, pipe, out, "_ema"))
+                outputs.update(save_adapter(kind, pipe, out, "_ema", text))
     env.barrier()
     return outputs
 
 
-def save_adapter(kind: ModelKind, pipe, out: Path, suffix: str) -> dict[str, Path]:
-    """The denoiser's adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors
-    (PEFT)."""
+def save_adapter(kind: ModelKind, pipe, out: Path, suffix: str, text_encoders: bool = False
+                 ) -> dict[str, Path]:
+    """The denoiser's adapter (and the CLIP text encoders' with `text_encoders`) as lora{suffix}.safetensors
+    (kohya: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_) and
+    pytorch_lora_weights{suffix}.safetensors (PEFT: unet./transformer., text_encoder./text_encoder_2.)."""
     model = denoiser(pipe)
-    tensors = lora_state_dict(model)  # fp32 host copies
+    components = {kind.component: model, **({c: getattr(pipe, c) for c in clip_encoders(kind)}
+                                            if text_encoders else {})}
+    # fp32 host copies, each module named by its pipeline path
+    tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
     layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
     return {f"lora_kohya{suffix}": save_lora(out / f"lora{suffix}.safetensors", tensors, format="kohya",
-                                             base=kind.name, component=kind.component, unet=layout),
+                                             base=kind.name, unet=layout),
             f"lora_diffusers{suffix}": save_lora(out / f"pytorch_lora_weights{suffix}.safetensors", tensors,
-                                                 format="peft", base=kind.name, component=kind.component,
-                                                 unet=layout)}
+                                                 format="peft", base=kind.name, unet=layout)}
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
@@ -328,14 +342,35 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
         model.eval()
         prompts, inputs = samples
         with encoders.on_device(["vae"]) as pipe:
+            # a text-encoder LoRA: the LoRA row's prompts through the trained encoders, the base row's cached
+            trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
-                                             inputs=inputs)
+                                             inputs=trained, base_inputs=inputs)
     env.barrier()
     return outputs
 
 
 # ----------------------------------------------------------------------------- pieces of the stages
+
+
+def clip_encoders(kind: ModelKind) -> list[str]:
+    """The pipeline components of a kind's CLIP text encoders (not T5)."""
+    return [e.component for e in kind.text_encoders if e.arch != "t5"]
+
+
+def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe) -> list[tuple[str, torch.nn.Parameter]]:
+    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed;
+    their parameters named `<component>.<name>`."""
+    named = []
+    for i, comp in enumerate(clip_encoders(kind)):
+        encoder = getattr(pipe, comp)
+        encoder.requires_grad_(False)
+        torch.manual_seed(config.seed + 1 + i)
+        add_lora(encoder, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
+                                     targets=list(TEXT_ENCODER_TARGETS)))
+        named += [(f"{comp}.{n}", p) for n, p in encoder.named_parameters() if p.requires_grad]
+    return named
 
 
 def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
