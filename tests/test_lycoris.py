@@ -139,3 +139,23 @@ def test_stacks_with_a_lora_file_in_merge_loras_and_apply_loras(tmp_path, kind):
     applied.set_strength(1, 0.0)  # the LoKr/LoHa file off: the LoRA alone
     torch.testing.assert_close(base.get_submodule(LINEAR)(x), F.linear(x, lora_only, base.get_submodule(
         LINEAR).base.bias), rtol=1e-4, atol=1e-5)
+
+
+def test_the_deltas_are_the_lycoris_packages():
+    """lycoris-lora's own functional forms (skipped where the package is not installed)."""
+    lokr = pytest.importorskip("lycoris.functional.lokr")
+    loha = pytest.importorskip("lycoris.functional.loha")
+    model = _unet_like()
+    add_lycoris(model, "lokr", [LINEAR], rank=2, alpha=4.0, factor=4)
+    _trained(model)
+    layer = model.get_submodule(LINEAR)
+    ref = lokr.diff_weight(layer.w1, None, None, None, layer.w2_a, layer.w2_b, None, gamma=4.0,
+                           backend="torch")
+    torch.testing.assert_close(layer.delta(), ref.reshape(layer.shape), rtol=1e-5, atol=1e-6)
+    model = _unet_like()
+    add_lycoris(model, "loha", [CONV], rank=3, alpha=4.0)
+    _trained(model)
+    h = model.get_submodule(CONV)
+    ref = loha.diff_weight(h.w1_b, h.w1_a, h.w2_b, h.w2_a, None, None, gamma=torch.tensor(4.0 / 3),
+                           backend="torch")
+    torch.testing.assert_close(h.delta(), ref.reshape(h.shape), rtol=1e-5, atol=1e-6)
