@@ -47,7 +47,9 @@ def test_sdxl_saves_both_clip_encoders_with_te1_and_te2_names(tmp_path):
     pipe = build_pipeline("sdxl")
     config = TrainConfig(model="sdxl", rank=2, text_encoder_lr=1e-4)
     add_adapter(pipe.unet, config, kind)
-    named = text_encoder_adapters(config, kind, pipe)
+    wrapped, named = text_encoder_adapters(config, kind, pipe)
+    assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj" in wrapped or any(
+        w.startswith("text_encoder.") and w.endswith("self_attn.q_proj") for w in wrapped)
     assert {n.split(".")[0] for n, _ in named} == {"text_encoder", "text_encoder_2"}
     with torch.no_grad():
         for _, p in named:

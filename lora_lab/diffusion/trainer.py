@@ -229,8 +229,8 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe,
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = param_groups(named, config)
     if config.text_encoder_lr is not None:  # their own group, at text_encoder_lr through every schedule
-        text = text_encoder_adapters(config, kind, pipe)
-        adapted += [n for n, _ in text]
+        wrapped, text = text_encoder_adapters(config, kind, pipe)
+        adapted += wrapped
         named += text
         groups.append({"params": [p for _, p in text], "lr": config.text_encoder_lr,
                        "lr_ratio": config.text_encoder_lr / config.lr})
@@ -343,7 +343,8 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
         prompts, inputs = samples
         with encoders.on_device(["vae"]) as pipe:
             # a text-encoder LoRA: the LoRA row's prompts through the trained encoders, the base row's cached
-            trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
+            with torch.no_grad():
+                trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
                                              inputs=trained, base_inputs=inputs)
@@ -359,18 +360,19 @@ def clip_encoders(kind: ModelKind) -> list[str]:
     return [e.component for e in kind.text_encoders if e.arch != "t5"]
 
 
-def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe) -> list[tuple[str, torch.nn.Parameter]]:
-    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed;
-    their parameters named `<component>.<name>`."""
-    named = []
+def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe
+                          ) -> tuple[list[str], list[tuple[str, torch.nn.Parameter]]]:
+    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed:
+    the wrapped modules and the adapters' parameters, each named `<component>.<name>`."""
+    wrapped, named = [], []
     for i, comp in enumerate(clip_encoders(kind)):
         encoder = getattr(pipe, comp)
         encoder.requires_grad_(False)
         torch.manual_seed(config.seed + 1 + i)
-        add_lora(encoder, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
-                                     targets=list(TEXT_ENCODER_TARGETS)))
+        wrapped += [f"{comp}.{n}" for n in add_lora(encoder, LoRAConfig(
+            rank=config.rank, alpha=config.adapter_alpha(), targets=list(TEXT_ENCODER_TARGETS)))]
         named += [(f"{comp}.{n}", p) for n, p in encoder.named_parameters() if p.requires_grad]
-    return named
+    return wrapped, named
 
 
 def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
