@@ -2,7 +2,7 @@
 
 After optimizer step n (1-based), each adapter weight's average moves toward the weight:
 
-    ema <- d_n ema + (1 - d_n) w,     d_n = min(decay, (1 + k) / (10 + k)), k = n - 1   (with warm-up)
+    ema <- d_n ema + (1 - d_n) w,     d_n = min(decay, (1 + k) / (10 + k)), k = n - 1, d_1 = 0  (warm-up)
                                       d_n = decay                                       (without)
 
 With warm-up the first update copies the weights (d_1 = 0) and the average forgets the random start within
