@@ -174,8 +174,8 @@ class TrainConfig:
                   "saved beside the raw one as lora_ema.safetensors (default: off)"})
     ema_warmup: bool = field(
         default=True,
-        metadata={"help": "with --ema-decay: the decay is 0 after step 1 (the average starts at the weights), "
-                  "then min(decay, n/(n + 9)) after step n (off: decay from the first step)"})
+        metadata={"help": "with --ema-decay: the decay is 0 after step 1 (the average starts at the "
+                  "weights), then min(decay, n/(n + 9)) after step n (off: decay from the first step)"})
     text_encoder_lr: float | None = field(
         default=None,
         metadata={"help": "also train a LoRA on the CLIP text encoders (sd15, sdxl, sd3: all; flux: CLIP-L, "
