@@ -33,8 +33,10 @@ from torch import nn
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraWeights, load_lora, match_modules
+from .formats.lycoris import LycorisWeights, is_lycoris_file, lycoris_patches
 from .functional import dora
 from .functional.lowrank import lowrank_delta
+from .lora import LycorisLayer
 from .lora.model import LoRAConv2d, LoRALinear, LoRAModule
 from .modules import replace_weight, swap_module
 from .params import load_frozen
@@ -44,9 +46,11 @@ from .quant.weights import QuantizationError
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
 
 
-def lora_change(weight: torch.Tensor, m: LoraWeights, strength: float) -> torch.Tensor:
-    """D = the change one LoRA module makes to `weight` at `strength`, fp32 (formula in the module
-    docstring)."""
+def lora_change(weight: torch.Tensor, m: LoraWeights | LycorisWeights, strength: float) -> torch.Tensor:
+    """D = the change one LoRA (or LoKr/LoHa) module makes to `weight` at `strength`, fp32 (formula in the
+    module docstring; LoKr/LoHa: `lora/lycoris.py`)."""
+    if isinstance(m, LycorisWeights):
+        return strength * m.delta(weight.shape).to(weight.device)
     # a linear LoRA fits a 1x1 conv: both are flattened
     down, up = m.down.to(weight.device), m.up.to(weight.device)
     if m.dora_scale is None:
@@ -108,7 +112,7 @@ def _load(lora) -> LoraFile:
 
 @dataclass
 class Patch:
-    module: LoraWeights
+    module: LoraWeights | LycorisWeights
     strength: float
     source: int  # index of the LoRA file in the list given
     where: str = ""  # "<file>: module <key>", for errors
@@ -123,11 +127,17 @@ def _patches(
         raise LoraFormatError("loras must be a list of (lora_file, strength) pairs")
     patches: dict[str, list[Patch]] = {}
     for i, (lora, strength) in enumerate(loras):
-        lf = _load(lora)
-        name = str(lf.path) if lf.path else f"LoRA #{i}"
         if (isinstance(strength, bool) or not isinstance(strength, (int, float))
                 or not math.isfinite(strength)):
-            raise LoraFormatError(f"{name}: strength {strength!r} must be a finite number")
+            raise LoraFormatError(f"{lora}: strength {strength!r} must be a finite number")
+        if not isinstance(lora, LoraFile) and is_lycoris_file(lora):  # LoKr / LoHa: ComfyUI's keys
+            for key, m in lycoris_patches(lora, weights, component, strict).items():
+                where = f"{lora}: module {m.key}"
+                m.check_finite(where)
+                patches.setdefault(key, []).append(Patch(m, float(strength), i, where))
+            continue
+        lf = _load(lora)
+        name = str(lf.path) if lf.path else f"LoRA #{i}"
         # a LoraFile made in memory is checked here (load_lora checked a file's)
         for n, m in lf.modules.items():
             m.check(f"{name}: module {m.key or n!r}", values=False)
@@ -287,6 +297,12 @@ def apply_loras(
         adapters = []
         for p in items:
             m = p.module
+            if isinstance(m, LycorisWeights):
+                a = LycorisLayer.from_factors(base, m.factors, m.alpha)
+                a.strength = p.strength
+                adapters.append(a)
+                per_file[p.source].append(a)
+                continue
             r, shape = m.rank, weights[key].shape  # a quantized base's shape without dequantizing it
             down = m.down.float().reshape(r, *shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
             up = m.up.float().reshape(shape[0], r, *[1] * (len(shape) - 2))

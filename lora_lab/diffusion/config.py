@@ -1,5 +1,5 @@
 """The settings of one diffusion LoRA training run: `TrainConfig`, its validation (and what only the base
-model can tell), the layers an adapter targets, and the lr schedule."""
+model can tell), the layers an adapter targets."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from ..models.bases import check_base
 from ..modules import matches_targets
 from ..precision import MODES
 from ..quant import FORMATS
-from .options import check_watch_fields
+from .options import check_knob_fields, check_watch_fields
 
 MODELS = KINDS
-OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, captioned "... inverted"
@@ -44,6 +44,9 @@ CONV_TARGETS = ("conv1", "conv2")
 # The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
 # UNets' transformer blocks and SD3's and Flux's joint blocks. With --feed-forward.
 FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
+# A CLIP text encoder's attention and MLP layers (kohya's text-encoder LoRA targets), with --text-encoder-lr.
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+# the knobs of one objective only (a changed value for the other objective's model is an error)
 
 
 class TrainConfigError(LoraLabError, ValueError):
@@ -121,7 +124,8 @@ class TrainConfig:
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from lr/warmup to lr"})
     optimizer: str = field(
         default="adamw",
-        metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes)"},
+        metadata={"help": "adamw (torch) | adamw8bit (lora_lab) | bnb-adamw8bit (bitsandbytes) | prodigy "
+                  "(prodigyopt; --lr multiplies its own step size estimate: 1.0) | adafactor (transformers)"},
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the adapter"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
@@ -130,6 +134,54 @@ class TrainConfig:
         metadata={"help": "sd15/sdxl: add this times per-channel N(0,1) constants to the noise, so the model "
                   "can change an image's overall brightness (kohya's --noise_offset)"},
     )
+    # the knobs of loss weighting, timesteps (weighting.py), EMA and LoRA+
+    min_snr_gamma: float | None = field(
+        default=None,
+        metadata={"help": "sd15/sdxl: min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's), "
+                  "min(snr, gamma)/snr for epsilon, /(snr+1) for v (default: off)"})
+    debiased_estimation: bool = field(
+        default=False,
+        metadata={"help": "sd15/sdxl: weight each example's loss by 1/sqrt(snr) (v: 1/(snr+1)), kohya's "
+                  "--debiased_estimation_loss"})
+    timestep_sampling: str = field(
+        default="logit-normal",
+        metadata={"help": "sd3/flux: how sigmas are drawn: uniform | logit-normal (sigmoid of "
+                  "N(logit_mean, logit_std^2)) | mode (with mode_scale) (Esser et al. 2024, sec. 3.1)"})
+    logit_mean: float = field(default=0.0, metadata={"help": "sd3/flux: logit-normal's mean m"})
+    logit_std: float = field(default=1.0, metadata={"help": "sd3/flux: logit-normal's standard deviation s"})
+    mode_scale: float = field(
+        default=1.29, metadata={"help": "sd3/flux: the mode sampling's scale, in [-1, 2/(pi-2)]"})
+    timestep_shift: float | None = field(
+        default=None,
+        metadata={"help": "sd3/flux: a fixed shift s' = shift s/(1 + (shift-1) s) of the drawn sigmas "
+                  "(default: the scheduler's: its shift, or with its use_dynamic_shifting the "
+                  "resolution-dependent one)"})
+    dynamic_shift: bool = field(
+        default=False,
+        metadata={"help": "sd3/flux: Flux's resolution-dependent shift e^mu, mu linear in the image's token "
+                  "count (the scheduler's base/max shift), even where the scheduler does not use it"})
+    loss_weighting: str = field(
+        default="none",
+        metadata={"help": "sd3/flux: the SD3 paper's loss weighting: none | sigma_sqrt | cosmap"})
+    train_guidance: float = field(
+        default=1.0, metadata={"help": "flux: the guidance-embedding value the denoiser sees while training"})
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "keep an exponential moving average of the adapter with this decay in (0, 1), "
+                  "saved beside the raw one as lora_ema.safetensors (default: off)"})
+    ema_warmup: bool = field(
+        default=True,
+        metadata={"help": "with --ema-decay: the decay is 0 after step 1 (the average starts at the "
+                  "weights), then min(decay, n/(n + 9)) after step n (off: decay from the first step)"})
+    text_encoder_lr: float | None = field(
+        default=None,
+        metadata={"help": "also train a LoRA on the CLIP text encoders (sd15, sdxl, sd3: all; flux: CLIP-L, "
+                  "not T5) at this lr; their embeddings are then computed at each step, and the encoders "
+                  "stay on the device (default: off)"})
+    loraplus_ratio: float | None = field(
+        default=None,
+        metadata={"help": "LoRA+ (Hayou et al. 2024): the up matrices B learn at ratio x lr (16 is the "
+                  "paper's) (default: off, one lr)"})
     # memory features
     mixed_precision: str = field(
         default="no", metadata={"help": "autocast dtype: no | bf16 | fp16 (no: fp32 throughout)"}
@@ -308,6 +360,7 @@ class TrainConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
         check_watch_fields(self, bad)
+        check_knob_fields(self, bad)
 
     def base_parts(self) -> dict[str, str | None]:
         """A single-file base's part files by part (None: inside the base file)."""
@@ -364,18 +417,6 @@ class TrainConfig:
             raise TrainConfigError(f"{path}: unknown TrainConfig field(s) {unknown}")
         return cls(**data)
 
-
-
-def lr_factor(step: int, config: TrainConfig) -> float:
-    """lr(step) / lr for the optimizer step `step` (0-based): linear warm-up, then the schedule."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.schedule == "constant":
-        return 1.0
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)  # in [0, 1)
-    if config.schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
 def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:

@@ -3,12 +3,14 @@
 API (stable; the trainer, `diffusion/trainer.py`, builds on it):
 
     DDPM(prediction_type="epsilon" | "v_prediction", num_train_timesteps=1000, beta_start, beta_end)
-    FlowMatching(logit_mean=0.0, logit_std=1.0, shift=1.0)
+    FlowMatching(logit_mean=0.0, logit_std=1.0, shift=1.0, sampling="logit-normal", mode_scale=1.29, mu=None)
         both have:  .sample_timesteps(n, generator) -> t (n,)
                     .noisy(x0, noise, t)            -> the model's input x_t
                     .target(x0, noise, t)           -> what the model must output
                     .x0_from(x_t, pred, t)          -> the clean sample an exact prediction implies
-    objective_for(pipe_or_kind, prediction_type=None) -> DDPM | FlowMatching matching the pipeline's scheduler
+    objective_for(pipe_or_kind, prediction_type=None, **flow)
+                                                    -> DDPM | FlowMatching matching the pipeline's scheduler
+                                                       (flow: the timestep knobs, `FlowMatching`'s fields)
     diffusion_loss(pred, target)                    -> fp32 mean squared error
     shift_sigmas(sigma, shift)                      -> SD3's shift  s' = shift s / (1 + (shift - 1) s)
 
@@ -20,7 +22,8 @@ The maths (x0: clean latents, e: standard normal noise):
     Rectified flow, sigma in [0, 1] (sigma = 1 is pure noise):
         x_sigma = (1 - sigma) x0 + sigma e,   target v = e - x0  (= d x_sigma / d sigma)
         sigma = sigmoid(u), u ~ N(logit_mean, logit_std^2)  (logit-normal, Esser et al. 2024 "SD3"),
-        then shifted toward noise:  sigma' = shift sigma / (1 + (shift - 1) sigma)  (SD3.5: shift = 3).
+        then shifted toward noise:  sigma' = shift sigma / (1 + (shift - 1) sigma)  (SD3.5: shift = 3);
+        the other samplings and Flux's resolution-dependent shift: `weighting.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from ..errors import LoraLabError
 from ..models import KINDS, kind_of, model_kind
 from ..models.builders import CONFIGS
+from .weighting import exponential_shift, shift_sigmas, timestep_density
 
 
 class ObjectiveError(LoraLabError, ValueError):
@@ -86,23 +90,24 @@ class DDPM:
         return a * x_t - s * pred  # since a^2 + s^2 = 1
 
 
-def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
-    """SD3's timestep shift: s' = shift s / (1 + (shift - 1) s); shift > 1 spends more steps near noise."""
-    return shift * sigma / (1 + (shift - 1) * sigma)
-
-
 @dataclass
 class FlowMatching:
-    """Rectified flow: straight paths from data (sigma = 0) to noise (sigma = 1), logit-normal sigmas."""
+    """Rectified flow: straight paths from data (sigma = 0) to noise (sigma = 1); sigmas drawn by `sampling`
+    (logit-normal, uniform or mode), then shifted: by `shift`, or with `mu` by Flux's resolution-dependent
+    shift (`weighting.py`)."""
 
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float = 1.0  # SD3.5: 3.0; the tiny Flux here: 1.0
+    sampling: str = "logit-normal"
+    mode_scale: float = 1.29
+    mu: float | None = None  # set: the resolution-dependent shift e^mu (Flux's use_dynamic_shifting)
 
     def sample_timesteps(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """n sigmas in (0, 1): sigmoid of N(logit_mean, logit_std^2), then shifted."""
-        u = torch.randn(n, generator=generator) * self.logit_std + self.logit_mean
-        return shift_sigmas(torch.sigmoid(u), self.shift)
+        """n sigmas in (0, 1): drawn by `sampling`, then shifted."""
+        sigma = timestep_density(self.sampling, n, generator, self.logit_mean, self.logit_std,
+                                 self.mode_scale)
+        return shift_sigmas(sigma, self.shift) if self.mu is None else exponential_shift(sigma, self.mu)
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         s = _bcast(t, x0)
@@ -115,11 +120,11 @@ class FlowMatching:
         return x_t - _bcast(t, x_t) * pred
 
 
-def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | FlowMatching:
+def objective_for(pipe_or_kind, prediction_type: str | None = None, **flow) -> DDPM | FlowMatching:
     """The objective that matches a pipeline's scheduler (or a kind's tiny default scheduler).
 
     sd15/sdxl -> DDPM with the scheduler's betas and prediction type (overridable by `prediction_type`);
-    sd3/flux -> FlowMatching with the scheduler's shift (SD3: 3.0).
+    sd3/flux -> FlowMatching with the scheduler's shift (SD3: 3.0), `flow` overriding its fields.
     """
     if isinstance(pipe_or_kind, str):
         kind = pipe_or_kind
@@ -139,7 +144,7 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None) -> DDPM | Fl
     if prediction_type not in (None, "flow"):
         raise ObjectiveError(f"{kind} is trained with flow matching; prediction_type {prediction_type!r} "
                              "does not apply")
-    return FlowMatching(shift=float(cfg.get("shift", 1.0)))
+    return FlowMatching(**{"shift": float(cfg.get("shift", 1.0)), **flow})
 
 
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,21 @@
-"""The checks of TrainConfig's fields for watching a run (samples and validation during training, logging) and
-for several data folders (`[[datasets]]` tables, caption shuffling): `check_watch_fields(config, bad)`, called
-by `TrainConfig.validate`."""
+"""Parts of `TrainConfig.validate`: the fields for watching a run (samples and validation during training,
+logging) and for several data folders (`[[datasets]]` tables, caption shuffling): `check_watch_fields`; the
+knobs of loss weighting, timesteps, EMA and LoRA+: `check_knob_fields`."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields
 from pathlib import Path
+
+from ..models import model_kind
+from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
 DATASET_KEYS = {"path": str, "repeats": int, "caption_extension": str, "is_reg": bool}  # a [[datasets]] table
 LOG_WITH = ("tensorboard",)
+FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
+              "loss_weighting")
+DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
 
 
 def check_watch_fields(config, bad) -> None:
@@ -65,3 +73,35 @@ def dataset_table_problem(table) -> str | None:
         return f"caption_extension = {table['caption_extension']!r} must start with a dot"
     return None
 
+
+def check_knob_fields(config, bad) -> None:
+    """The knobs of loss weighting, timesteps, EMA and LoRA+: each in range, and only for the objective
+    it belongs to."""
+    flow = model_kind(config.model).objective == "flow"
+    for name in ("min_snr_gamma", "loraplus_ratio", "timestep_shift", "text_encoder_lr"):
+        if getattr(config, name) is not None and not getattr(config, name) > 0:
+            bad(name, "must be > 0")
+    if config.optimizer == "prodigy" and not config.lr >= 0.1:
+        bad("lr", "with prodigy is a multiplier of its own step size estimate: use 1.0 (0.1 or more)")
+    if config.optimizer == "prodigy" and config.loraplus_ratio is not None:
+        bad("loraplus_ratio", "prodigy takes one lr for every parameter group: no LoRA+ with it")
+    if config.ema_decay is not None and not 0 < config.ema_decay < 1:
+        bad("ema_decay", "must be in (0, 1)")
+    if not config.logit_std > 0:
+        bad("logit_std", "must be > 0")
+    if not -1 <= config.mode_scale <= 2 / (math.pi - 2):
+        bad("mode_scale", "must be in [-1, 2/(pi-2)] (else the mode sampling leaves (0, 1))")
+    for name, allowed in (("timestep_sampling", TIMESTEP_SAMPLING), ("loss_weighting", LOSS_WEIGHTINGS)):
+        if getattr(config, name) not in allowed:
+            bad(name, f"must be one of {', '.join(allowed)}")
+    defaults = {f.name: f.default for f in fields(config)}
+    only = FLOW_KNOBS if not flow else DDPM_KNOBS
+    for name in only:
+        if getattr(config, name) != defaults[name]:
+            bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
+    if config.train_guidance != 1.0 and config.model != "flux":
+        bad("train_guidance", "applies to flux only (its guidance embedding)")
+    if config.dynamic_shift and config.timestep_shift is not None:
+        bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
+    if config.min_snr_gamma is not None and config.debiased_estimation:
+        bad("debiased_estimation", "and min_snr_gamma are two weightings: choose one")

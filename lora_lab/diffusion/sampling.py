@@ -141,23 +141,26 @@ def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
 
 def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
                 guidance: float | None = None, tiled: bool = False,
-                inputs: dict[str, torch.Tensor] | None = None) -> Path:
+                inputs: dict[str, torch.Tensor] | None = None,
+                base_inputs: dict[str, torch.Tensor] | None = None) -> Path:
     """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
 
     Each image is sampled on its own, from the same seed in both rows, so only the adapter differs; one at a
     time, the sampler's memory does not grow with the number of prompts. inputs: the prompts' `prompt_inputs`
-    (then the text encoders need not be on the device).
+    (then the text encoders need not be on the device); base_inputs: the base row's, where they differ (the
+    base text encoders' before a text-encoder LoRA trained; default: `inputs`).
     """
     inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
+    base_inputs = inputs if base_inputs is None else base_inputs
     kw = {"tiled": tiled} if guidance is None else {"guidance": guidance, "tiled": tiled}
 
-    def one(i: int) -> torch.Tensor:
+    def one(i: int, given: dict) -> torch.Tensor:
         return sample(pipe, [prompts[i]], seed=seed, steps=steps,
-                      inputs={k: v[i: i + 1] for k, v in inputs.items()}, **kw)
+                      inputs={k: v[i: i + 1] for k, v in given.items()}, **kw)
 
     with lora_disabled(denoiser(pipe)):
-        without = torch.cat([one(i) for i in range(len(prompts))])  # (P, 3, H, W)
-    with_lora = torch.cat([one(i) for i in range(len(prompts))])
+        without = torch.cat([one(i, base_inputs) for i in range(len(prompts))])  # (P, 3, H, W)
+    with_lora = torch.cat([one(i, inputs) for i in range(len(prompts))])
     return _save_pair_grid(without, with_lora, path)
 
 

@@ -57,6 +57,11 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
 BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
 # ... and the caption variants' fields (the others added with them default to None), as runs before them had
 BEFORE_0_2.update({"shuffle_captions": False, "keep_tokens": 0, "tag_dropout": 0.0, "caption_variants": 8})
+# The knobs added with loss weighting, EMA and LoRA+: a checkpoint written before them ran with these values.
+BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampling="logit-normal",
+                  logit_mean=0.0, logit_std=1.0, mode_scale=1.29, timestep_shift=None, dynamic_shift=False,
+                  loss_weighting="none", train_guidance=1.0, ema_decay=None, ema_warmup=True,
+                  loraplus_ratio=None, text_encoder_lr=None)
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
@@ -96,6 +101,7 @@ class Learner:
     named: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.Optimizer
     precision: MixedPrecision
+    ema: Any = None  # ema.AdapterEMA with --ema-decay: the moving average of the adapter's weights
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -232,7 +238,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-OPTIONAL_KEYS = {"dataset_fingerprint", "checksums"}  # written since 0.2 and 0.3: older checkpoints lack them
+# written since 0.2 and 0.3: older checkpoints lack them; "ema" only with --ema-decay
+OPTIONAL_KEYS = {"dataset_fingerprint", "checksums", "ema"}
 
 
 def check_sums(path: Path, state: dict[str, Any]) -> None:
@@ -340,6 +347,8 @@ def save_checkpoint(run: RunState, learner: Learner, main: bool) -> Path:
             "n_examples": run.n_examples,
             "dataset_fingerprint": run.fingerprint,
         }
+        if learner.ema is not None:
+            state["ema"] = learner.ema.state_dict()
         state["checksums"] = {k: digest(v) for k, v in state.items()}
         atomic_torch_save(state, path)
         prune(run.output, run.step, run.config.keep_checkpoints)
@@ -374,6 +383,11 @@ def restore(run: RunState, learner: Learner, state: dict[str, Any], path: Path) 
         for n, p in named:
             p.copy_(state["adapter"][n])
     learner.optimizer.load_state_dict(state["optimizer"])
+    if learner.ema is not None:  # ema_decay is not RESUME_FREE: a checkpoint of this run holds it
+        try:
+            learner.ema.load_state_dict(state.get("ema", {}))
+        except ValueError as e:
+            raise TrainConfigError(f"cannot resume from {path}: {e}") from None
     learner.precision.load_state_dict(state["scaler"])  # empty when saved without fp16
     set_rng_state(state["rng"])
     run.step, run.losses, run.last_good = state["step"], list(state["losses"]), path

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import ModelKind, denoiser, predict
+from ..models import ModelKind, denoiser, kind_of, model_kind, predict
 from ..precision import autocast
 
 # objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped
@@ -28,6 +28,14 @@ from ..precision import autocast
 from . import objectives
 from .config import TrainConfig
 from .data import EncodedExamples, batch_indices
+from .weighting import (
+    debiased_weights,
+    dynamic_shift_mu,
+    min_snr_weights,
+    sd3_loss_weights,
+    snr,
+    weighted_loss,
+)
 
 
 @dataclass
@@ -79,13 +87,49 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
                      reg_draws, variant)
 
 
+def training_objective(config: TrainConfig, pipe, resolution: int):
+    """The pipeline's objective with the config's timestep knobs: for sd3/flux the sampling, and the shift
+    (`timestep_shift`; else Flux's resolution-dependent one where the scheduler uses it or `dynamic_shift`
+    asks for it; else the scheduler's fixed shift)."""
+    kind = model_kind(kind_of(pipe))
+    if kind.objective == "ddpm":
+        return objectives.objective_for(pipe)
+    flow = {"sampling": config.timestep_sampling, "logit_mean": config.logit_mean,
+            "logit_std": config.logit_std, "mode_scale": config.mode_scale}
+    scheduler = dict(pipe.scheduler.config)
+    if config.timestep_shift is not None:
+        flow["shift"] = config.timestep_shift
+    elif config.dynamic_shift or scheduler.get("use_dynamic_shifting"):
+        patch = kind.latent_packing * int(getattr(denoiser(pipe).config, "patch_size", None) or 1)
+        tokens = (resolution // (pipe.vae_scale_factor * patch)) ** 2
+        flow["mu"] = dynamic_shift_mu(tokens, scheduler)
+    return objectives.objective_for(pipe, **flow)
+
+
+def loss_weights(config: TrainConfig, objective, t: torch.Tensor) -> torch.Tensor | None:
+    """Each example's loss weight (B,) by the config's weighting (min-SNR-gamma, debiased estimation, the SD3
+    paper's), or None: every example weighs the same."""
+    if config.min_snr_gamma is not None:
+        return min_snr_weights(snr(objective.alphas_cumprod, t), config.min_snr_gamma,
+                               objective.prediction_type)
+    if config.debiased_estimation:
+        return debiased_weights(snr(objective.alphas_cumprod, t), objective.prediction_type)
+    if config.loss_weighting != "none":
+        return sd3_loss_weights(config.loss_weighting, t)
+    return None
+
+
 def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
     """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
-    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t). fp32 scalar."""
+    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t); each example's squared
+    error weighted by `loss_weights`. fp32 scalar."""
     with autocast(config.mixed_precision, x0.device):
         pred = predict(kind, denoiser(pipe), objective.noisy(x0, noise, t), t, cond,
-                       vae_scale_factor=pipe.vae_scale_factor)
-    return objectives.diffusion_loss(pred, objective.target(x0, noise, t))
+                       guidance=config.train_guidance, vae_scale_factor=pipe.vae_scale_factor)
+    weights = loss_weights(config, objective, t)
+    if weights is None:
+        return objectives.diffusion_loss(pred, objective.target(x0, noise, t))
+    return weighted_loss(pred, objective.target(x0, noise, t), weights)
 
 
 @dataclass
@@ -98,6 +142,8 @@ class MicroBatch:
     t: torch.Tensor  # (b,)
     cond: dict[str, torch.Tensor]
     reg: MicroBatch | None = None
+    # with a text-encoder LoRA: the captions ("" where dropped), encoded at the step (`cond` is then unused)
+    captions: list[str] | None = None
 
 
 def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples | None, empty: dict | None,
@@ -112,17 +158,31 @@ def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples
         reg_idx, reg_noise, reg_t = (d[mb] for d in draws.reg)
         batch.reg = MicroBatch(reg.latents_of(reg_idx).to(device), reg_noise.to(device), reg_t.to(device),
                                reg.embeds_of(reg_idx, None, None, device))
+    if config.text_encoder_lr is not None:  # the text encoders train: their embeddings cannot be cached
+        dropped = [False] * len(idx) if draws.drop is None else draws.drop[mb].tolist()
+        batch.captions = ["" if d else data.captions[i] for i, d in zip(idx, dropped)]
+        if batch.reg is not None:
+            batch.reg.captions = [reg.captions[i] for i in reg_idx]
     return batch
+
+
+def live_cond(kind: ModelKind, pipe, batch: MicroBatch) -> dict[str, torch.Tensor]:
+    """The batch's text embeddings: from the cache, or with a text-encoder LoRA through the encoders now
+    (with their gradients)."""
+    if batch.captions is None:
+        return batch.cond
+    return {k: v.float() for k, v in kind.encode(pipe, batch.captions, batch.x0.device).items()}
 
 
 def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
                      batch: MicroBatch) -> torch.Tensor:
     """A micro-batch's denoising loss (plus prior_loss_weight times its regularization examples' loss)."""
-    loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t, batch.cond)
+    loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t,
+                          live_cond(kind, pipe, batch))
     if batch.reg is not None:
         r = batch.reg
         loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise,
-                                                                r.t, r.cond)
+                                                                r.t, live_cond(kind, pipe, r))
     return loss
 
 

@@ -56,14 +56,14 @@ from ..lora import LoRAConfig, add_lora, lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import OpenedBase, open_base
 from ..models.loading import fill
-from ..optim import AdamW8bit
 from ..precision import MixedPrecision
-from .config import TrainConfig, TrainConfigError, check_config_for_base, lr_factor
+from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError, check_config_for_base
 from .data import EncodedExamples, encode_examples, unconditional_embeds
 from .datasets import encode_run_data, sources_fingerprint
 from .distributed import DistEnv, resolve_device
+from .ema import AdapterEMA
 from .encoders import Encoders
-from .objectives import objective_for
+from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs, sample_grid
 from .state import (
     Learner,
@@ -78,7 +78,7 @@ from .state import (
     truncate_log,
     write_config,
 )
-from .step import accumulate_grads
+from .step import accumulate_grads, training_objective
 from .watch import Watch, train_config_metadata
 
 __all__ = ["PHASES", "NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
@@ -111,6 +111,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
+                    with --ema-decay the average too: lora_ema.safetensors, pytorch_lora_weights_ema...
                     config.json (resolved config)  loss.jsonl  samples.png  checkpoints/step_NNNNNNN.pt
                     with save_every: lora_step_NNNNNNN.safetensors; with sample_every:
                     samples/step_NNNNNNN.png, samples/strip.png; with log_with="tensorboard": tensorboard/
@@ -125,7 +126,9 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     out = Path(config.output)
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
-    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keep_encoders)
+    # a text-encoder LoRA trains the encoders: they stay on the device
+    encoders = Encoders(opened.pipe, device, opened.reload,
+                        keep=config.keep_encoders or config.text_encoder_lr is not None)
     with phase("cache"):
         data, reg, empty, samples, val = encode_data(config, encoders, resolution)
     with phase("load"):
@@ -139,7 +142,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     watch = Watch(config, kind, pipe, run, env, encoders, samples, val)
     run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase, watch=watch)
     with phase("save"):
-        outputs = save_outputs(config, kind, pipe, run, env)
+        outputs = save_outputs(config, kind, pipe, run, env, learner)
     with phase("sample"):
         outputs.update(sample_outputs(config, encoders, run, env, samples))
         outputs.update(watch.close())
@@ -223,8 +226,16 @@ def add_trainable(config: TrainConfig, kind: ModelKind, pipe, device: torch.devi
         enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = make_optimizer([p for _, p in named], config)
-    return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device))
+    groups = param_groups(named, config)
+    if config.text_encoder_lr is not None:  # their own group, at text_encoder_lr through every schedule
+        wrapped, text = text_encoder_adapters(config, kind, pipe)
+        adapted += wrapped
+        named += text
+        groups.append({"params": [p for _, p in text], "lr": config.text_encoder_lr,
+                       "lr_ratio": config.text_encoder_lr / config.lr})
+    optimizer = make_optimizer(groups, config)
+    ema = None if config.ema_decay is None else AdapterEMA(named, config.ema_decay, config.ema_warmup)
+    return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device), ema)
 
 
 def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: list[Path],
@@ -251,7 +262,7 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
     accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step
     (with the validation loss and samples when due: `watch`), a checkpoint and its LoRA file every save_every
     steps, a checkpoint at the end. NonFiniteLossError on a NaN/inf loss."""
-    objective = objective_for(pipe)
+    objective = training_objective(config, pipe, run.config.resolution)
     watch = watch or Watch(config, kind, pipe, run, env)
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {kind.name}", unit="step",
                disable=not (config.progress and env.main), dynamic_ncols=True)
@@ -260,8 +271,7 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
         while run.step < config.steps:
             t0 = time.perf_counter()
             lr = config.lr * lr_factor(run.step, config)
-            for group in learner.optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(learner.optimizer, lr)
             with phase("train step"):
                 loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step,
                                         env).item()
@@ -269,6 +279,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
                     raise NonFiniteLossError(f"loss is {loss} at step {run.step + 1} of {config.steps} "
                                              f"(lr {lr:.3g}); training stopped: {run.stopped_advice()}")
                 learner.precision.step(learner.optimizer, config.max_grad_norm)
+                if learner.ema is not None:
+                    learner.ema.update(learner.named, run.step + 1)
             run.step += 1
             run.losses.append(loss)
             norm = learner.precision.grad_norm
@@ -290,26 +302,42 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
 
 
 def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
-    """The denoiser's adapter as a LoRA file (kohya/ComfyUI or PEFT/diffusers keys), its metadata holding the
-    resolved config and the step."""
+    """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
+    (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
+    transformer., text_encoder./text_encoder_2.), its metadata holding the resolved config and the step."""
     model = denoiser(pipe)
-    tensors = lora_state_dict(model)  # fp32 host copies
+    text = config.text_encoder_lr is not None
+    components = {kind.component: model,
+                  **({c: getattr(pipe, c) for c in clip_encoders(kind)} if text else {})}
+    # fp32 host copies, each module named by its pipeline path
+    tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
     layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-    return save_lora(path, tensors, format=format, base=kind.name, component=kind.component, unet=layout,
+    return save_lora(path, tensors, format=format, base=kind.name, unet=layout,
                      metadata=train_config_metadata(config, step))
 
 
-def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv) -> dict[str, Path]:
-    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) of the adapter (rank 0)."""
+def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
+                 learner: Learner | None = None) -> dict[str, Path]:
+    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) of the adapter (rank 0); with an EMA, its files
+    beside them (lora_ema.safetensors, pytorch_lora_weights_ema.safetensors)."""
     out = run.output
     outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
     if env.main:
-        outputs["lora_kohya"] = write_lora(kind, pipe, out / "lora.safetensors", "kohya", run.config,
-                                           run.step)
-        outputs["lora_diffusers"] = write_lora(kind, pipe, out / "pytorch_lora_weights.safetensors", "peft",
-                                               run.config, run.step)
+        outputs.update(save_adapter(kind, pipe, run, ""))
+        if learner is not None and learner.ema is not None:
+            with learner.ema.applied(learner.named):
+                outputs.update(save_adapter(kind, pipe, run, "_ema"))
     env.barrier()
     return outputs
+
+
+def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str, Path]:
+    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT)."""
+    out = run.output
+    names = {"lora_kohya": ("lora", "kohya"), "lora_diffusers": ("pytorch_lora_weights", "peft")}
+    return {f"{key}{suffix}": write_lora(kind, pipe, out / f"{stem}{suffix}.safetensors", format, run.config,
+                                         run.step)
+            for key, (stem, format) in names.items()}
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
@@ -324,14 +352,37 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
         model.eval()
         prompts, inputs = samples
         with encoders.on_device(["vae"]) as pipe:
+            # a text-encoder LoRA: the LoRA row's prompts through the trained encoders, the base row's cached
+            with torch.no_grad():
+                trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
-                                             inputs=inputs)
+                                             inputs=trained, base_inputs=inputs)
     env.barrier()
     return outputs
 
 
 # ----------------------------------------------------------------------------- pieces of the stages
+
+
+def clip_encoders(kind: ModelKind) -> list[str]:
+    """The pipeline components of a kind's CLIP text encoders (not T5)."""
+    return [e.component for e in kind.text_encoders if e.arch != "t5"]
+
+
+def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe
+                          ) -> tuple[list[str], list[tuple[str, torch.nn.Parameter]]]:
+    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed:
+    the wrapped modules and the adapters' parameters, each named `<component>.<name>`."""
+    wrapped, named = [], []
+    for i, comp in enumerate(clip_encoders(kind)):
+        encoder = getattr(pipe, comp)
+        encoder.requires_grad_(False)
+        torch.manual_seed(config.seed + 1 + i)
+        wrapped += [f"{comp}.{n}" for n in add_lora(encoder, LoRAConfig(
+            rank=config.rank, alpha=config.adapter_alpha(), targets=list(TEXT_ENCODER_TARGETS)))]
+        named += [(f"{comp}.{n}", p) for n, p in encoder.named_parameters() if p.requires_grad]
+    return wrapped, named
 
 
 def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
@@ -345,20 +396,3 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
     return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
                                       targets=config.adapter_targets(), use_dora=config.dora,
                                       conv=config.conv))
-
-
-def make_optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW in fp32 (torch), lora_lab's block-wise 8-bit AdamW, or bitsandbytes' 8-bit AdamW."""
-    kw = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kw)
-    if config.optimizer == "adamw8bit":
-        return AdamW8bit(params, **kw)
-    try:  # imported here: bitsandbytes is optional (the dev extra)
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise TrainConfigError("TrainConfig.optimizer='bnb-adamw8bit' needs bitsandbytes "
-                               "(pip install bitsandbytes)") from e
-    return bnb.optim.AdamW8bit(params, **kw)
-
-

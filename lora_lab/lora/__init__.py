@@ -6,12 +6,14 @@ operations.
                (or quantized) layer
     model.py   add_lora, merge_lora, unmerge_lora, remove_lora, lora_disabled, set_lora_strength,
                lora_state_dict
+    lycoris.py LycorisLayer (LoKr, LoHa), add_lycoris
 
     add_lora(model, LoRAConfig(rank=8, alpha=8, targets=r".*attn\\.(q|k|v)"))   # wrap, freeze the rest
 """
 
 from .config import INITS, LoRAConfig, LoRAConfigError, LoRAStateError, LoRATargetError
 from .layer import LoRAConv2d, LoRALinear, LoRAModule
+from .lycoris import LycorisLayer, add_lycoris
 from .model import (
     add_lora,
     lora_disabled,
@@ -26,6 +28,6 @@ from .model import (
 
 __all__ = [
     "INITS", "LoRAConfig", "LoRAConfigError", "LoRAConv2d", "LoRALinear", "LoRAModule", "LoRAStateError",
-    "LoRATargetError", "add_lora", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora",
-    "remove_lora", "set_lora_strength", "train_adapters", "unmerge_lora",
+    "LoRATargetError", "LycorisLayer", "add_lora", "add_lycoris", "lora_disabled", "lora_modules",
+    "lora_state_dict", "merge_lora", "remove_lora", "set_lora_strength", "train_adapters", "unmerge_lora",
 ]

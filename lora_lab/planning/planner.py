@@ -219,11 +219,11 @@ def plan_options(
     local diffusers folder as `size` (only its config files are read). resolution: image side in pixels
     (default: 1024, or 512 for sd15; tiny: 16). The training options are `TrainConfig`'s, with its checks:
     rank, dora, conv (LoCon), optimizer adamw | adamw8bit | bnb-adamw8bit (planned as lora_lab's AdamW8bit,
-    the same state layout), gradient_checkpointing False | True | a policy (full | selective | every_k |
-    budget:F), mixed_precision no | bf16 | fp16, base_dtype auto | fp32 | bf16 | fp16 (auto: bf16 on CUDA),
-    base_quantization None | int8 | int8-block | nf4 | fp8 | fp8-row, keep_encoders (the text encoders and
-    VAE on the device for the whole run), vae_tiling (samples decoded in tiles), sample_steps (0: no
-    sample grid). Plan options: attention auto | flash | efficient | math | native (see
+    the same state layout) | prodigy | adafactor, gradient_checkpointing False | True | a policy (full |
+    selective | every_k | budget:F), mixed_precision no | bf16 | fp16, base_dtype auto | fp32 | bf16 | fp16
+    (auto: bf16 on CUDA), base_quantization None | int8 | int8-block | nf4 | fp8 | fp8-row, keep_encoders
+    (the text encoders and VAE on the device for the whole run), vae_tiling (samples decoded in tiles),
+    sample_steps (0: no sample grid). Plan options: attention auto | flash | efficient | math | native (see
     `planning/fakedevice.py`); device "cuda" | "cpu" (whose rules the plan follows: nothing runs on it);
     dataset_size (examples cached: on the device only on the CPU) and distinct_captions among them (default:
     all distinct, the most the text encoders see at once); checkpoint_options (keywords for
@@ -303,6 +303,7 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
                            batch_size=options["batch_size"], grad_accum=options["grad_accum"],
                            rank=options["rank"], dora=options["dora"], conv=options["conv"],
                            optimizer=options["optimizer"],
+                           lr=1.0 if options["optimizer"] == "prodigy" else 1e-4,  # prodigy: a multiplier
                            gradient_checkpointing=options["gradient_checkpointing"],
                            mixed_precision=options["mixed_precision"], base_dtype=options["base_dtype"],
                            base_quantization=options["base_quantization"],

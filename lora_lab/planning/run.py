@@ -199,7 +199,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
                              **{"policy": config.checkpointing_policy(), **checkpoint_options})
         model.train()
     params = learner.params
-    _first_step_state(learner.optimizer)
+    _first_step_state(learner)
     out = {"adapters": storage_bytes(params),
            "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
     accum = min(config.grad_accum, 2)
@@ -237,14 +237,18 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
     return out, learner  # the learner lives on through saving and sampling, as in the trainer
 
 
-def _first_step_state(optimizer) -> None:
+def _first_step_state(learner) -> None:
     """The optimizer's state as after its first step (every later step runs with it live). lora_lab's 8-bit
     AdamW gets its state's layout, and its steps are not run: on fake tensors its many small ops take minutes,
-    and its temporaries are a few MiB (`functional.adam.CHUNK_BLOCKS` blocks at a time)."""
-    if isinstance(optimizer, Adam8bit):
+    and its temporaries are a few MiB (`functional.adam.CHUNK_BLOCKS` blocks at a time). Prodigy too: its
+    step reads values (`.item()`), which fake tensors lack; its temporaries are one parameter's size."""
+    optimizer = learner.optimizer
+    if isinstance(optimizer, Adam8bit) or type(optimizer).__name__ == "Prodigy":
+        zero_at_init = {id(p) for n, p in learner.named if n.endswith(".up")}  # LoRA's B starts at zero
         for group in optimizer.param_groups:
             for p in group["params"]:
-                optimizer.state[p] = _adam8bit_state(optimizer, p)
+                optimizer.state[p] = (_adam8bit_state(optimizer, p) if isinstance(optimizer, Adam8bit)
+                                      else _prodigy_state(group, p, id(p) in zero_at_init))
         optimizer.step = lambda closure=None: None
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -258,6 +262,19 @@ def _first_step_state(optimizer) -> None:
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _prodigy_state(group: dict, p: torch.Tensor, zero: bool) -> dict:
+    """Prodigy's state of `p` after a step (prodigyopt 1.1): s and the start p0 (a scalar where p starts at
+    zero) of every slice_p-th element, the moments."""
+    n = -(-p.numel() // group.get("slice_p", 1))
+    state: dict = {"step": 1, "s": torch.empty(n, dtype=p.dtype, device=p.device),
+                   "p0": torch.empty((), dtype=p.dtype, device=p.device) if zero
+                   else torch.empty(n, dtype=p.dtype, device=p.device)}
+    if group["betas"][0] > 0:
+        state["exp_avg"] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    state["exp_avg_sq"] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    return state
 
 
 def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:

@@ -1,0 +1,161 @@
+"""lora/lycoris.py and formats/lycoris.py: LoKr and LoHa on Linear and Conv2d against the formulas written out
+here and ComfyUI's loading rule; merge, unmerge, strength; files with ComfyUI's keys read back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from lora_lab.formats.lycoris import apply_lycoris, save_lycoris
+from lora_lab.lora.config import LoRAConfigError
+from lora_lab.lora.lycoris import LycorisLayer, add_lycoris, factorization
+
+LINEAR = "mid_block.attentions.0.proj_in"
+CONV = "down_blocks.0.resnets.0.conv1"
+
+
+def _unet_like() -> nn.Module:
+    """A Linear (12 -> 16) and a 3x3 Conv2d (4 -> 8) at paths of a diffusers UNet."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.mid_block = nn.Module()
+    root.mid_block.attentions = nn.ModuleList([nn.Module()])
+    root.mid_block.attentions[0].proj_in = nn.Linear(12, 16)
+    root.down_blocks = nn.ModuleList([nn.Module()])
+    root.down_blocks[0].resnets = nn.ModuleList([nn.Module()])
+    root.down_blocks[0].resnets[0].conv1 = nn.Conv2d(4, 8, 3, padding=1)
+    return root
+
+
+def _trained(model: nn.Module) -> None:
+    """Random factors everywhere (a fresh adapter is a no-op)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+
+
+def _comfy_weight(w: torch.Tensor, f: dict[str, torch.Tensor], alpha: float, strength: float) -> torch.Tensor:
+    """ComfyUI's calculate_weight (comfy/weight_adapter/lokr.py, loha.py), written out: alpha / dim where a
+    factor is decomposed (dim: its rank), else 1; a 4-D lokr_w2 gets w1 unsqueezed to 4-D."""
+    if "hada_w1_a" in f:
+        diff = (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
+        return w + strength * (alpha / f["hada_w1_b"].shape[0]) * diff.reshape(w.shape)
+    w1 = f["lokr_w1"]
+    dim = f["lokr_w2_b"].shape[0] if "lokr_w2_b" in f else None
+    w2 = f["lokr_w2"] if dim is None else f["lokr_w2_a"] @ f["lokr_w2_b"]
+    if w2.dim() == 4:
+        w1 = w1[:, :, None, None]
+    return w + strength * (alpha / dim if dim else 1.0) * torch.kron(w1, w2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("kind, rank", [("lokr", None), ("lokr", 2), ("loha", 3)])
+def test_forward_merge_unmerge_and_strength_are_the_formula(kind, rank):
+    model = _unet_like()
+    x, img = torch.randn(5, 12), torch.randn(2, 4, 6, 6)
+    before = copy.deepcopy(model)
+    assert add_lycoris(model, kind, [LINEAR, CONV], rank=rank, alpha=4.0, factor=2) == [LINEAR, CONV]
+    lin, conv = model.get_submodule(LINEAR), model.get_submodule(CONV)
+    torch.testing.assert_close(lin(x), before.get_submodule(LINEAR)(x))  # a no-op at the start
+    _trained(model)
+    for layer, base, inp in ((lin, before.get_submodule(LINEAR), x), (conv, before.get_submodule(CONV), img)):
+        f = {k: v.float() for k, v in layer.factors().items()}
+        if kind == "lokr":  # written out: s kron(W1, W2), s = alpha / r (1 with W2 whole)
+            w2 = f["lokr_w2"] if rank is None else f["lokr_w2_a"] @ f["lokr_w2_b"]
+            delta = (1.0 if rank is None else 4.0 / rank) * torch.kron(f["lokr_w1"], w2)
+        else:  # (alpha / r) (W1a W1b) * (W2a W2b)
+            delta = 4.0 / rank * (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
+        w = base.weight + delta.reshape(base.weight.shape)
+        run = (lambda t, w=w, b=base: F.linear(t, w, b.bias)) if inp.dim() == 2 else (
+            lambda t, w=w, b=base: F.conv2d(t, w, b.bias, padding=1))
+        torch.testing.assert_close(layer(inp), run(inp), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w, _comfy_weight(base.weight, f, layer.alpha, 1.0), rtol=1e-5, atol=1e-6)
+        layer.set_strength(0.5)
+        half = base.weight + 0.5 * delta.reshape(base.weight.shape)
+        expect = layer(inp)
+        layer.merge()
+        torch.testing.assert_close(layer.base.weight, half, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer(inp), expect, rtol=1e-4, atol=1e-5)
+        layer.unmerge()
+        torch.testing.assert_close(layer.base.weight, base.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, rank", [("lokr", None), ("lokr", 2), ("loha", 3)])
+def test_files_carry_comfyuis_keys_and_read_back(tmp_path, kind, rank):
+    model, fresh = _unet_like(), _unet_like()
+    add_lycoris(model, kind, [LINEAR, CONV], rank=rank, alpha=4.0, factor=4)
+    _trained(model)
+    path = save_lycoris(tmp_path / "adapter.safetensors", model, "unet", base="sd15")
+    keys = set(load_file(str(path)))
+    stem = "lora_unet_mid_block_attentions_0_proj_in"
+    roles = ({"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"} if kind == "loha"
+             else {"lokr_w1", "lokr_w2"} if rank is None else {"lokr_w1", "lokr_w2_a", "lokr_w2_b"})
+    assert {k for k in keys if k.startswith(stem + ".")} == {f"{stem}.{r}" for r in roles | {"alpha"}}
+    assert apply_lycoris(fresh, path, "unet", base="sd15", strength=0.7) == [LINEAR, CONV]
+    for name, inp in ((LINEAR, torch.randn(3, 12)), (CONV, torch.randn(1, 4, 5, 5))):
+        model.get_submodule(name).set_strength(0.7)
+        torch.testing.assert_close(fresh.get_submodule(name)(inp), model.get_submodule(name)(inp),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_factorization_and_bad_factors_are_one_line_errors():
+    assert factorization(16, 4) == (4, 4) and factorization(12, 2) == (2, 6) and factorization(12) == (3, 4)
+    with pytest.raises(LoRAConfigError, match=r"^mid_block.attentions.0.proj_in: LoKr factor 5 does not "
+                                              r"divide the dimension 16$"):
+        add_lycoris(_unet_like(), "lokr", [LINEAR], factor=5)
+    with pytest.raises(LoRAConfigError, match="kind must be one of lokr, loha"):
+        LycorisLayer(nn.Linear(4, 4), "lora")
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_stacks_with_a_lora_file_in_merge_loras_and_apply_loras(tmp_path, kind):
+    from lora_lab.formats import save_lora
+    from lora_lab.lora import LoRAConfig, add_lora
+    from lora_lab.merge import apply_loras, merge_loras
+
+    with_lora, with_lycoris = _unet_like(), _unet_like()
+    add_lora(with_lora, LoRAConfig(rank=2, alpha=2.0, targets=[LINEAR, CONV], conv=True))
+    add_lycoris(with_lycoris, kind, [LINEAR], rank=2, alpha=1.0, factor=4)
+    _trained(with_lora)
+    _trained(with_lycoris)
+    lora = save_lora(tmp_path / "lora.safetensors", with_lora, "kohya", component="unet", base="sd15")
+    lyco = save_lycoris(tmp_path / "lyco.safetensors", with_lycoris, "unet", base="sd15")
+    base = _unet_like()
+    w, key = base.get_submodule(LINEAR).weight, f"{LINEAR}.weight"
+    lora_only = merge_loras(base.state_dict(), [(lora, 0.5)], component="unet")[key]
+    both = merge_loras(base.state_dict(), [(lora, 0.5), (lyco, 0.8)], component="unet")
+    expect = lora_only + 0.8 * with_lycoris.get_submodule(LINEAR).delta().detach()  # W + D_lora + t dW
+    torch.testing.assert_close(both[key], expect, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(lora_only, w) and both.patched == [f"{CONV}.weight", key]
+    x = torch.randn(3, 12)
+    applied = apply_loras(base, [(lora, 0.5), (lyco, 0.8)], mode="runtime", component="unet")
+    torch.testing.assert_close(base.get_submodule(LINEAR)(x), F.linear(x, expect, base.get_submodule(
+        LINEAR).base.bias), rtol=1e-4, atol=1e-5)
+    applied.set_strength(1, 0.0)  # the LoKr/LoHa file off: the LoRA alone
+    torch.testing.assert_close(base.get_submodule(LINEAR)(x), F.linear(x, lora_only, base.get_submodule(
+        LINEAR).base.bias), rtol=1e-4, atol=1e-5)
+
+
+def test_the_deltas_are_the_lycoris_packages():
+    """lycoris-lora's own functional forms (skipped where the package is not installed)."""
+    lokr = pytest.importorskip("lycoris.functional.lokr")
+    loha = pytest.importorskip("lycoris.functional.loha")
+    model = _unet_like()
+    add_lycoris(model, "lokr", [LINEAR], rank=2, alpha=4.0, factor=4)
+    _trained(model)
+    layer = model.get_submodule(LINEAR)
+    ref = lokr.diff_weight(layer.w1, None, None, None, layer.w2_a, layer.w2_b, None, gamma=4.0,
+                           backend="torch")
+    torch.testing.assert_close(layer.delta(), ref.reshape(layer.shape), rtol=1e-5, atol=1e-6)
+    model = _unet_like()
+    add_lycoris(model, "loha", [CONV], rank=3, alpha=4.0)
+    _trained(model)
+    h = model.get_submodule(CONV)
+    ref = loha.diff_weight(h.w1_b, h.w1_a, h.w2_b, h.w2_a, None, None, gamma=torch.tensor(4.0 / 3),
+                           backend="torch")
+    torch.testing.assert_close(h.delta(), ref.reshape(h.shape), rtol=1e-5, atol=1e-6)
