@@ -40,7 +40,7 @@ def test_trained_text_encoder_lora_loads_in_diffusers(digits_folder, tmp_path):
 
 
 def test_sdxl_saves_both_clip_encoders_with_te1_and_te2_names(tmp_path):
-    from lora_lab.diffusion.trainer import add_adapter, save_adapter, text_encoder_adapters
+    from lora_lab.diffusion.trainer import add_adapter, text_encoder_adapters, write_lora
     from lora_lab.models import build_pipeline, model_kind
 
     kind = model_kind("sdxl")
@@ -54,7 +54,8 @@ def test_sdxl_saves_both_clip_encoders_with_te1_and_te2_names(tmp_path):
     with torch.no_grad():
         for _, p in named:
             p.add_(0.1)
-    files = save_adapter(kind, pipe, tmp_path, "", text_encoders=True)
+    files = {key: write_lora(kind, pipe, tmp_path / f"{key}.safetensors", fmt, config, 0)
+             for key, fmt in (("lora_kohya", "kohya"), ("lora_diffusers", "peft"))}
     kohya = set(load_file(str(files["lora_kohya"])))
     assert {k.split("_text_model")[0] for k in kohya if k.startswith("lora_te")} == {"lora_te1", "lora_te2"}
     peft = {k.split(".")[0] for k in load_file(str(files["lora_diffusers"]))}
