@@ -199,3 +199,14 @@ def test_imports_alone_reports_a_module_that_needs_another_first(tmp_path):
     (pkg / "c.py").write_text("X = 3\n")
     failed, stderr = imports_alone(["pkg.a", "pkg.b", "pkg.c"], tmp_path)
     assert failed == ["pkg.a", "pkg.b"] and "partially initialized" in stderr
+
+
+def test_importing_lora_lab_leaves_triton_language_unimported():
+    """The batch runner's kernels import lora_lab at start (their log filter), and notebook 06 sets
+    TRITON_INTERPRET=1 after that: `import lora_lab` must not import triton.language (torch's flop counter
+    does, so it is imported where it is used)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import sys, lora_lab, lora_lab.quiet; print('triton.language' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", (proc.stdout, proc.stderr[-2000:])

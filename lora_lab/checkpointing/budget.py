@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from .._moved import old_name
 from .ops import (
@@ -108,6 +107,10 @@ def _cost(func, args, kwargs, out) -> float:
     tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
     moved = _OP_COST + _FLOPS_PER_BYTE * sum(t.numel() * t.element_size() for t in tensors)
     packet = func.overloadpacket
+    # imported here: torch.utils.flop_counter imports triton.language, which must not happen at
+    # `import lora_lab` (notebook 06 sets TRITON_INTERPRET=1 after it; the batch runner's kernels import it)
+    from torch.utils.flop_counter import flop_registry
+
     if packet in flop_registry:
         return moved + flop_registry[packet](*args, **kwargs, out_val=out)
     if packet is aten._scaled_dot_product_flash_attention_for_cpu:
