@@ -155,16 +155,21 @@ def test_mismatch_is_one_line_and_leaves_no_output(tiny_files, tmp_path):
     assert "is a sdxl checkpoint" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_single_file_trains_like_the_seeded_base(tiny_files, digits_folder, tmp_path):
-    """`train --base FILE` (Flux: with --clip-l, --t5xxl, --vae): the losses of the same weights built."""
-    _, path, parts = tiny_files["flux"]
-    data = digits_folder(count=2)
-    common = dict(model="flux", dataset=str(data), steps=2, rank=4, sample_steps=0, device="cpu",
-                  progress=False)
-    built = train(TrainConfig(output=str(tmp_path / "a"), **common))
-    # the seeded tiny base (no shipped flux folder): build_pipeline(seed=0) is what the file holds
+@pytest.mark.parametrize("kind", ["sd15", "sdxl", "sd3", "flux"])
+def test_single_file_trains_like_the_folder_load(tiny_files, kind, digits_folder, tmp_path):
+    """`train --base FILE` (Flux: with --clip-l, --t5xxl, --vae) gives the losses of `train --base FOLDER`,
+    the diffusers folder of the pipeline the file was written from. (Not the shipped tiny folders: their
+    configs differ from lora_lab's tiny configs, e.g. a fitted VAE scaling factor, and a single file holds
+    no config: it gets lora_lab's config of its detected size.)"""
+    pipe, path, parts = tiny_files[kind]
+    pipe.save_pretrained(tmp_path / "folder")
+    common = dict(model=kind, dataset=str(digits_folder(count=2)), steps=2, rank=4, sample_steps=0,
+                  device="cpu", progress=False)
+    folder = train(TrainConfig(output=str(tmp_path / "a"), base=str(tmp_path / "folder"), **common))
     loaded = train(TrainConfig(output=str(tmp_path / "b"), base=str(path), **parts, **common))
-    assert loaded.losses == built.losses
+    # the cached latents, embeddings and denoiser weights are bitwise equal; the weights are views of two
+    # memory-mapped files at other alignments, which at batch 1 round some kernels differently (1 ulp)
+    assert loaded.losses == pytest.approx(folder.losses, rel=1e-6, abs=0)
 
 
 def test_real_clip_tokenizer_offline():
