@@ -135,6 +135,15 @@ def test_family_detected_from_real_headers():
     header.shapes = {k: tuple(s) for k, s in headers["flux1-schnell"].items()}
     with pytest.raises(ModelLoadError, match="schnell"):
         detect(header)
+    # SD3 Medium 3.0 (sd3_medium.safetensors): SD3.5 Medium's width, without its dual attention (attn2) and
+    # with 192 x 192 positions (diffusers tells the two apart by pos_embed: 36864 vs 147456)
+    header.path = Path("sd3_medium.safetensors")
+    header.shapes = {k: tuple(s) for k, s in headers["sd3.5_medium"].items() if ".attn2." not in k}
+    header.shapes["model.diffusion_model.pos_embed"] = (1, 36864, 1536)
+    with pytest.raises(ModelLoadError, match=r"sd3_medium.safetensors: a Stable Diffusion 3 Medium \(3.0\)"
+                       ) as e:
+        detect(header)
+    assert "\n" not in str(e.value)
 
 
 def test_mismatch_is_one_line_and_leaves_no_output(tiny_files, tmp_path):

@@ -93,6 +93,11 @@ def detect(header: FileHeader) -> Detected:
                 raise ModelLoadError(f"{header.path}: a {kind} checkpoint of a size lora_lab has no config "
                                      f"for (first layer {width} wide; known: {sorted(widths)})")
             variant = widths[width]
+            if variant == "sd35-medium" and prefix + "joint_blocks.0.x_block.attn2.qkv.weight" not in header:
+                patches = header.shapes.get(prefix + "pos_embed", (0, "?"))[1]
+                raise ModelLoadError(f"{header.path}: a Stable Diffusion 3 Medium (3.0) checkpoint (no "
+                                     f"dual attention in its first block, a pos_embed of {patches} patches), "
+                                     "which lora_lab has no config for: it trains SD3.5 Medium and Large")
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")
