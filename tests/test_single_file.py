@@ -20,7 +20,7 @@ from lora_lab.models.bases import build_pipeline, open_base
 from lora_lab.models.layouts import to_single_file
 from lora_lab.models.loading import fill
 from lora_lab.models.single_file import _PARTS, DENOISER_LAYOUT, DENOISER_PREFIX, component_rules, detect
-from lora_lab.models.tokenizers import real_clip_tokenizer
+from lora_lab.models.tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
 HEADERS = Path(__file__).parent / "data" / "single_file_headers.json"
 
@@ -186,3 +186,14 @@ def test_real_clip_tokenizer_offline():
     tok = real_clip_tokenizer()
     assert len(tok) == 49408
     assert tok("a photo of a cat")["input_ids"] == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
+def test_real_t5_tokenizer_offline():
+    """T5's vocabulary shipped (stable-diffusion.cpp's tokenizer JSON): 32100 tokens, the ids transformers'
+    T5 tests expect of t5-base's tokenizer (the same sentencepiece vocabulary as T5 v1.1's), padded to the
+    length with <pad> (0) after </s> (1)."""
+    tok = real_t5_tokenizer(8)
+    assert len(tok) == 32100
+    ids = tok("A long paragraph for summarization.")["input_ids"]
+    assert ids == [71, 307, 8986, 21, 4505, 1635, 1707, 5, 1]
+    assert tok("a cat", padding="max_length", truncation=True)["input_ids"] == [3, 9, 1712, 1, 0, 0, 0, 0]

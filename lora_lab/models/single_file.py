@@ -248,14 +248,13 @@ def component_configs(kind: str, variant: str) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind, near: Path):
-    """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`; T5's from a
-    spiece.model beside `near`, the file that holds the encoder)."""
+def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind):
+    """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`)."""
     if variant == "tiny":
         return build_tokenizer("t5" if arch == "t5" else "clip")
     from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
     if arch == "t5":
-        return real_t5_tokenizer(kind.t5_tokens, near)
+        return real_t5_tokenizer(kind.t5_tokens)
     return real_clip_tokenizer(pad="!" if kind.name == "sdxl" and component == "text_encoder_2" else
                                "<|endoftext|>")
