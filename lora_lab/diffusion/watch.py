@@ -8,13 +8,14 @@ checkpoint.
     watch.saved()                   # at a checkpoint: lora_step_NNNNNNN.safetensors beside it
     watch.close()                   # samples/strip.png: every step's samples side by side
 
-The validation loss of a step is the denoising loss of the held-out examples at VALIDATION_QUANTILES fixed
-timesteps, each example with its own fixed noise (drawn from VALIDATION_SEED and its index: the same draws at
-every evaluation and in every run). The timesteps are the midpoints of VALIDATION_QUANTILES equal-probability
-strata of the distribution training draws t from (DDPM: uniform on 0 .. T-1; flow matching: the logit-normal
-sigmas, shifted): the loss depends strongly on t (a random t would make the curve mostly noise), and the mean
-over these quantiles is a deterministic stratified estimate of the expected training loss over t, so the
-training and validation curves measure the same quantity.
+The validation loss of a step is the unweighted denoising loss of the held-out examples at
+VALIDATION_QUANTILES fixed timesteps, each example with its own fixed noise (drawn from VALIDATION_SEED and
+its index: the same draws at every evaluation and in every run). The timesteps are the midpoints of
+VALIDATION_QUANTILES equal-probability strata of the base's own distribution of t (`objective_for(pipe)`: DDPM
+uniform on 0 .. T-1; flow matching the logit-normal(0, 1) sigmas with the scheduler's fixed shift): the loss
+depends strongly on t (a random t would make the curve mostly noise), and the mean over these quantiles is a
+deterministic stratified estimate of its expectation over t. The run's timestep knobs and loss weightings do
+not enter it, so the validation losses of runs that differ in them compare (docs/training.md).
 """
 
 from __future__ import annotations
