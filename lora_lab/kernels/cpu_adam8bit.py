@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes, cache_root, parse_json
@@ -44,6 +45,7 @@ CACHE_ENV = "LORA_LAB_NATIVE_CACHE"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-shared", "-fPIC")
 VECTOR = {"AVX2": 8}  # torch CPU capabilities whose fused Adam kernel the C reproduces: its vector width
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data_ptr() is their memory
 COMPILE_SECONDS = 120
 log = logging.getLogger(__name__)
 compiled_here = 0  # how many times this process compiled the library (a test reads it)
@@ -140,12 +142,13 @@ def _compile() -> bytes:
 
 
 def _takes(param, grad, m, m_absmax, v, v_absmax, block_size: int) -> bool:
-    """True for the tensors the C step takes: contiguous CPU tensors, param fp32 or bf16, grad fp32 or
-    param's dtype, codes uint8 and absmax fp32 of the right sizes."""
+    """True for the tensors the C step takes: plain contiguous CPU tensors (not fake: a plan's), param fp32
+    or bf16, grad fp32 or param's dtype, codes uint8 and absmax fp32 of the right sizes."""
     n = param.numel()
     n_blocks = -(-n // block_size) if block_size > 0 else -1
     tensors = (param, grad, m, m_absmax, v, v_absmax)
-    return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return (all(type(t) in PLAIN and not is_fake(t) and t.device.type == "cpu" and t.is_contiguous()
+                for t in tensors)
             and param.dtype in DTYPES and grad.dtype in (torch.float32, param.dtype) and grad.numel() == n
             and m.dtype == v.dtype == torch.uint8 and m.numel() == v.numel() == n
             and m_absmax.dtype == v_absmax.dtype == torch.float32
