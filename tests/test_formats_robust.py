@@ -130,7 +130,7 @@ def test_header_length_beyond_the_file_or_limit(tmp_path):
             load_lora(path)
     short = tmp_path / "short.safetensors"
     short.write_bytes(b"abc")  # shorter than the length field: said so
-    with pytest.raises(LoraFormatError, match=r"short.safetensors: not a safetensors file \(3 bytes: shorter"):
+    with pytest.raises(LoraFormatError, match=r"short.safetensors: not a safetensors file \(3 bytes"):
         load_lora(short)
 
 
