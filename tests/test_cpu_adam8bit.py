@@ -172,3 +172,12 @@ def test_a_cached_library_that_is_not_ours_is_compiled_again(cached_library, dam
     native.library.cache_clear()
     assert native.library() is not None and native.compiled_here == before + 1
     assert native._trusted(so, meta, native.library_key())
+
+
+@needs_native
+def test_a_cache_that_cannot_be_written_still_gives_the_c_step(fresh_library, monkeypatch):
+    blocker = fresh_library.parent / "a file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "native"))
+    before = native.compiled_here
+    assert native.library() is not None and native.compiled_here == before + 1

@@ -15,11 +15,13 @@ The library is compiled by $CC (else `cc`) from the C source alone (no torch hea
 folder, keyed by a hash of the source and the flags; a second process loads it. Nothing read from disk runs
 unless it is the library compiled here from this source: beside the library a JSON file (read as JSON only)
 holds its key and the sha256 of its bytes; a library of another key, with other bytes, not owned by this
-user or writable by others, is compiled again (written atomically, as every file of lora_lab).
+user or writable by others, is compiled again (written atomically, as every file of lora_lab). Where the
+cache cannot be written, the library is compiled into a folder of the process (removed at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -28,6 +30,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -96,12 +99,18 @@ def _built_library() -> Path:
     if _trusted(so, meta, key):
         return so
     data = _compile()
+    record = json.dumps({"key": key, "sha256": hashlib.sha256(data).hexdigest()}).encode()
     try:
         atomic_write_bytes(so, data)
-        record = {"key": key, "sha256": hashlib.sha256(data).hexdigest()}
-        atomic_write_bytes(meta, json.dumps(record).encode())
-    except OSError as e:
-        raise NativeBuildError(f"cannot write the compiled library to {folder} (${CACHE_ENV}): {e}") from e
+        atomic_write_bytes(meta, record)
+    except OSError as e:  # a cache that cannot be written: this process's own folder, compiled each time
+        log.warning("lora_lab: cannot keep the 8-bit step's compiled library in %s ($%s: %s); it is compiled "
+                    "again in each process", folder, CACHE_ENV, e)
+        folder = Path(tempfile.mkdtemp(prefix="lora_lab-native-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        so, meta = folder / so.name, folder / meta.name
+        atomic_write_bytes(so, data)
+        atomic_write_bytes(meta, record)
     if not _trusted(so, meta, key):
         raise NativeBuildError(f"{so}: the library just written does not read back as written")
     return so
