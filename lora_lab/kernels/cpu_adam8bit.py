@@ -11,12 +11,12 @@ results equal the PyTorch path's bit for bit (codes, absmax, parameter; tests/te
 AVX2 build of torch, whose fused Adam kernel it reproduces rounding for rounding; elsewhere (another
 capability, no C compiler, a failed compile, a tensor it does not take) the PyTorch path runs.
 
-The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~0.7 s of CPU) into the cache
-folder, keyed by a hash of the source and the flags; a second process loads it. Nothing read from disk runs
-unless it is the library compiled here from this source: beside the library a JSON file (read as JSON only)
-holds its key and the sha256 of its bytes; a library of another key, with other bytes, not owned by this
-user or writable by others, is compiled again (written atomically, as every file of lora_lab). Where the
-cache cannot be written, the library is compiled into a folder of the process (removed at exit).
+The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~0.7 s of CPU) into
+the cache folder, keyed by a hash of the source and the flags; a second process loads it. Nothing read from
+disk runs unless it is the library compiled here from this source: beside the library a JSON file (read as
+JSON only) holds its key and the sha256 of its bytes; a library of another key, with other bytes, not owned
+by this user or writable by others, is compiled again (written atomically, as every file of lora_lab).
+Where the cache cannot be written, the library is compiled into a folder of the process (removed at exit).
 """
 
 from __future__ import annotations
