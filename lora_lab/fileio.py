@@ -132,6 +132,14 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 
 
+def cache_root() -> Path:
+    """lora_lab's folder of caches (plans, compiled kernels): $XDG_CACHE_HOME/lora_lab (an absolute path),
+    else ~/.cache/lora_lab. Each cache has its own variable to put it elsewhere."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return root / "lora_lab"
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
