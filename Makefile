@@ -15,6 +15,7 @@ export JUPYTER_DATA_DIR        := $(CURDIR)/$(VENV)/cache/jupyter_data
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/cache/inductor
 export TRITON_CACHE_DIR        := $(CURDIR)/$(VENV)/cache/triton
 export LORA_LAB_PLAN_CACHE     := $(CURDIR)/$(VENV)/cache/plans
+export LORA_LAB_NATIVE_CACHE   := $(CURDIR)/$(VENV)/cache/native
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 # No MPLBACKEND here: a kernel that inherits one shows no figure inline in JupyterLab. The runner
 # gives its kernels the inline backend (figures in the executed copies); pytest draws with Agg.

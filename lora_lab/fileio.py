@@ -65,8 +65,11 @@ def read_header(path: Path) -> tuple[list[str], dict[str, str]]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if n is None or n > size - 8 or n > _MAX_HEADER_BYTES:
+        if len(head) < 8:
+            raise LoraFormatError(f"{path}: not a safetensors file ({size} bytes: shorter than the 8-byte "
+                                  "length a safetensors file starts with)")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8 or n > _MAX_HEADER_BYTES:
             raise LoraFormatError(
                 f"{path}: not a safetensors file (header length {n} does not fit the file's {size} bytes)"
             )
@@ -127,6 +130,14 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     metadata.pop("format", None)
     return tensors, metadata
 
+
+
+def cache_root() -> Path:
+    """lora_lab's folder of caches (plans, compiled kernels): $XDG_CACHE_HOME/lora_lab (an absolute path),
+    else ~/.cache/lora_lab. Each cache has its own variable to put it elsewhere."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return root / "lora_lab"
 
 
 def _umask() -> int:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +21,11 @@ if not torch.cuda.is_available():
 
 # Plans are made, not read from a user's plan cache (tests/test_plan_cache.py turns it on in a temp folder).
 os.environ["LORA_LAB_PLAN_CACHE"] = "off"
+# The 8-bit step's compiled C (kernels/cpu_adam8bit.py): `make test` keeps it in .venv/cache; elsewhere a
+# folder of this process, not the user's cache.
+if not os.environ.get("LORA_LAB_NATIVE_CACHE"):
+    os.environ["LORA_LAB_NATIVE_CACHE"] = tempfile.mkdtemp(prefix="lora_lab-native-test-")
+    atexit.register(shutil.rmtree, os.environ["LORA_LAB_NATIVE_CACHE"], ignore_errors=True)
 
 from lora_lab.notebook import run_notebook as _run
 from lora_lab.notebook.digits import digit_arrays

@@ -200,7 +200,8 @@ def test_fused_update_is_the_adam_formula(decoupled, wd):
 
 def test_the_8bit_step_on_the_cpu_runs_on_one_thread(monkeypatch):
     """On two threads a busy core stalls each of the step's ops at a barrier (lora_lab.threads): the quantized
-    step runs on one, the fp32 step of a small tensor on the caller's count, which is restored after."""
+    PyTorch step runs on one (the C step is one thread itself), the fp32 step of a small tensor on the
+    caller's count, which is restored after."""
     seen = []
 
     def spy(p, *args):
@@ -213,7 +214,7 @@ def test_the_8bit_step_on_the_cpu_runs_on_one_thread(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        AdamW8bit([big, small], lr=LR).step()
+        AdamW8bit([big, small], lr=LR, backend="torch").step()
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)

@@ -99,6 +99,12 @@ def _rounding_tables(signed: bool, device: torch.device,
     return code_lo.to(torch.uint8).to(device), threshold.to(device)
 
 
+def rounding_tables(signed: bool, keep_nonzero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nearest-code tables `quantize_blocks` uses, on the CPU: (base uint8, threshold fp32), each
+    (65536,), code(x) = base[top16(x)] + (x > threshold[top16(x)]) (see `_rounding_tables`)."""
+    return _rounding_tables(signed, torch.device("cpu"), keep_nonzero)
+
+
 # ----------------------------------------------------------------------------- block-wise (de)quantization
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .._version import __version__
 from ..errors import LoraLabError
-from ..fileio import atomic_write_bytes, parse_json
+from ..fileio import atomic_write_bytes, cache_root, parse_json
 from ..models import shipped_base
 
 FORMAT = 1  # the layout of a cache file; a new layout is another key
@@ -44,9 +44,7 @@ def cache_dir() -> Path | None:
     env = os.environ.get("LORA_LAB_PLAN_CACHE")
     if env is not None:
         return None if env.strip().lower() in ("", "0", "off", "no", "false") else Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    root = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return root / "lora_lab" / "plans"
+    return cache_root() / "plans"
 
 
 @functools.lru_cache(maxsize=1)

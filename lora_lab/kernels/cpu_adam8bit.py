@@ -1,0 +1,194 @@
+"""The 8-bit Adam(W) step on the CPU as one C function (cpu_adam8bit.c beside it), compiled at first use.
+
+    cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step, hp, chunk_blocks) -> bool
+    library()   -> the loaded library, or None (then the reason was logged, once per process)
+    cache_dir() -> $LORA_LAB_NATIVE_CACHE, else lora_lab's cache folder (fileio.cache_root()) / "native"
+
+The PyTorch path (functional/adam.py's `adam_step_`) runs ~20 ops a chunk, each a pass over memory, six of
+them table lookups; the C function does the whole update in one pass, block by block, on one thread (a
+second thread gains little and collapses when another process keeps a core busy: lora_lab.threads). Its
+results equal the PyTorch path's bit for bit (codes, absmax, parameter; tests/test_cpu_adam8bit.py) on an
+AVX2 build of torch, whose fused Adam kernel it reproduces rounding for rounding; elsewhere (another
+capability, no C compiler, a failed compile, a tensor it does not take) the PyTorch path runs.
+
+The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~0.7 s of CPU) into
+the cache folder, keyed by a hash of the source and the flags; a second process loads it. Nothing read from
+disk runs unless it is the library compiled here from this source: beside the library a JSON file (read as
+JSON only) holds its key and the sha256 of its bytes; a library of another key, with other bytes, not owned
+by this user or writable by others, is compiled again (written atomically, as every file of lora_lab).
+Where the cache cannot be written, the library is compiled into a folder of the process (removed at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from ..errors import LoraLabError
+from ..fileio import atomic_write_bytes, cache_root, parse_json
+from ..functional.blockwise import dynamic_map, rounding_tables
+
+SOURCE = Path(__file__).with_name("cpu_adam8bit.c")
+CACHE_ENV = "LORA_LAB_NATIVE_CACHE"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-shared", "-fPIC")
+VECTOR = {"AVX2": 8}  # torch CPU capabilities whose fused Adam kernel the C reproduces: its vector width
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data_ptr() is their memory
+COMPILE_SECONDS = 120
+log = logging.getLogger(__name__)
+compiled_here = 0  # how many times this process compiled the library (a test reads it)
+
+
+class NativeBuildError(LoraLabError, RuntimeError):
+    """The C step could not be built or loaded here (its message is the reason logged)."""
+
+
+def cache_dir() -> Path:
+    """Where the compiled library is kept: $LORA_LAB_NATIVE_CACHE, else fileio.cache_root() / "native"."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    return Path(env).expanduser() if env else cache_root() / "native"
+
+
+def library_key() -> str:
+    """The hash the library's file is named by: the C source, the flags, the machine."""
+    inputs = {"source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(), "flags": FLAGS,
+              "machine": platform.machine(), "system": platform.system()}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The C step, built or read from the cache once per process; None (reason logged once) if it cannot."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in VECTOR or platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("lora_lab: the 8-bit Adam step runs its PyTorch path: the C step reproduces torch's %s "
+                 "fused Adam kernel, this torch's is %s on %s", "/".join(VECTOR), capability,
+                 platform.machine())
+        return None
+    try:
+        lib = ctypes.CDLL(str(_built_library()))
+    except (NativeBuildError, OSError) as e:
+        log.warning("lora_lab: the 8-bit Adam step runs its PyTorch path (slower): %s", e)
+        return None
+    f = lib.lora_lab_adam8bit_step
+    f.restype = ctypes.c_int
+    f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
+                  + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_double] * 6 + [ctypes.c_int])
+    return lib
+
+
+def _built_library() -> Path:
+    key = library_key()
+    folder = cache_dir()
+    so, meta = folder / f"adam8bit-{key[:40]}.so", folder / f"adam8bit-{key[:40]}.json"
+    if _trusted(so, meta, key):
+        return so
+    data = _compile()
+    record = json.dumps({"key": key, "sha256": hashlib.sha256(data).hexdigest()}).encode()
+    try:
+        atomic_write_bytes(so, data)
+        atomic_write_bytes(meta, record)
+    except OSError as e:  # a cache that cannot be written: this process's own folder, compiled each time
+        log.warning("lora_lab: cannot keep the 8-bit step's compiled library in %s ($%s: %s); it is compiled "
+                    "again in each process", folder, CACHE_ENV, e)
+        folder = Path(tempfile.mkdtemp(prefix="lora_lab-native-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        so, meta = folder / so.name, folder / meta.name
+        atomic_write_bytes(so, data)
+        atomic_write_bytes(meta, record)
+    if not _trusted(so, meta, key):
+        raise NativeBuildError(f"{so}: the library just written does not read back as written")
+    return so
+
+
+def _trusted(so: Path, meta: Path, key: str) -> bool:
+    """True if `so` is the library compiled from this source: its JSON holds this key and the sha256 of its
+    bytes, and it is ours and writable only by us."""
+    try:
+        info = so.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+        if meta.stat().st_size > 4096:
+            return False
+        record = parse_json(str(meta), meta.read_bytes())
+        return (isinstance(record, dict) and record.get("key") == key
+                and record.get("sha256") == hashlib.sha256(so.read_bytes()).hexdigest())
+    except (OSError, LoraLabError):
+        return False
+
+
+def _compile() -> bytes:
+    """The library's bytes, compiled in a temporary folder by $CC (else cc)."""
+    global compiled_here
+    cc = shlex.split(os.environ.get("CC", "").strip() or "cc")
+    with tempfile.TemporaryDirectory(prefix="lora_lab-native-") as tmp:
+        out = Path(tmp) / "adam8bit.so"
+        try:
+            done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                                  text=True, timeout=COMPILE_SECONDS)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NativeBuildError(f"no working C compiler ({' '.join(cc)}: {e})") from e
+        if done.returncode != 0 or not out.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise NativeBuildError(f"compiling {SOURCE.name} with {' '.join(cc)} failed: {' | '.join(tail)}")
+        compiled_here += 1
+        return out.read_bytes()
+
+
+def _takes(param, grad, m, m_absmax, v, v_absmax, block_size: int) -> bool:
+    """True for the tensors the C step takes: plain contiguous CPU tensors (not fake: a plan's), param fp32
+    or bf16, grad fp32 or param's dtype, codes uint8 and absmax fp32 of the right sizes."""
+    n = param.numel()
+    n_blocks = -(-n // block_size) if block_size > 0 else -1
+    tensors = (param, grad, m, m_absmax, v, v_absmax)
+    return (all(type(t) in PLAIN and not is_fake(t) and t.device.type == "cpu" and t.is_contiguous()
+                for t in tensors)
+            and param.dtype in DTYPES and grad.dtype in (torch.float32, param.dtype) and grad.numel() == n
+            and m.dtype == v.dtype == torch.uint8 and m.numel() == v.numel() == n
+            and m_absmax.dtype == v_absmax.dtype == torch.float32
+            and m_absmax.numel() == v_absmax.numel() == n_blocks and n > 0)
+
+
+@functools.cache
+def _tables() -> tuple[torch.Tensor, ...]:
+    """The maps and nearest-code tables of the PyTorch path (functional/blockwise.py), as the C reads them."""
+    m_base, m_thr = rounding_tables(True)
+    v_base, v_thr = rounding_tables(False, keep_nonzero=True)
+    return (dynamic_map(True).contiguous(), dynamic_map(False).contiguous(), m_base.to(torch.int32),
+            m_thr.contiguous(), v_base.to(torch.int32), v_thr.contiguous())
+
+
+def cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step: int, hp, chunk_blocks: int) -> bool:
+    """One Adam(W) step of `param` with 8-bit moments, in place, by the C function; False (nothing done) where
+    it cannot run (no library, tensors it does not take): then run the PyTorch path. chunk_blocks: the PyTorch
+    path's chunk (functional/adam.py's CHUNK_BLOCKS), where torch's kernel changes form."""
+    if not _takes(param, grad, m, m_absmax, v, v_absmax, hp.block_size):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    bs, n = hp.block_size, param.numel()
+    chunk = min(chunk_blocks * bs, -(-n // bs) * bs)
+    scratch = torch.empty(4 * bs, dtype=torch.float32)
+    tables = _tables()
+    lib.lora_lab_adam8bit_step(
+        param.data_ptr(), DTYPES[param.dtype], grad.data_ptr(), DTYPES[grad.dtype], m.data_ptr(),
+        m_absmax.data_ptr(), v.data_ptr(), v_absmax.data_ptr(), n, bs, chunk,
+        VECTOR[torch.backends.cpu.get_cpu_capability()], *(t.data_ptr() for t in tables), scratch.data_ptr(),
+        hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, float(step), int(hp.decoupled))
+    return True

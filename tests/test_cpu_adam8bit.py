@@ -1,0 +1,186 @@
+"""The 8-bit Adam(W) step's C function (lora_lab/kernels/cpu_adam8bit.py): bit for bit the PyTorch path's
+results, the fallback where it cannot be built, and its cache (reused, and rebuilt where it is not ours)."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import lora_lab.functional.adam as adam_mod
+from lora_lab import optim as optim_mod
+from lora_lab.kernels import cpu_adam8bit as native
+from lora_lab.optim import Adam8bit, AdamW8bit
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="the C step cannot run here (logged why)")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]).clone()
+
+
+def _run(cls, p0, grads, backend, **kw):
+    p = nn.Parameter(p0.clone())
+    opt = cls([p], lr=1e-2, backend=backend, **kw)
+    for g in grads:
+        p.grad = g.to(p.dtype)
+        opt.step()
+    state = opt.state[p]
+    names = ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax")
+    return [_bits(p)] + [_bits(state[k]) for k in names]
+
+
+def _grads(n, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 * 1e-2  # heavy-tailed
+        x[:256] = 0.0  # a block of zeros
+        x[256:300] = 1e-41  # denormals
+        x[300:304] = torch.tensor([1e18, -3e17, 1e-30, -0.0])  # huge (g^2 still finite) and tiny values
+        x[-7:] = 0.0  # a ragged tail of zeros
+        out.append(x)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("cls,kw", [(AdamW8bit, {}), (AdamW8bit, {"weight_decay": 0.0}),
+                                    (Adam8bit, {"weight_decay": 0.1}), (Adam8bit, {"betas": (0.3, 0.99)}),
+                                    (AdamW8bit, {"block_size": 100})])
+@pytest.mark.parametrize("n,dtype", [(8192, torch.float32), (20_003, torch.float32), (6_151, torch.bfloat16)])
+def test_bit_for_bit_the_pytorch_path(monkeypatch, cls, kw, n, dtype):
+    """Codes, absmax (the sign of a zero included) and the parameter equal the PyTorch path's exactly, over
+    several steps: sizes that are and are not a whole number of blocks, several chunks (each chunk ends in
+    torch's scalar tail when its length is not a multiple of 8: block_size 100), fp32 and bf16 parameters,
+    Adam with L2 decay, AdamW with and without decay, beta1 < 0.5 (lerp's other form). 8192 values run as one
+    chunk of 32 blocks (torch.maximum's vector loop makes their absmax), the others in chunks of 3 (its
+    scalar loop): the sign of the zero block's absmax differs between the two."""
+    if n != 8192:
+        monkeypatch.setattr(adam_mod, "CHUNK_BLOCKS", 3)
+    calls = []
+    monkeypatch.setattr(optim_mod, "adam_step_", lambda *a: calls.append(1) or adam_mod.adam_step_(*a))
+    p0 = (torch.randn(n) * 0.05).to(dtype)
+    p0[:3] = torch.tensor([0.0, -0.0, 1e-40])
+    grads = _grads(n, 3, seed=n)
+    ref = _run(cls, p0, grads, "torch", **kw)
+    assert len(calls) == 3  # the PyTorch path ran
+    calls.clear()
+    out = _run(cls, p0, grads, "auto", **kw)
+    assert not calls  # the C step ran instead
+    for name, a, b in zip(["param", "m codes", "m absmax", "v codes", "v absmax"], ref, out):
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} differ"
+
+
+@needs_native
+def test_state_dict_round_trip_between_the_paths():
+    """The state is the same tensors either way: a checkpoint of one path resumes in the other exactly."""
+    p0, grads = torch.randn(6000) * 0.1, _grads(6000, 4, seed=1)
+    whole = _run(AdamW8bit, p0, grads, "auto")
+    p = nn.Parameter(p0.clone())
+    opt = AdamW8bit([p], lr=1e-2, backend="torch")
+    for g in grads[:2]:
+        p.grad = g
+        opt.step()
+    q = nn.Parameter(p.detach().clone())
+    resumed = AdamW8bit([q], lr=1e-2)  # "auto": the C step
+    resumed.load_state_dict(opt.state_dict())
+    for g in grads[2:]:
+        q.grad = g
+        resumed.step()
+    assert torch.equal(_bits(q), whole[0]) and torch.equal(_bits(resumed.state[q]["exp_avg"]), whole[1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache folder holding the library, compiled once for this file's cache tests."""
+    folder = tmp_path_factory.mktemp("native")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.CACHE_ENV, str(folder))
+        native.library.cache_clear()
+        native.library()
+    native.library.cache_clear()
+    return folder
+
+
+@pytest.fixture
+def fresh_library(tmp_path, monkeypatch):
+    """library() forgotten before and after the test, its cache in tmp_path (empty)."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "native"))
+    native.library.cache_clear()
+    yield tmp_path / "native"
+    native.library.cache_clear()
+
+
+@pytest.fixture
+def cached_library(built, fresh_library):
+    """As fresh_library, with a copy of the compiled library (and its JSON) in the cache."""
+    fresh_library.mkdir()
+    for f in built.iterdir():
+        shutil.copy2(f, fresh_library / f.name)
+    return fresh_library
+
+
+def test_no_compiler_falls_back_to_the_pytorch_path_with_one_logged_reason(fresh_library, monkeypatch,
+                                                                               caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "VECTOR", {torch.backends.cpu.get_cpu_capability(): 8})  # on any machine
+    p0, grads = torch.randn(5000), _grads(5000, 2, seed=2)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        out = _run(AdamW8bit, p0, grads, "auto")
+    assert native.library() is None
+    reasons = [r.getMessage() for r in caplog.records if r.name == native.__name__]
+    assert len(reasons) == 1 and "PyTorch path" in reasons[0] and "/nonexistent/cc" in reasons[0]
+    assert all(torch.equal(a, b) for a, b in zip(out, _run(AdamW8bit, p0, grads, "torch")))
+
+
+@needs_native
+def test_a_second_process_loads_the_cached_library(cached_library):
+    fresh_library = cached_library
+    before = native.compiled_here
+    assert native.library() is not None and native.compiled_here == before  # read, not compiled
+    (so,) = fresh_library.glob("*.so")
+    mtime = so.stat().st_mtime_ns
+    code = ("from lora_lab.kernels import cpu_adam8bit as n; assert n.library() is not None; "
+            "print(n.compiled_here)")
+    env = {**os.environ, native.CACHE_ENV: str(fresh_library), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0" and so.stat().st_mtime_ns == mtime
+
+
+@needs_native
+@pytest.mark.parametrize("damage", ["other bytes", "another key", "not JSON", "writable by others"])
+def test_a_cached_library_that_is_not_ours_is_compiled_again(cached_library, damage):
+    """Nothing read from disk runs unless it is the library compiled from this source: its JSON (read as
+    JSON) must hold this source's key and the sha256 of the library's bytes."""
+    (so,), (meta,) = cached_library.glob("*.so"), cached_library.glob("*.json")
+    assert native._trusted(so, meta, native.library_key())
+    good = so.read_bytes()
+    if damage == "other bytes":  # a new file (the loaded library's pages must not change under it)
+        so.unlink()
+        so.write_bytes(good[:-16] + b"\0" * 16)
+    elif damage == "another key":
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "key": "0" * 64}))
+    elif damage == "not JSON":
+        meta.write_text("import os; os.system('echo no')")
+    else:
+        so.chmod(0o777)
+    before = native.compiled_here
+    assert not native._trusted(so, meta, native.library_key())
+    native.library.cache_clear()
+    assert native.library() is not None and native.compiled_here == before + 1
+    assert native._trusted(so, meta, native.library_key())
+
+
+@needs_native
+def test_a_cache_that_cannot_be_written_still_gives_the_c_step(fresh_library, monkeypatch):
+    blocker = fresh_library.parent / "a file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "native"))
+    before = native.compiled_here
+    assert native.library() is not None and native.compiled_here == before + 1
