@@ -61,8 +61,10 @@ class Encoders:
         """Back on the device (from host memory, or built again from the base): all, or only `names`."""
         names = self.names if names is None else names
         missing = [n for n in names if getattr(self.pipe, n) is None and n not in self.host]
-        built = self.reload(missing) if missing else {}
-        gc.collect()  # the loaders' garbage goes before the phase that needs the encoders
+        built = {}
+        if missing:
+            built = self.reload(missing)
+            gc.collect()  # the loaders' garbage goes before the phase that needs the encoders
         for name in names:
             if getattr(self.pipe, name) is None:
                 setattr(self.pipe, name, _on(self.host.pop(name, None) or built[name], self.device))

@@ -104,10 +104,12 @@ class TrainResult:
     adapted: list[str] = field(default_factory=list)
     # the diffusers pipeline, its denoiser holding the trained adapter (its encoders and VAE on the device)
     pipe: Any = field(default=None, repr=False)
+    # what the cache phase encoded (or was given): `train(config, cached=result.cached)` trains on it again
+    cached: Cached | None = field(default=None, repr=False)
 
 
-def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase
-          ) -> TrainResult:
+def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase,
+          cached: Cached | None = None) -> TrainResult:
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
@@ -117,6 +119,10 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
                     samples/step_NNNNNNN.png, samples/strip.png; with log_with="tensorboard": tensorboard/
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     `phase(name)` is entered around each memory phase (see the module docstring).
+    `cached`: an earlier run's `TrainResult.cached` (the encoded dataset, held-out examples and sample
+    prompts), trained on instead of encoding the data again: runs that differ only in how they train (the
+    knobs, the lr, the steps) share one encoding. Its run must agree on every field the encoding depends on
+    (`cache_key`), else TrainConfigError; a run given it trains exactly as one that encodes for itself.
     """
     t_start = time.perf_counter()
     config.validate()
@@ -129,8 +135,14 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     # a text-encoder LoRA trains the encoders: they stay on the device
     encoders = Encoders(opened.pipe, device, opened.reload,
                         keep=config.keep_encoders or config.text_encoder_lr is not None)
+    key = cache_key(config, resolution, dtype)
     with phase("cache"):
-        data, reg, empty, samples, val = encode_data(config, encoders, resolution)
+        if cached is None:
+            cached = encode_data(config, encoders, resolution)._replace(key=key)
+        else:
+            check_cached(cached, key)
+            encoders.release()  # as after encoding: the training phases see the same device
+        data, reg, empty, samples, val, _ = cached
     with phase("load"):
         load_denoiser(config, opened, device, dtype)
     pipe = opened.pipe
@@ -148,7 +160,8 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
         outputs.update(watch.close())
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
-                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
+                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe,
+                       cached=cached)
 
 
 # ----------------------------------------------------------------------------- the stages of train()
@@ -186,6 +199,29 @@ class Cached(NamedTuple):
     empty: dict | None
     samples: tuple[list[str], dict] | None
     val: EncodedExamples | None = None
+    key: dict | None = None  # `cache_key` of the run that encoded them
+
+
+# the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
+CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "vae", "device", "dataset", "datasets",
+                "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split", "validation_dataset",
+                "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts")
+
+
+def cache_key(config: TrainConfig, resolution: int, dtype: torch.dtype) -> dict:
+    """What a run's encoded data depend on: the CACHE_FIELDS, the resolution and dtype, whether captions are
+    dropped (the unconditional input is encoded) and whether it samples (the prompts are)."""
+    return {**{f: getattr(config, f) for f in CACHE_FIELDS}, "resolution": resolution, "dtype": str(dtype),
+            "caption_dropout": config.caption_dropout > 0, "sample_steps": config.sample_steps > 0}
+
+
+def check_cached(cached: Cached, key: dict) -> None:
+    """TrainConfigError naming the first field where `cached` was encoded for another run than `key`'s."""
+    for name, value in key.items():
+        theirs = (cached.key or {}).get(name, "(unknown)")
+        if theirs != value:
+            raise TrainConfigError(f"cached data: encoded for {name}={theirs!r}, this run has {value!r}; "
+                                   "train without `cached` to encode its own")
 
 
 def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None,
