@@ -161,7 +161,7 @@ def test_the_deltas_are_the_lycoris_packages():
     torch.testing.assert_close(h.delta(), ref.reshape(h.shape), rtol=1e-5, atol=1e-6)
 
 
-# ----------------------------------------------------------------------------- LoKr / LoHa as a training option
+# ------------------------------------------------------------------------ LoKr / LoHa as a training option
 
 
 @pytest.mark.parametrize("kind", ["lokr", "loha"])
@@ -212,7 +212,8 @@ def test_adapter_options_are_one_line_errors(tmp_path, digits_folder):
 
     args = build_parser().parse_args(["train", "--adapter", "lokr", "--lokr-factor", "4"])
     assert (args.adapter, args.lokr_factor) == ("lokr", 4)
-    for bad, field in [({"adapter": "locon"}, "adapter"), ({"adapter": "lokr", "lokr_factor": 0}, "lokr_factor"),
+    for bad, field in [({"adapter": "locon"}, "adapter"),
+                       ({"adapter": "lokr", "lokr_factor": 0}, "lokr_factor"),
                        ({"lokr_factor": 4}, "lokr_factor"), ({"adapter": "loha", "dora": True}, "dora"),
                        ({"adapter": "lokr", "loraplus_ratio": 4.0}, "loraplus_ratio"),
                        ({"adapter": "loha", "text_encoder_lr": 1e-4}, "text_encoder_lr")]:

@@ -361,6 +361,10 @@ class TrainConfig:
         check_knob_fields(self, bad)
         check_adapter_fields(self, bad)
 
+    def keeps_encoders(self) -> bool:
+        """The text encoders and VAE stay on the device all run: keep_encoders, or a text-encoder LoRA."""
+        return self.keep_encoders or self.text_encoder_lr is not None
+
     def base_parts(self) -> dict[str, str | None]:
         """A single-file base's part files by part (None: inside the base file)."""
         return {"clip_l": self.clip_l, "clip_g": self.clip_g, "t5xxl": self.t5xxl, "vae": self.vae}

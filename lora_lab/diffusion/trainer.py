@@ -129,8 +129,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
     # a text-encoder LoRA trains the encoders: they stay on the device
-    encoders = Encoders(opened.pipe, device, opened.reload,
-                        keep=config.keep_encoders or config.text_encoder_lr is not None)
+    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keeps_encoders())
     with phase("cache"):
         data, reg, empty, samples, val = encode_data(config, encoders, resolution)
     with phase("load"):

@@ -93,8 +93,9 @@ class LycorisWeights:
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
             raise LoraFormatError(f"{where}: alpha is {self.alpha}: it must be a finite number > 0")
         if set(self.factors) not in ROLE_SETS:
-            raise LoraFormatError(f"{where}: the roles {sorted(self.factors)} are not a LoKr or LoHa this "
-                                  f"reader takes ({' | '.join(', '.join(sorted(r)) for r in ROLE_SETS)})")
+            keys = ", ".join(f"{self.key}.{r}" for r in sorted(self.factors))
+            takes = " | ".join(", ".join(sorted(r)) for r in ROLE_SETS)
+            raise LoraFormatError(f"{where}: the keys {keys} are no LoKr or LoHa lora_lab reads ({takes})")
         try:  # shapes only: the factors on the meta device
             factors_delta({r: torch.empty(t.shape, device="meta") for r, t in self.factors.items()},
                           self.alpha, self.weight_shape())

@@ -209,6 +209,8 @@ def plan_options(
     distinct_captions: int | None = None,
     resident: str | None = None,
     blocks_to_swap: int = 0,
+    ema: bool = False,
+    text_encoder_lora: bool = False,
 ) -> dict[str, Any]:
     """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and
     its `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
@@ -230,6 +232,10 @@ def plan_options(
     `enable_checkpointing`). `resident` is lora_lab 0.1's spelling of keep_encoders ("all" | "denoiser").
     blocks_to_swap: that many of the denoiser's blocks in host memory, copied in to run (with checkpointing;
     `checkpointing/swap.py`): the plan counts the resident blocks and those in flight, and the bytes moved.
+    ema: the adapter's moving average (`--ema-decay`: an fp32 copy of its weights, from the training step
+    on, and swapped in to save its file). text_encoder_lora: a LoRA on the CLIP text encoders
+    (`--text-encoder-lr`): the encoders (and VAE) stay on the device all run, their adapter's weights,
+    gradients and optimizer state count, and the captions go through them at every step.
     """
     if resident is not None:
         warn("plan_memory(resident=...)", "plan_memory(keep_encoders=...)")
@@ -261,6 +267,11 @@ def plan_options(
                "distinct_captions": distinct_captions}
     if blocks_to_swap:
         options["blocks_to_swap"] = blocks_to_swap  # only where set: plans made before it compare equal
+    for name, value in (("ema", ema), ("text_encoder_lora", text_encoder_lora)):
+        if not isinstance(value, bool):
+            raise PlanError(f"{name}={value!r}: must be True or False")
+        if value:
+            options[name] = True  # the same: only where set
     train_config(options)  # TrainConfig checks the training options
     return options
 
@@ -309,7 +320,10 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
                            base_quantization=options["base_quantization"],
                            keep_encoders=options["keep_encoders"], vae_tiling=options["vae_tiling"],
                            sample_steps=options["sample_steps"], progress=False, device="cpu",
-                           blocks_to_swap=options.get("blocks_to_swap", 0))
+                           blocks_to_swap=options.get("blocks_to_swap", 0),
+                           # the memory is the same at any decay and lr
+                           ema_decay=0.99 if options.get("ema") else None,
+                           text_encoder_lr=1e-4 if options.get("text_encoder_lora") else None)
     except LoraLabError as e:
         raise PlanError(f"plan_memory: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:  # a value of a type
