@@ -65,8 +65,11 @@ def read_header(path: Path) -> tuple[list[str], dict[str, str]]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if n is None or n > size - 8 or n > _MAX_HEADER_BYTES:
+        if len(head) < 8:
+            raise LoraFormatError(f"{path}: not a safetensors file ({size} bytes: shorter than the 8-byte "
+                                  "length a safetensors file starts with)")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8 or n > _MAX_HEADER_BYTES:
             raise LoraFormatError(
                 f"{path}: not a safetensors file (header length {n} does not fit the file's {size} bytes)"
             )

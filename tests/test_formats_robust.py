@@ -128,6 +128,10 @@ def test_header_length_beyond_the_file_or_limit(tmp_path):
         path = raw_file(tmp_path / f"{name}.safetensors", b"{}", length=length)
         with pytest.raises(LoraFormatError, match=f"{name}.safetensors: not a safetensors file"):
             load_lora(path)
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"abc")  # shorter than the length field: said so
+    with pytest.raises(LoraFormatError, match=r"short.safetensors: not a safetensors file \(3 bytes"):
+        load_lora(short)
 
 
 def test_a_file_mixing_kohya_and_peft_names(tmp_path):

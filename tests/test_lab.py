@@ -314,6 +314,7 @@ def test_notebook_runs_in_jupyterlab(lab, name):
 
         record = json.loads((server.reports / f"{name}.json").read_text())
         assert record["passed"], record["claims"]
+        print(f"{name}: the notebook ran in JupyterLab in {record['seconds']} s")  # bench_notebooks.py --lab
         assert state["images"] >= len(record["figures"]) >= 1, (
             f"{name}: {state['images']} inline images for {len(record['figures'])} figures "
             f"{record['figures']}")

@@ -178,7 +178,7 @@ def _tiny_notebook(path, claim_src):
     nb.cells = [
         nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nfrom lora_lab.notebook import Record"),
         params,
-        nbformat.v4.new_code_cell("nb = Record.start('tiny', globals())"),
+        nbformat.v4.new_code_cell(f"nb = Record.start({path.stem!r}, globals())"),
         nbformat.v4.new_code_cell("fig, ax = plt.subplots(figsize=(1, 1))\nax.plot([0, X])\n"
                                   "nb.figure(fig, 'line')"),
         nbformat.v4.new_code_cell(f"nb.number('n', N)\nnb.claim('claim', {claim_src})\nnb.finish()"),
@@ -305,3 +305,30 @@ def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, m
     with kernel_environment(tmp_path):
         assert batch_run()
     assert not batch_run()
+
+
+def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path):
+    """`--jobs 2`: two notebooks in two worker processes at once; the records come back in the order asked,
+    each with its wall time, and a failed claim in one does not hide the other's pass."""
+    from lora_lab.notebook.runner import run_notebooks
+
+    good = _tiny_notebook(tmp_path / "a_good.ipynb", "N == 2")
+    bad = _tiny_notebook(tmp_path / "b_bad.ipynb", "N == 3")
+    records = run_notebooks([good, bad], tmp_path / "out", jobs=2)
+    assert [r["notebook"] for r in records] == ["a_good", "b_bad"]
+    assert records[0]["passed"] and not records[1]["passed"] and "ClaimFailed" in records[1]["error"]
+    assert all(r["wall_seconds"] > 0 for r in records)
+    assert (tmp_path / "out" / "a_good.ipynb").is_file() and (tmp_path / "out" / "b_bad.ipynb").is_file()
+
+
+def test_the_longest_notebook_of_the_last_run_starts_first(tmp_path):
+    from lora_lab.notebook.runner import longest_first
+
+    paths = [tmp_path / f"{n}.ipynb" for n in ("01_a", "02_b", "03_c", "04_new")]
+    assert longest_first(paths, tmp_path) == paths  # no summary yet: the order asked
+    (tmp_path / "summary.json").write_text(json.dumps({"notebooks": [
+        {"notebook": "01_a", "wall_seconds": 5.0}, {"notebook": "02_b", "wall_seconds": 90.0},
+        {"notebook": "03_c", "wall_seconds": 20.0}]}))
+    assert [p.stem for p in longest_first(paths, tmp_path)] == ["04_new", "02_b", "03_c", "01_a"]
+    (tmp_path / "summary.json").write_text("{not json")
+    assert longest_first(paths, tmp_path) == paths
