@@ -52,12 +52,14 @@ from tqdm.auto import tqdm
 
 from ..checkpointing import disable_checkpointing, enable_block_swap, enable_checkpointing
 from ..formats import save_lora
-from ..lora import LoRAConfig, add_lora, lora_state_dict
+from ..formats.lycoris import save_lycoris
+from ..lora import lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import OpenedBase, open_base
 from ..models.loading import fill
 from ..precision import MixedPrecision
-from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError, check_config_for_base
+from .adapters import add_adapter, check_config_for_base, clip_encoders, text_encoder_adapters
+from .config import TrainConfig, TrainConfigError
 from .data import EncodedExamples, encode_examples, unconditional_embeds
 from .datasets import encode_run_data, sources_fingerprint
 from .distributed import DistEnv, resolve_device
@@ -133,8 +135,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
     # a text-encoder LoRA trains the encoders: they stay on the device
-    encoders = Encoders(opened.pipe, device, opened.reload,
-                        keep=config.keep_encoders or config.text_encoder_lr is not None)
+    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keeps_encoders())
     key = cache_key(config, resolution, dtype)
     with phase("cache"):
         if cached is None:
@@ -340,16 +341,19 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
 def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
     """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
     (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
-    transformer., text_encoder./text_encoder_2.), its metadata holding the resolved config and the step."""
+    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lycoris`), its
+    metadata holding the resolved config and the step."""
     model = denoiser(pipe)
+    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
+    metadata = train_config_metadata(config, step)
+    if config.adapter != "lora":  # LoKr / LoHa: LyCORIS' keys, whatever the format asked
+        return save_lycoris(path, model, kind.component, kind.name, unet=layout, metadata=metadata)
     text = config.text_encoder_lr is not None
     components = {kind.component: model,
                   **({c: getattr(pipe, c) for c in clip_encoders(kind)} if text else {})}
     # fp32 host copies, each module named by its pipeline path
     tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
-    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-    return save_lora(path, tensors, format=format, base=kind.name, unet=layout,
-                     metadata=train_config_metadata(config, step))
+    return save_lora(path, tensors, format=format, base=kind.name, unet=layout, metadata=metadata)
 
 
 def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
@@ -368,9 +372,12 @@ def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env:
 
 
 def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str, Path]:
-    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT)."""
+    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT);
+    a LoKr/LoHa as lora{suffix}.safetensors only (LyCORIS' keys: no PEFT file diffusers would load)."""
     out = run.output
     names = {"lora_kohya": ("lora", "kohya"), "lora_diffusers": ("pytorch_lora_weights", "peft")}
+    if run.config.adapter != "lora":
+        del names["lora_diffusers"]
     return {f"{key}{suffix}": write_lora(kind, pipe, out / f"{stem}{suffix}.safetensors", format, run.config,
                                          run.step)
             for key, (stem, format) in names.items()}
@@ -396,39 +403,3 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
                                              inputs=trained, base_inputs=inputs)
     env.barrier()
     return outputs
-
-
-# ----------------------------------------------------------------------------- pieces of the stages
-
-
-def clip_encoders(kind: ModelKind) -> list[str]:
-    """The pipeline components of a kind's CLIP text encoders (not T5)."""
-    return [e.component for e in kind.text_encoders if e.arch != "t5"]
-
-
-def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe
-                          ) -> tuple[list[str], list[tuple[str, torch.nn.Parameter]]]:
-    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed:
-    the wrapped modules and the adapters' parameters, each named `<component>.<name>`."""
-    wrapped, named = [], []
-    for i, comp in enumerate(clip_encoders(kind)):
-        encoder = getattr(pipe, comp)
-        encoder.requires_grad_(False)
-        torch.manual_seed(config.seed + 1 + i)
-        wrapped += [f"{comp}.{n}" for n in add_lora(encoder, LoRAConfig(
-            rank=config.rank, alpha=config.adapter_alpha(), targets=list(TEXT_ENCODER_TARGETS)))]
-        named += [(f"{comp}.{n}", p) for n, p in encoder.named_parameters() if p.requires_grad]
-    return wrapped, named
-
-
-def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
-    """Freeze the denoiser and wrap its attention projections (and, with config.conv, its ResNet convs)
-    in LoRA/DoRA adapters initialised from config.seed; returns the wrapped module names."""
-    if config.conv and kind.component != "unet":
-        raise TrainConfigError(f"TrainConfig.conv=True: the {kind.name} transformer has no conv layers to "
-                               "adapt")
-    model.requires_grad_(False)
-    torch.manual_seed(config.seed)
-    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
-                                      targets=config.adapter_targets(), use_dora=config.dora,
-                                      conv=config.conv))
