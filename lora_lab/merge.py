@@ -33,7 +33,7 @@ from torch import nn
 from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraWeights, load_lora, match_modules
-from .formats.lycoris import LycorisWeights, is_lycoris_file, lycoris_patches
+from .formats.lycoris import LycorisWeights
 from .functional import dora
 from .functional.lowrank import lowrank_delta
 from .lora import LycorisLayer
@@ -130,12 +130,6 @@ def _patches(
         if (isinstance(strength, bool) or not isinstance(strength, (int, float))
                 or not math.isfinite(strength)):
             raise LoraFormatError(f"{lora}: strength {strength!r} must be a finite number")
-        if not isinstance(lora, LoraFile) and is_lycoris_file(lora):  # LoKr / LoHa: ComfyUI's keys
-            for key, m in lycoris_patches(lora, weights, component, strict).items():
-                where = f"{lora}: module {m.key}"
-                m.check_finite(where)
-                patches.setdefault(key, []).append(Patch(m, float(strength), i, where))
-            continue
         lf = _load(lora)
         name = str(lf.path) if lf.path else f"LoRA #{i}"
         # a LoraFile made in memory is checked here (load_lora checked a file's)

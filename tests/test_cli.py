@@ -301,3 +301,38 @@ def test_inspect_under_an_address_space_limit_is_one_error_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert lines == [f"lora-lab: error: {path}: cannot map its {path.stat().st_size} bytes into memory "
                      "(Cannot allocate memory (os error 12)); not enough address space"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lycoris_files_inspect_merge_and_refuse_to_convert(files, capsys, kind):
+    from torch import nn
+
+    from lora_lab.formats.lycoris import save_lycoris
+    from lora_lab.lora.lycoris import add_lycoris
+
+    model = nn.Module()  # the base file's layers
+    model.proj, model.conv_in = nn.Linear(8, 16), nn.Conv2d(4, 16, 3)
+    add_lycoris(model, kind, ["proj", "conv_in"], rank=2, alpha=1.0, factor=4)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    lyco = save_lycoris(files / "lyco.safetensors", model, "unet", base="sd15")
+    assert main(["inspect", str(lyco)]) == 0
+    out = capsys.readouterr().out
+    assert "format:  lycoris" in out and "base:    sd15" in out and f"kinds:   {kind} (x2)" in out
+    assert "ranks:   2 (x2)" in out and "alphas:  1 (x2)" in out
+    detail = "lokr w1=4x2 r=2" if kind == "lokr" else "loha r=2"  # proj: 16 = 4 x 4, 8 = 2 x 4
+    assert f"unet.proj     {detail} alpha=1 weight (16, 8)" in out and "weight (16, 36)" in out
+    assert main(["convert", str(lyco), str(files / "x.safetensors"), "--to", "peft"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a LyCORIS LoKr/LoHa file" in err and "nothing to convert" in err
+    assert not (files / "x.safetensors").exists()
+    out = files / "merged.safetensors"  # stacked with a LoRA file
+    assert main(["merge", str(files / "base.safetensors"), str(out), "--lora", f"{lyco}:0.5",
+                 "--lora", str(files / "a.safetensors")]) == 0
+    base = load_file(str(files / "base.safetensors"))
+    got, lora = load_file(str(out)), merge_loras(base, [(files / "a.safetensors", 1.0)])
+    for name in ("proj", "conv_in"):  # W + D_lora + t dW
+        expect = lora[f"{name}.weight"] + 0.5 * model.get_submodule(name).delta().detach()
+        torch.testing.assert_close(got[f"{name}.weight"], expect, rtol=1e-5, atol=1e-5)

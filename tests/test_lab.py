@@ -36,10 +36,11 @@ from lora_lab.notebook.runner import KERNEL_NAME, ensure_kernel
 CHROMIUM = Path(os.environ.get("LORA_LAB_CHROMIUM", "/usr/bin/chromium"))
 REQUIRED = os.environ.get("LORA_LAB_REQUIRE_BROWSER") == "1"  # set by `make test-lab`: fail, not skip
 HOW = "install it with `apt-get install -y chromium` (Debian), or run `make test-lab` (installs it as root)"
-# `make test-lab` runs all four; `make test` the two quick ones (01, and 03 with its slider), which keeps the
-# whole suite in its time budget: 07 and 10 each train for minutes and also run under papermill in `make test`
-NOTEBOOK_NAMES = (["01_autograd", "03_lora_dora", "07_diffusion_lora", "10_training_machinery"] if REQUIRED
-                  else ["01_autograd", "03_lora_dora"])
+# `make test-lab` runs all five; `make test` the two quick ones (01, and 03 with its slider), which keeps the
+# whole suite in its time budget: 07, 10 and 11 each train for minutes and also run under papermill in
+# `make test` (11 with tiny parameters)
+NOTEBOOK_NAMES = (["01_autograd", "03_lora_dora", "07_diffusion_lora", "10_training_machinery", "11_knobs"]
+                  if REQUIRED else ["01_autograd", "03_lora_dora"])
 WITH_SLIDERS = {"03_lora_dora", "07_diffusion_lora"}  # the notebooks with a live widget
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -159,3 +159,69 @@ def test_the_deltas_are_the_lycoris_packages():
     ref = loha.diff_weight(h.w1_b, h.w1_a, h.w2_b, h.w2_a, None, None, gamma=torch.tensor(4.0 / 3),
                            backend="torch")
     torch.testing.assert_close(h.delta(), ref.reshape(h.shape), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ LoKr / LoHa as a training option
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_a_tiny_training_run_writes_a_file_lora_lab_reads_back_and_merges_as_the_formula(
+        tmp_path, digits_folder, kind):
+    from lora_lab.diffusion import TrainConfig, TrainConfigError, train
+    from lora_lab.formats import load_lora
+    from lora_lab.formats.lycoris import LycorisWeights
+    from lora_lab.merge import merge_loras
+
+    cfg = dict(model="sd15", dataset=str(digits_folder(2)), output=str(tmp_path / "run"), steps=2, rank=2,
+               alpha=4.0, lr=1e-2, batch_size=2, sample_steps=0, progress=False, adapter=kind,
+               save_every=1, ema_decay=0.5, **({"lokr_factor": 4} if kind == "lokr" else {}))
+    result = train(TrainConfig(**cfg))
+    out = tmp_path / "run"
+    assert set(result.outputs) >= {"lora_kohya", "lora_kohya_ema"} and "lora_diffusers" not in result.outputs
+    assert (out / "lora_step_0000001.safetensors").is_file()
+    layers = {n: m for n, m in result.pipe.unet.named_modules() if isinstance(m, LycorisLayer)}
+    assert layers and all(m.kind == kind for m in layers.values())
+    for file, ema in ((result.outputs["lora_kohya"], False), (result.outputs["lora_kohya_ema"], True)):
+        lf = load_lora(file)
+        assert lf.format == "lycoris" and lf.base == "sd15"
+        assert set(lf.modules) == {f"unet.{n}" for n in layers}
+        assert "lora_lab_train_config" in lf.metadata and lf.metadata["lora_lab_step"] == "2"
+        for n, m in layers.items():
+            read = lf.modules[f"unet.{n}"]
+            assert isinstance(read, LycorisWeights) and read.alpha == 4.0
+            for role, t in m.factors().items():  # the trained weights, exactly (the EMA file: not them)
+                assert torch.equal(read.factors[role], t.float().cpu()) != ema
+    # the merge of the file = W + t (the formula of its factors), ComfyUI's rule written out
+    lf = load_lora(result.outputs["lora_kohya"])
+    weights = {f"{n}.weight": m.base.weight.detach() for n, m in layers.items()}
+    merged = merge_loras(weights, [(result.outputs["lora_kohya"], 0.7)], component="unet")
+    assert sorted(merged.patched) == sorted(weights)
+    for n, m in layers.items():
+        f = {k: v.float() for k, v in lf.modules[f"unet.{n}"].factors.items()}
+        torch.testing.assert_close(merged[f"{n}.weight"], _comfy_weight(weights[f"{n}.weight"], f, 4.0, 0.7),
+                                   rtol=1e-5, atol=1e-6)
+    if kind == "loha":  # a resume with the other adapter kind is refused
+        return
+    with pytest.raises(TrainConfigError, match="the config changed .*adapter: 'lokr' -> 'loha'"):
+        train(TrainConfig(**{**cfg, "adapter": "loha", "lokr_factor": -1, "steps": 3, "resume": True}))
+
+
+def test_adapter_options_are_one_line_errors(tmp_path, digits_folder):
+    from lora_lab.cli import build_parser
+    from lora_lab.diffusion import TrainConfig, TrainConfigError, train
+
+    args = build_parser().parse_args(["train", "--adapter", "lokr", "--lokr-factor", "4"])
+    assert (args.adapter, args.lokr_factor) == ("lokr", 4)
+    for bad, field in [({"adapter": "locon"}, "adapter"),
+                       ({"adapter": "lokr", "lokr_factor": 0}, "lokr_factor"),
+                       ({"lokr_factor": 4}, "lokr_factor"), ({"adapter": "loha", "dora": True}, "dora"),
+                       ({"adapter": "lokr", "loraplus_ratio": 4.0}, "loraplus_ratio"),
+                       ({"adapter": "loha", "text_encoder_lr": 1e-4}, "text_encoder_lr")]:
+        with pytest.raises(TrainConfigError, match=f"^TrainConfig.{field}=[^\n]*$"):
+            TrainConfig(**bad)
+    out = tmp_path / "bad"  # a factor that does not divide a targeted layer: before anything is built
+    with pytest.raises(TrainConfigError, match=r"^TrainConfig.lokr_factor=7: does not divide the targeted "
+                                               r"layer [^\n]*; use a common divisor, or -1$"):
+        train(TrainConfig(model="sd15", dataset=str(digits_folder(4)), output=str(out), steps=1,
+                          adapter="lokr", lokr_factor=7, rank=2, sample_steps=0, progress=False))
+    assert not out.exists()

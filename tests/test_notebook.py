@@ -288,6 +288,19 @@ def test_notebook_10_training_machinery(run_notebook, monkeypatch):
     assert killed and all(name.startswith("step_") for name in killed)
 
 
+def test_notebook_11_knobs(run_notebook, monkeypatch):
+    """Tiny runs (one seed, 2 steps of batch 2, one sampler step): every knob's run trains on the shared
+    encoding and is measured, the table and figure are made, the mechanics claims hold (the effects need the
+    defaults: `make run`)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    data = run_notebook("11_knobs", STEPS=2, SEEDS=1, BATCH_SIZE=2, SAMPLE_STEPS=1, CHECK_EFFECTS=False)
+    assert data["passed"], data.get("error") or data["claims"]
+    assert not run_notebook.bare_results("11_knobs")
+    table = data["numbers"]["table"]
+    assert len(table) == 9 and all(set(v) == {"style", "content", "val_loss"} for v in table.values())
+    assert all(len(x) == 1 and math.isfinite(x[0]) for v in table.values() for x in v.values())
+
+
 def test_runner_selects_notebooks_by_name_file_name_or_path():
     first = min(NOTEBOOKS.glob("*.ipynb"))
     for name in (first.stem, first.name, f"notebooks/{first.name}", str(first)):

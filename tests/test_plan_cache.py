@@ -73,7 +73,8 @@ def test_every_input_of_a_plan_changes_its_key(tmp_path, monkeypatch):
     changed = {"resolution": 512, "batch_size": 2, "grad_accum": 2, "rank": 8, "dora": True, "conv": True,
                "optimizer": "adamw8bit", "gradient_checkpointing": True, "mixed_precision": "fp16",
                "base_dtype": "fp32", "base_quantization": "nf4", "keep_encoders": True, "vae_tiling": True,
-               "sample_steps": 0, "attention": "math", "device": "cpu", "dataset_size": 4}
+               "sample_steps": 0, "attention": "math", "device": "cpu", "dataset_size": 4, "ema": True,
+               "text_encoder_lora": True, "adapter": "loha"}
     keys = {name: cache.plan_key(plan_options("sdxl", **{name: value})) for name, value in changed.items()}
     keys["model"] = cache.plan_key(plan_options("flux-dev"))
     keys["checkpoint_options"] = cache.plan_key(plan_options("sdxl", gradient_checkpointing=True,

@@ -59,6 +59,27 @@ def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, qu
         assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
 
 
+def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_path):
+    """The EMA's fp32 copy (train step, save) and the text encoders kept on the device with their LoRA (its
+    weights, grads and optimizer state; the captions through them at each step): every phase of a real run
+    against its plan, and the plan's parts against the run's own files."""
+    from safetensors.torch import load_file
+
+    config = TrainConfig(model="sd15", output=str(tmp_path), rank=8, steps=1, sample_steps=0, progress=False,
+                         device="cpu", ema_decay=0.9, text_encoder_lr=1e-4)
+    measured = measure_run(config)
+    plan = plan_memory("sd15", size="tiny", device="cpu", rank=8, mixed_precision="no", sample_steps=0,
+                       ema=True, text_encoder_lora=True, dataset_size=dataset_len(config),
+                       distinct_captions=distinct_captions(config))
+    for phase in ("cache", "load", "train step", "save"):  # no sample grid: the plan's sample phase is 0
+        assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
+    trained = load_file(str(tmp_path / "lora.safetensors"))  # the UNet's and the text encoder's LoRA, fp32
+    adapter = sum(4 * t.numel() for k, t in trained.items() if not k.endswith(".alpha"))
+    assert any(k.startswith("lora_te_") for k in trained)
+    assert plan.parts["adapter weights"] == plan.parts["EMA of the adapter"] == adapter
+    assert plan.parts["resident (VAE, text encoders)"] > 0  # kept on the device, not released after caching
+
+
 def test_saved_activations_equal_saved_activation_bytes():
     """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real
     tensors."""

@@ -194,6 +194,30 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
             and all(math.isfinite(x) for x in done.losses))
 
 
+def test_a_run_given_an_earlier_runs_cached_data_trains_exactly_as_if_it_encoded_them(dataset, tmp_path,
+                                                                                    monkeypatch):
+    """`train(config, cached=result.cached)`: the same losses and adapter bits without the cache phase's
+    encoding; data encoded for another seed (its VAE draws) or without the unconditional input are refused
+    by name."""
+    from lora_lab.diffusion import trainer
+
+    base = dict(model="sd3", dataset=str(dataset), steps=2, caption_dropout=0.5, **FAST)
+    first = train(TrainConfig(output=str(tmp_path / "a"), **base))
+    monkeypatch.setattr(trainer, "encode_data", None)  # a run given the data must not encode
+    again = train(TrainConfig(output=str(tmp_path / "b"), **base), cached=first.cached)
+    assert again.losses == first.losses and again.cached is first.cached
+    for key in ("lora_kohya", "lora_diffusers"):
+        assert _same_bits(_tensors(again.outputs[key]), _tensors(first.outputs[key])), key
+    # a training knob may change (the run then differs); a field of the encoding may not
+    knob = train(TrainConfig(output=str(tmp_path / "c"), **{**base, "loss_weighting": "cosmap"}),
+                 cached=first.cached)
+    assert knob.losses != first.losses
+    for change, name in (({"seed": SEED + 1}, "seed"), ({"caption_dropout": 0.0}, "caption_dropout")):
+        with pytest.raises(TrainConfigError, match=f"cached data: encoded for {name}="):
+            train(TrainConfig(output=str(tmp_path / name), **{**base, **change}), cached=first.cached)
+        assert not (tmp_path / name).exists()
+
+
 # ----------------------------------------------------------------------------- the files in diffusers
 
 

@@ -1,5 +1,5 @@
-"""The settings of one diffusion LoRA training run: `TrainConfig`, its validation (and what only the base
-model can tell), the layers an adapter targets."""
+"""The settings of one diffusion LoRA training run: `TrainConfig`, its validation, the layers an adapter
+targets (what only the base model can tell: `adapters.check_config_for_base`)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,11 @@ import torch
 from .._moved import warn
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
-from ..models import (
-    DATA_DIR,
-    KINDS,
-    TINY_MAX_RESOLUTION,
-    ModelKind,
-    ModelLoadError,
-    denoiser,
-    is_tiny,
-    model_kind,
-)
+from ..models import DATA_DIR, KINDS, ModelLoadError, model_kind
 from ..models.bases import check_base
-from ..modules import matches_targets
 from ..precision import MODES
 from ..quant import FORMATS
-from .options import check_knob_fields, check_watch_fields
+from .options import check_adapter_fields, check_knob_fields, check_watch_fields
 
 MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit", "prodigy", "adafactor")
@@ -107,6 +97,14 @@ class TrainConfig:
     rank: int = field(default=16, metadata={"help": "LoRA rank r"})
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
+    adapter: str = field(
+        default="lora",
+        metadata={"help": "lora | lokr (LyCORIS LoKr: dW = kron(W1, W2), W2 = W2a W2b of --rank) | loha "
+                  "(LyCORIS LoHa: dW = (W1a W1b) * (W2a W2b), each of --rank); lokr/loha files carry the "
+                  "LyCORIS keys ComfyUI reads (lora.safetensors only: diffusers loads no SD/Flux LoKr)"})
+    lokr_factor: int = field(
+        default=-1, metadata={"help": "lokr: each dimension d splits as f x d/f (LyCORIS' factor; -1: the "
+                                      "most square split)"})
     conv: bool = field(default=False, metadata={"help": "also adapt the denoiser's conv layers (LoCon)"})
     feed_forward: bool = field(
         default=False,
@@ -360,6 +358,11 @@ class TrainConfig:
             bad("device", "must be auto, cpu, cuda or cuda:N")
         check_watch_fields(self, bad)
         check_knob_fields(self, bad)
+        check_adapter_fields(self, bad)
+
+    def keeps_encoders(self) -> bool:
+        """The text encoders and VAE stay on the device all run: keep_encoders, or a text-encoder LoRA."""
+        return self.keep_encoders or self.text_encoder_lr is not None
 
     def base_parts(self) -> dict[str, str | None]:
         """A single-file base's part files by part (None: inside the base file)."""
@@ -415,34 +418,3 @@ class TrainConfig:
         if unknown:
             raise TrainConfigError(f"{path}: unknown TrainConfig field(s) {unknown}")
         return cls(**data)
-
-
-
-def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:
-    """What only the base model can tell: a rank no wider than every targeted layer, a resolution the VAE and
-    the denoiser take (a multiple of VAE downsampling x patch size; SD3: within its position embedding; the
-    tiny bases: at most TINY_MAX_RESOLUTION)."""
-    model = denoiser(pipe)
-    widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in model.named_modules()
-              if name and matches_targets(name, config.adapter_targets())
-              and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    if widths and config.rank > min(widths)[0]:
-        width, name = min(widths)
-        raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
-                               f"(min(out, in) = {width}); use --rank {width} or less")
-    vae_factor = pipe.vae_scale_factor
-    # latents reach the denoiser in patches: packed n x n (Flux), or cut by its patch embedding (SD3)
-    patch = kind.latent_packing * int(getattr(model.config, "patch_size", None) or 1)
-    if resolution % (vae_factor * patch):
-        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {kind.name} base needs a multiple "
-                               f"of {vae_factor * patch} "
-                               f"(VAE downsampling {vae_factor} x patch size {patch})")
-    max_patches = getattr(model.config, "pos_embed_max_size", None)
-    if max_patches and resolution > max_patches * patch * vae_factor:
-        raise TrainConfigError(f"TrainConfig.resolution={resolution}: larger than the {kind.name} base's "
-                               f"position embedding takes "
-                               f"({max_patches * patch * vae_factor} pixels at most)")
-    if is_tiny(pipe) and resolution > TINY_MAX_RESOLUTION:  # 4096 would end in an out-of-memory
-        raise TrainConfigError(f"TrainConfig.resolution={resolution}: the tiny {kind.name} base takes "
-                               f"{TINY_MAX_RESOLUTION} pixels at most (8 x its native "
-                               f"{TINY_MAX_RESOLUTION // 8})")

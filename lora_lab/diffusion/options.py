@@ -1,6 +1,7 @@
 """Parts of `TrainConfig.validate`: the fields for watching a run (samples and validation during training,
 logging) and for several data folders (`[[datasets]]` tables, caption shuffling): `check_watch_fields`; the
-knobs of loss weighting, timesteps, EMA and LoRA+: `check_knob_fields`."""
+knobs of loss weighting, timesteps, EMA and LoRA+: `check_knob_fields`; the adapter kind (LoRA, LoKr, LoHa)
+and what goes with it: `check_adapter_fields`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ LOG_WITH = ("tensorboard",)
 FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
               "loss_weighting")
 DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
+ADAPTERS = ("lora", "lokr", "loha")
 
 
 def check_watch_fields(config, bad) -> None:
@@ -105,3 +107,24 @@ def check_knob_fields(config, bad) -> None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:
         bad("debiased_estimation", "and min_snr_gamma are two weightings: choose one")
+
+
+def check_adapter_fields(config, bad) -> None:
+    """The adapter kind, LoKr's factor, and the options that belong to LoRA only (`bad(name, why)`); whether
+    the factor divides each targeted layer is the base's to tell (`adapters.check_config_for_base`)."""
+    if config.adapter not in ADAPTERS:
+        bad("adapter", f"must be one of {', '.join(ADAPTERS)}")
+    factor = config.lokr_factor
+    if isinstance(factor, bool) or not isinstance(factor, int) or not (factor == -1 or factor >= 1):
+        bad("lokr_factor", "must be -1 (the most square split) or an integer >= 1")
+    if factor != -1 and config.adapter != "lokr":
+        bad("lokr_factor", f"applies to --adapter lokr only, not {config.adapter}")
+    if config.adapter == "lora":
+        return
+    lora_only = {"dora": "DoRA's magnitude is LoRA's",
+                 "loraplus_ratio": "LoRA+ sets the lr of LoRA's up matrices",
+                 "text_encoder_lr": "the text encoders' adapter is a LoRA; a file holds one adapter kind",
+                 "base_quantization": "LoKr/LoHa wrap float Linear and Conv2d layers"}
+    for name, why in lora_only.items():
+        if getattr(config, name) not in (None, False):
+            bad(name, f"applies to --adapter lora only, not {config.adapter} ({why})")

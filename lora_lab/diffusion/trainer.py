@@ -52,12 +52,14 @@ from tqdm.auto import tqdm
 
 from ..checkpointing import disable_checkpointing, enable_block_swap, enable_checkpointing
 from ..formats import save_lora
-from ..lora import LoRAConfig, add_lora, lora_state_dict
+from ..formats.lycoris import save_lycoris
+from ..lora import lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import OpenedBase, open_base
 from ..models.loading import fill
 from ..precision import MixedPrecision
-from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError, check_config_for_base
+from .adapters import add_adapter, check_config_for_base, clip_encoders, text_encoder_adapters
+from .config import TrainConfig, TrainConfigError
 from .data import EncodedExamples, encode_examples, unconditional_embeds
 from .datasets import encode_run_data, sources_fingerprint
 from .distributed import DistEnv, resolve_device
@@ -104,10 +106,12 @@ class TrainResult:
     adapted: list[str] = field(default_factory=list)
     # the diffusers pipeline, its denoiser holding the trained adapter (its encoders and VAE on the device)
     pipe: Any = field(default=None, repr=False)
+    # what the cache phase encoded (or was given): `train(config, cached=result.cached)` trains on it again
+    cached: Cached | None = field(default=None, repr=False)
 
 
-def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase
-          ) -> TrainResult:
+def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase,
+          cached: Cached | None = None) -> TrainResult:
     """Train a LoRA/DoRA on the config's denoiser; write the LoRA files, config.json, loss log and samples.
 
     Output folder:  lora.safetensors (kohya/ComfyUI keys)   pytorch_lora_weights.safetensors (diffusers/PEFT)
@@ -117,6 +121,10 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
                     samples/step_NNNNNNN.png, samples/strip.png; with log_with="tensorboard": tensorboard/
     Under torchrun each process trains on its slice of every global batch; rank 0 writes the files.
     `phase(name)` is entered around each memory phase (see the module docstring).
+    `cached`: an earlier run's `TrainResult.cached` (the encoded dataset, held-out examples and sample
+    prompts), trained on instead of encoding the data again: runs that differ only in how they train (the
+    knobs, the lr, the steps) share one encoding. Its run must agree on every field the encoding depends on
+    (`cache_key`), else TrainConfigError; a run given it trains exactly as one that encodes for itself.
     """
     t_start = time.perf_counter()
     config.validate()
@@ -127,10 +135,15 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     resume_from, state, bad_checkpoints = resume_point(config, out)
     opened, resolution = open_run_base(config, kind, dtype)
     # a text-encoder LoRA trains the encoders: they stay on the device
-    encoders = Encoders(opened.pipe, device, opened.reload,
-                        keep=config.keep_encoders or config.text_encoder_lr is not None)
+    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keeps_encoders())
+    key = cache_key(config, resolution, dtype)
     with phase("cache"):
-        data, reg, empty, samples, val = encode_data(config, encoders, resolution)
+        if cached is None:
+            cached = encode_data(config, encoders, resolution)._replace(key=key)
+        else:
+            check_cached(cached, key)
+            encoders.release()  # as after encoding: the training phases see the same device
+        data, reg, empty, samples, val, _ = cached
     with phase("load"):
         load_denoiser(config, opened, device, dtype)
     pipe = opened.pipe
@@ -148,7 +161,8 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
         outputs.update(watch.close())
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
-                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe)
+                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe,
+                       cached=cached)
 
 
 # ----------------------------------------------------------------------------- the stages of train()
@@ -186,6 +200,29 @@ class Cached(NamedTuple):
     empty: dict | None
     samples: tuple[list[str], dict] | None
     val: EncodedExamples | None = None
+    key: dict | None = None  # `cache_key` of the run that encoded them
+
+
+# the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
+CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "vae", "device", "dataset", "datasets",
+                "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split", "validation_dataset",
+                "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts")
+
+
+def cache_key(config: TrainConfig, resolution: int, dtype: torch.dtype) -> dict:
+    """What a run's encoded data depend on: the CACHE_FIELDS, the resolution and dtype, whether captions are
+    dropped (the unconditional input is encoded) and whether it samples (the prompts are)."""
+    return {**{f: getattr(config, f) for f in CACHE_FIELDS}, "resolution": resolution, "dtype": str(dtype),
+            "caption_dropout": config.caption_dropout > 0, "sample_steps": config.sample_steps > 0}
+
+
+def check_cached(cached: Cached, key: dict) -> None:
+    """TrainConfigError naming the first field where `cached` was encoded for another run than `key`'s."""
+    for name, value in key.items():
+        theirs = (cached.key or {}).get(name, "(unknown)")
+        if theirs != value:
+            raise TrainConfigError(f"cached data: encoded for {name}={theirs!r}, this run has {value!r}; "
+                                   "train without `cached` to encode its own")
 
 
 def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None,
@@ -304,16 +341,19 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
 def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
     """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
     (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
-    transformer., text_encoder./text_encoder_2.), its metadata holding the resolved config and the step."""
+    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lycoris`), its
+    metadata holding the resolved config and the step."""
     model = denoiser(pipe)
+    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
+    metadata = train_config_metadata(config, step)
+    if config.adapter != "lora":  # LoKr / LoHa: LyCORIS' keys, whatever the format asked
+        return save_lycoris(path, model, kind.component, kind.name, unet=layout, metadata=metadata)
     text = config.text_encoder_lr is not None
     components = {kind.component: model,
                   **({c: getattr(pipe, c) for c in clip_encoders(kind)} if text else {})}
     # fp32 host copies, each module named by its pipeline path
     tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
-    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-    return save_lora(path, tensors, format=format, base=kind.name, unet=layout,
-                     metadata=train_config_metadata(config, step))
+    return save_lora(path, tensors, format=format, base=kind.name, unet=layout, metadata=metadata)
 
 
 def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
@@ -332,9 +372,12 @@ def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env:
 
 
 def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str, Path]:
-    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT)."""
+    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT);
+    a LoKr/LoHa as lora{suffix}.safetensors only (LyCORIS' keys: no PEFT file diffusers would load)."""
     out = run.output
     names = {"lora_kohya": ("lora", "kohya"), "lora_diffusers": ("pytorch_lora_weights", "peft")}
+    if run.config.adapter != "lora":
+        del names["lora_diffusers"]
     return {f"{key}{suffix}": write_lora(kind, pipe, out / f"{stem}{suffix}.safetensors", format, run.config,
                                          run.step)
             for key, (stem, format) in names.items()}
@@ -363,39 +406,3 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
                                              with_lora=last if config.text_encoder_lr is None else None)
     env.barrier()
     return outputs
-
-
-# ----------------------------------------------------------------------------- pieces of the stages
-
-
-def clip_encoders(kind: ModelKind) -> list[str]:
-    """The pipeline components of a kind's CLIP text encoders (not T5)."""
-    return [e.component for e in kind.text_encoders if e.arch != "t5"]
-
-
-def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe
-                          ) -> tuple[list[str], list[tuple[str, torch.nn.Parameter]]]:
-    """LoRAs (the config's rank and alpha) on the CLIP text encoders' attention and MLP layers, from the seed:
-    the wrapped modules and the adapters' parameters, each named `<component>.<name>`."""
-    wrapped, named = [], []
-    for i, comp in enumerate(clip_encoders(kind)):
-        encoder = getattr(pipe, comp)
-        encoder.requires_grad_(False)
-        torch.manual_seed(config.seed + 1 + i)
-        wrapped += [f"{comp}.{n}" for n in add_lora(encoder, LoRAConfig(
-            rank=config.rank, alpha=config.adapter_alpha(), targets=list(TEXT_ENCODER_TARGETS)))]
-        named += [(f"{comp}.{n}", p) for n, p in encoder.named_parameters() if p.requires_grad]
-    return wrapped, named
-
-
-def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) -> list[str]:
-    """Freeze the denoiser and wrap its attention projections (and, with config.conv, its ResNet convs)
-    in LoRA/DoRA adapters initialised from config.seed; returns the wrapped module names."""
-    if config.conv and kind.component != "unet":
-        raise TrainConfigError(f"TrainConfig.conv=True: the {kind.name} transformer has no conv layers to "
-                               "adapt")
-    model.requires_grad_(False)
-    torch.manual_seed(config.seed)
-    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
-                                      targets=config.adapter_targets(), use_dora=config.dora,
-                                      conv=config.conv))

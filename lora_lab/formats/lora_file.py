@@ -124,8 +124,8 @@ class LoraFile:
         return sorted({name.split(".", 1)[0] for name in self.modules})
 
     def state_dict(self, component: str | None = None) -> dict[str, torch.Tensor]:
-        """lora_lab's canonical in-memory form (`lora_state_dict`'s keys), for one component
-        (names relative to it) or for all (names with the component in front)."""
+        """lora_lab's canonical in-memory form (`lora_state_dict`'s keys; LoKr/LoHa: their roles), for one
+        component (names relative to it) or for all (names with the component in front)."""
         out: dict[str, torch.Tensor] = {}
         for name, m in self.modules.items():
             comp, _, rest = name.partition(".")
@@ -133,6 +133,11 @@ class LoraFile:
                 if comp != component:
                     continue
                 name = rest
+            if hasattr(m, "factors"):  # LoKr / LoHa: the file's roles
+                out.update({f"{name}.{role}": t for role, t in m.factors.items()})
+                if m.alpha is not None:
+                    out[f"{name}.alpha"] = torch.tensor(float(m.alpha))
+                continue
             out[f"{name}.lora_down.weight"] = m.down
             out[f"{name}.lora_up.weight"] = m.up
             out[f"{name}.alpha"] = torch.tensor(float(m.alpha))
@@ -141,18 +146,26 @@ class LoraFile:
         return out
 
     def summary(self) -> str:
-        """What `lora-lab inspect` prints: format, base, per-module rank / alpha / shapes, metadata."""
+        """What `lora-lab inspect` prints: format, base, per-module kind / rank / alpha / shapes, metadata (a
+        LyCORIS file's modules: `formats.lycoris.LycorisWeights.describe`, the weight as (out, in kh kw))."""
         lines = [f"file:    {self.path}", f"format:  {self.format}", f"base:    {self.base or 'unknown'}",
                  f"modules: {len(self.modules)}  (components: {', '.join(self.components())})"]
-        ranks = Counter(m.rank for m in self.modules.values())
-        alphas = Counter(m.alpha for m in self.modules.values())
+        mods = self.modules.values()
+        kinds = Counter(getattr(m, "kind", "lora") for m in mods)
+        ranks = Counter(str(m.rank) for m in mods)
+        alphas = Counter("none" if m.alpha is None else f"{m.alpha:g}" for m in mods)
+        lines.append("kinds:   " + ", ".join(f"{k} (x{n})" for k, n in sorted(kinds.items())))
         lines.append("ranks:   " + ", ".join(f"{r} (x{n})" for r, n in sorted(ranks.items())))
-        lines.append("alphas:  " + ", ".join(f"{a:g} (x{n})" for a, n in sorted(alphas.items())))
-        lines.append(f"dora:    {sum(m.dora_scale is not None for m in self.modules.values())} module(s)")
+        lines.append("alphas:  " + ", ".join(f"{a} (x{n})" for a, n in sorted(alphas.items())))
+        lines.append(f"dora:    {sum(m.dora_scale is not None for m in mods)} module(s)")
         width = max((len(n) for n in self.modules), default=0)
         for name, m in sorted(self.modules.items()):
+            alpha = "none" if m.alpha is None else f"{m.alpha:g}"
+            if hasattr(m, "describe"):  # LoKr / LoHa
+                lines.append(f"  {name:<{width}}  {m.describe()} alpha={alpha} weight {m.weight_shape()}")
+                continue
             kind = "conv" if m.down.dim() == 4 else "linear"
-            lines.append(f"  {name:<{width}}  {kind:6} r={m.rank:<3} alpha={m.alpha:<6g} "
+            lines.append(f"  {name:<{width}}  {kind:6} r={m.rank:<3} alpha={alpha:<6} "
                          f"weight {tuple(m.weight_shape())}{'  dora' if m.dora_scale is not None else ''}")
         if self.metadata:
             lines.append("metadata:")

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import LoraFormatError
 from .lora_file import LoraFile, LoraWeights
+from .lycoris import LycorisWeights
 from .names import _ldm_tail, _ldm_unet_path, _live_paths, unet_layout
 
 
@@ -65,7 +66,8 @@ def match_modules(
         if key is None:
             unmatched.append(m.key or name)
             continue
-        if shapes is not None and not _fits(shapes[key], m.weight_shape()):
+        fits = m.fits if isinstance(m, LycorisWeights) else lambda shape: _fits(shape, m.weight_shape())
+        if shapes is not None and not fits(shapes[key]):
             raise LoraFormatError(
                 f"{where}: module {m.key or name!r} makes a {m.weight_shape()} delta, "
                 f"but the model's {key!r} is {shapes[key]}"

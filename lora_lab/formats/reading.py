@@ -17,6 +17,7 @@ import torch
 from ..errors import LoraFormatError
 from ..fileio import parse_json, read_safetensors
 from .lora_file import METADATA_KEY, LoraFile, LoraWeights, _base_from_metadata, _checked_module
+from .lycoris import is_lycoris_file, load_lycoris_file
 from .names import (
     _FLUX_DOUBLE,
     _FLUX_OTHER,
@@ -36,7 +37,8 @@ _PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_magni
 
 
 def load_lora(path: str | os.PathLike) -> LoraFile:
-    """Read and check a kohya or PEFT LoRA safetensors file (format detected from its keys).
+    """Read and check a kohya or PEFT LoRA safetensors file (format detected from its keys), or a LyCORIS
+    LoKr/LoHa file (format "lycoris", its modules `LycorisWeights`).
 
     Everything is checked from the header, which is parsed here with bounds before safetensors sees the
     file (JSON depth and integer sizes, dtypes, shapes, data offsets that tile the data exactly), and from
@@ -44,6 +46,8 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
     values (NaN / Inf) are checked where they are used (`LoraWeights.check_finite`: merge, apply, save).
     """
     path = Path(path)
+    if is_lycoris_file(path):  # LoKr / LoHa with LyCORIS' (ComfyUI's) keys: modules are LycorisWeights
+        return load_lycoris_file(path)
     tensors, metadata = read_safetensors(path)
     if not tensors:
         raise LoraFormatError(f"{path}: holds no tensors")
@@ -53,7 +57,7 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
     if bad is not None:
         raise LoraFormatError(
             f"{path}: key {bad!r} is not a plain LoRA tensor of a {fmt} file "
-            f"(expected names ending in {list(suffixes)}; LyCORIS LoHa/LoKr/mid weights are not read)"
+            f"(expected names ending in {list(suffixes)}; LyCORIS mid weights are not read)"
         )
     alpha_of = _peft_alphas(path, metadata) if fmt == "peft" else None
     base = _base_from_metadata(metadata)

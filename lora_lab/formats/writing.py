@@ -119,6 +119,10 @@ def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, bas
     """Read `src` (kohya or PEFT) and write it to `dst` in format `to`; the tensors are not changed
     (`unet`: the SDXL UNet's structure for sd-scripts' LDM names, as in `save_lora`)."""
     lf = load_lora(src)
+    if lf.format == "lycoris":
+        raise LoraFormatError(f"{src}: a LyCORIS LoKr/LoHa file, already in the kohya/ComfyUI naming; its "
+                              "Kronecker/Hadamard factors fit no LoRA down/up pair, and diffusers 0.42 loads "
+                              "no SD/SDXL/SD3/Flux LoKr or LoHa: nothing to convert it to")
     for m in lf.modules.values():  # read here, so that the error names the file and key they come from
         m.check_finite(f"{lf.path}: module {m.key!r}")
     keep = {k: v for k, v in lf.metadata.items() if not k.startswith("lora_lab.") and k != METADATA_KEY}

@@ -228,6 +228,8 @@ def plan_config(config, **extra) -> dict[str, Any]:
                    mixed_precision=config.mixed_precision, base_dtype=config.base_dtype,
                    base_quantization=config.base_quantization, keep_encoders=config.keep_encoders,
                    vae_tiling=config.vae_tiling, sample_steps=config.sample_steps, device=device,
+                   ema=config.ema_decay is not None, text_encoder_lora=config.text_encoder_lr is not None,
+                   adapter=config.adapter, lokr_factor=config.lokr_factor,
                    **_dataset_options(config, size, resolution), **extra)
     return {"model": model, **options}
 

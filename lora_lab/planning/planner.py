@@ -209,6 +209,7 @@ def plan_options(
     distinct_captions: int | None = None,
     resident: str | None = None,
     blocks_to_swap: int = 0,
+    ema: bool = False, text_encoder_lora: bool = False, adapter: str = "lora", lokr_factor: int = -1,
 ) -> dict[str, Any]:
     """The options of a plan, checked, with the defaults filled in: what `plan_memory(model, ...)` plans and
     its `MemoryPlan.options` holds. Raises PlanError for a model or option that cannot be planned.
@@ -230,7 +231,7 @@ def plan_options(
     `enable_checkpointing`). `resident` is lora_lab 0.1's spelling of keep_encoders ("all" | "denoiser").
     blocks_to_swap: that many of the denoiser's blocks in host memory, copied in to run (with checkpointing;
     `checkpointing/swap.py`): the plan counts the resident blocks and those in flight, and the bytes moved.
-    """
+    ema, text_encoder_lora, adapter, lokr_factor: `_where_set`."""
     if resident is not None:
         warn("plan_memory(resident=...)", "plan_memory(keep_encoders=...)")
         if resident not in ("all", "denoiser"):
@@ -259,10 +260,28 @@ def plan_options(
                "keep_encoders": keep_encoders, "vae_tiling": vae_tiling, "sample_steps": sample_steps,
                "attention": attention, "device": device, "dataset_size": dataset_size,
                "distinct_captions": distinct_captions}
-    if blocks_to_swap:
-        options["blocks_to_swap"] = blocks_to_swap  # only where set: plans made before it compare equal
+    options.update(_where_set(blocks_to_swap, ema, text_encoder_lora, adapter, lokr_factor))
     train_config(options)  # TrainConfig checks the training options
     return options
+
+
+def _where_set(blocks_to_swap: int, ema: bool, text_encoder_lora: bool, adapter: str, lokr_factor: int
+               ) -> dict[str, Any]:
+    """The options added after the first plans, only where set (plans made before them compare equal):
+    blocks_to_swap; ema, the adapter's moving average (`--ema-decay`: an fp32 copy of its weights from the
+    training step on, swapped in to save its file); text_encoder_lora, a LoRA on the CLIP text encoders
+    (`--text-encoder-lr`: the encoders and VAE stay on the device all run, their adapter's weights, gradients
+    and optimizer state count, the captions go through them at every step); adapter lora | lokr | loha and
+    lokr_factor (`--adapter`, `--lokr-factor`; `TrainConfig` checks them)."""
+    out: dict[str, Any] = {"blocks_to_swap": blocks_to_swap} if blocks_to_swap else {}
+    for name, value in (("ema", ema), ("text_encoder_lora", text_encoder_lora)):
+        if not isinstance(value, bool):
+            raise PlanError(f"{name}={value!r}: must be True or False")
+        if value:
+            out[name] = True
+    if adapter != "lora" or lokr_factor != -1:
+        out.update(adapter=adapter, lokr_factor=lokr_factor)
+    return out
 
 
 def _check_checkpointing(gradient_checkpointing: bool | str, checkpoint_options: dict | None) -> bool | str:
@@ -309,7 +328,11 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
                            base_quantization=options["base_quantization"],
                            keep_encoders=options["keep_encoders"], vae_tiling=options["vae_tiling"],
                            sample_steps=options["sample_steps"], progress=False, device="cpu",
-                           blocks_to_swap=options.get("blocks_to_swap", 0))
+                           blocks_to_swap=options.get("blocks_to_swap", 0),
+                           # the memory is the same at any decay and lr
+                           ema_decay=0.99 if options.get("ema") else None,
+                           text_encoder_lr=1e-4 if options.get("text_encoder_lora") else None,
+                           adapter=options.get("adapter", "lora"), lokr_factor=options.get("lokr_factor", -1))
     except LoraLabError as e:
         raise PlanError(f"plan_memory: {e}") from e
     except (TypeError, ValueError, OverflowError) as e:  # a value of a type

@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
+from ..diffusion.adapters import clip_encoders
 from ..diffusion.config import TrainConfig
 from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples
 from ..diffusion.distributed import DistEnv
@@ -66,11 +67,11 @@ class RunPeaks:
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages of `tensors`, keyed by identity (fake tensors have no addresses)."""
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple] = {}
     for t in tensors:
         s = t.untyped_storage()
-        seen[id(s)] = s.nbytes()
-    return sum(seen.values())
+        seen[id(s)] = (s, s.nbytes())  # s kept: a storage object made for this call frees its id otherwise
+    return sum(n for _, n in seen.values())
 
 
 class PlannedExamples:
@@ -105,7 +106,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
     with fake_device(), rules, torch.random.fork_rng(devices=[]), _collect_young_only():
         opened, resolution = open_run_base(config, kind, dtype, shapes_only=True)
-        encoders = Encoders(opened.pipe, CPU, opened.reload, keep=config.keep_encoders)
+        encoders = Encoders(opened.pipe, CPU, opened.reload, keep=config.keeps_encoders())
         pipe = opened.pipe
         with tracker:
             with tracker.phase("cache"):
@@ -116,8 +117,8 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
                 load_denoiser(config, opened, CPU, dtype)
             with tracker.phase("train step"):
                 step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options)
-            with tracker.phase("save"), (tracker.elsewhere() if on_host else contextlib.nullcontext()):
-                lora_state_dict(denoiser(pipe))  # the host copy save_outputs writes
+            with tracker.phase("save"):
+                _save(config, kind, pipe, learner, tracker, on_host)
             if config.sample_steps:
                 with tracker.phase("sample"):
                     _sample(config, encoders, samples, tracker)
@@ -128,10 +129,11 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
                                                              *denoiser(pipe).buffers())
                                                   if not t.requires_grad and id(t.untyped_storage())
                                                   not in on_host),
-                  "resident (VAE, text encoders)": storage_bytes(_encoder_tensors(encoders))
-                  if config.keep_encoders else 0,
+                  "resident (VAE, text encoders)": storage_bytes(  # their LoRA: in adapter weights
+                      t for t in _encoder_tensors(encoders) if id(t) not in {id(p) for p in learner.params})
+                  if config.keeps_encoders() else 0,
                   "adapter weights": step["adapters"], "optimizer state": step["state"],
-                  "cached data": cached}
+                  "EMA of the adapter": step["ema"], "cached data": cached}
     gradients = step["grads"] if step["phase"] == "optimizer step" else 0
     peak = tracker.phase_peaks["train step"]
     parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
@@ -201,6 +203,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
     params = learner.params
     _first_step_state(learner)
     out = {"adapters": storage_bytes(params),
+           "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
            "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
     accum = min(config.grad_accum, 2)
     config = replace(config, grad_accum=accum)
@@ -231,10 +234,27 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
     peaks["backward"] = (tracker.peak, tracker.saved_at_peak)
     out["grads"] = storage_bytes(p.grad for p in params if p.grad is not None)
     learner.precision.step(learner.optimizer, config.max_grad_norm)
+    if learner.ema is not None:
+        learner.ema.update(learner.named, 1)
     peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
     out["phase"] = next(p for p in peaks if peaks[p][0] == tracker.peak)
     out["saved_at_peak"], out["saved"] = peaks[out["phase"]][1], tracker.saved_bytes
     return out, learner  # the learner lives on through saving and sampling, as in the trainer
+
+
+def _save(config: TrainConfig, kind, pipe, learner, tracker: LiveBytes, on_host: bool) -> None:
+    """What `save_outputs` holds: the host copy of the adapter each file is written from (of the denoiser
+    and, with a text-encoder LoRA, the CLIP encoders), and with an EMA, the trained weights kept on the
+    device while the average is swapped in for its file."""
+    models = [denoiser(pipe), *(getattr(pipe, c) for c in clip_encoders(kind))
+              ] if config.text_encoder_lr is not None else [denoiser(pipe)]
+    with tracker.elsewhere() if on_host else contextlib.nullcontext():
+        copies = [lora_state_dict(m) for m in models]
+    del copies
+    if learner.ema is not None:
+        with learner.ema.applied(learner.named), tracker.elsewhere() if on_host else contextlib.nullcontext():
+            copies = [lora_state_dict(m) for m in models]
+        del copies
 
 
 def _first_step_state(learner) -> None:
