@@ -294,3 +294,89 @@ def test_a_checkpoint_from_before_these_fields_resumes_and_watching_may_change(t
     with pytest.raises(TrainConfigError, match="the config changed \\(shuffle_captions: None -> True"):
         check_resumable(state, RunState(tmp_path, replace(now, shuffle_captions=True), 3, "f"),
                         tmp_path / "x.pt")
+
+
+def test_buckets_across_two_kohya_folders(digits_folder, tmp_path):
+    """Two N_name folders of different image shapes, with buckets: every example keeps its folder's bucket,
+    the repeats are counted per folder, each step's batch is one bucket (both buckets are drawn), and the
+    resume fingerprint changes with an image of either folder."""
+    from lora_lab.diffusion.data import batch_indices
+    from lora_lab.models import build_pipeline
+
+    parent = tmp_path / "parent"
+    shutil.copytree(digits_folder(sizes=[(32, 32)] * 2), parent / "2_square")
+    shutil.copytree(digits_folder(first=2, sizes=[(32, 64)] * 3), parent / "3_wide")
+    config = TrainConfig(model="sd15", dataset=str(parent), buckets=True, resolution=32, batch_size=2)
+    pipe = build_pipeline("sd15", None, seed=0)
+    data = encode_run_data(pipe, config, 32).train
+    folder_of = [Path(p).parent.name for p in data.paths]
+    assert sorted(folder_of) == ["2_square"] * 4 + ["3_wide"] * 9  # 2 images x 2, 3 images x 3
+    bucket = {"2_square": (32, 32), "3_wide": (24, 48)}  # aspect_buckets(32)'s nearest to 1:1 and 1:2
+    assert [tuple(s) for s in data.sizes] == [bucket[f] for f in folder_of]
+    f = pipe.vae_scale_factor
+    assert all(tuple(x.shape[-2:]) == (h // f, w // f) for x, (h, w) in zip(data.latents, data.sizes))
+    drawn = set()
+    for step in range(12):
+        sizes = {tuple(data.sizes[i]) for i in batch_indices(config.seed, step, 2, data.sizes).tolist()}
+        assert len(sizes) == 1, step
+        drawn |= sizes
+    assert drawn == set(bucket.values())
+    before = sources_fingerprint(config)
+    for folder in ("2_square", "3_wide"):
+        image = sorted((parent / folder).glob("*.png"))[0]
+        image.write_bytes(image.read_bytes() + b"\0")  # the same name, other bytes
+        assert sources_fingerprint(config) != before, folder
+        before = sources_fingerprint(config)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_a_per_step_kohya_lora_file_of_sd3_and_flux_loads_in_diffusers(kind, digits_folder, tmp_path):
+    """lora_step_0000002 of a 2-step run is the final lora.safetensors of that step and gives lora_lab's image
+    in diffusers: Flux's kohya file directly (diffusers reads its lora_transformer_ names); SD3's after
+    `convert_lora(..., to="peft")`, because diffusers 0.42's SD3 loader reads only its own names (it has no
+    kohya converter for SD3; ComfyUI reads the kohya file)."""
+    from lora_lab.diffusion import sample
+    from lora_lab.formats import convert_lora
+    from lora_lab.models import build_pipeline, shipped_base
+
+    result = train(TrainConfig(model=kind, dataset=str(digits_folder(2)), steps=2, save_every=2, rank=4,
+                               lr=5e-2, batch_size=2, sample_steps=0, progress=False, seed=SEED,
+                               output=str(tmp_path / "run")))
+    step_file = tmp_path / "run" / "lora_step_0000002.safetensors"
+    mine, final = load_file(step_file), load_file(result.outputs["lora_kohya"])
+    assert mine.keys() == final.keys() and all(torch.equal(mine[k], final[k]) for k in mine)
+    prompt = "a digit three"
+    ours = sample(result.pipe, prompt, seed=SEED, steps=3)
+    base = shipped_base(kind)
+    pipe = build_pipeline(kind, base) if base is not None else build_pipeline(kind, None, seed=0)
+    plain = sample(pipe, prompt, seed=SEED, steps=3)
+    loadable = step_file if kind == "flux" else convert_lora(step_file, tmp_path / "peft.safetensors",
+                                                              to="peft", base=kind)
+    pipe.load_lora_weights(str(loadable))
+    theirs = sample(pipe, prompt, seed=SEED, steps=3)
+    assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image: the comparison means something
+    torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
+
+
+def test_validation_does_not_depend_on_the_training_knobs(run, digits_folder):
+    """Validation uses the base's own timesteps (objective_for(pipe)) and no loss weighting, so runs with
+    different knobs compare: configs that differ only in a training knob give the same validation loss (the
+    sd15 run's with min-SNR or debiased weighting; a tiny sd3's with other timestep sampling, shift,
+    logit-normal mean and loss weighting)."""
+    from dataclasses import replace
+
+    from lora_lab.models import build_pipeline, shipped_base
+
+    out, config, result = run
+    data = encode_run_data(result.pipe, config, _resolution(out))
+    plain = validation_loss(config, model_kind("sd15"), result.pipe, data.val)
+    for knob in ({"min_snr_gamma": 5.0}, {"debiased_estimation": True}):
+        assert validation_loss(replace(config, **knob), model_kind("sd15"), result.pipe, data.val) == plain
+    pipe = build_pipeline("sd3", shipped_base("sd3"))
+    sd3 = TrainConfig(model="sd3", dataset=str(digits_folder(2)), validation_split=0.5, batch_size=4)
+    val = encode_run_data(pipe, sd3, 16).val
+    plain = validation_loss(sd3, model_kind("sd3"), pipe, val)
+    knobs = {"timestep_sampling": "mode", "timestep_shift": 1.5, "logit_mean": 0.5,
+             "loss_weighting": "cosmap"}
+    for name, value in knobs.items():
+        assert validation_loss(replace(sd3, **{name: value}), model_kind("sd3"), pipe, val) == plain, name

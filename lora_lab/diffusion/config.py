@@ -204,8 +204,7 @@ class TrainConfig:
     clip_g: str | None = field(
         default=None, metadata={"help": "a single-file base's CLIP-G text encoder as a file (SD3.5)"})
     t5xxl: str | None = field(
-        default=None, metadata={"help": "a single-file base's T5-XXL text encoder as a file (Flux, SD3.5); "
-                                        "its spiece.model beside it"})
+        default=None, metadata={"help": "a single-file base's T5-XXL text encoder as a file (Flux, SD3.5)"})
     vae: str | None = field(
         default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
                                         "kohya's --ae)"})

@@ -73,7 +73,8 @@ def prompt_inputs(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guidance: float = 4.0,
            height: int | None = None, width: int | None = None, loras: Sequence[tuple] = (),
-           tiled: bool = False, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+           tiled: bool = False, inputs: dict[str, torch.Tensor] | None = None,
+           noise_per_prompt: bool = False) -> torch.Tensor:
     """Images for `prompts` from the pipeline's own sampler: (N, 3, H, W) in [0, 1], fp32, CPU.
 
     The prompts are encoded with `prompt_inputs` (what training caches), then the pipeline runs with
@@ -82,6 +83,9 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     1 = off), or Flux's guidance-embedding value (Flux is guidance-distilled: no second pass).
     loras: LoRA files with strengths, applied at run time for this call only (see `loras_applied`).
     The VAE decodes one image at a time (slicing: the same images, less memory), in tiles with `tiled`.
+    noise_per_prompt: each prompt starts from the seed's own noise (a generator per prompt), so its image is
+    the one a call with that prompt alone makes (up to float rounding of the batch); else one generator draws
+    the prompts' noises one after another.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     kind = model_kind(kind_of(pipe))
@@ -94,8 +98,16 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
     with loras_applied(pipe, loras), vae_decoding(pipe.vae, tiled):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
-                   generator=torch.Generator().manual_seed(seed), output_type="pt", **kwargs)
+                   generator=generators(seed, len(prompts) if noise_per_prompt else None), output_type="pt",
+                   **kwargs)
     return out.images.float().cpu().clamp(0, 1)
+
+
+def generators(seed: int, n: int | None = None) -> torch.Generator | list[torch.Generator]:
+    """The sampler's generator from `seed`; with n, n of them (one per prompt, each from `seed`)."""
+    if n is None:
+        return torch.Generator().manual_seed(seed)
+    return [torch.Generator().manual_seed(seed) for _ in range(n)]
 
 
 @contextlib.contextmanager
@@ -142,13 +154,16 @@ def image_grid(images: torch.Tensor, rows: int, scale: int = 1, pad: int = 1):
 def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
                 guidance: float | None = None, tiled: bool = False,
                 inputs: dict[str, torch.Tensor] | None = None,
-                base_inputs: dict[str, torch.Tensor] | None = None) -> Path:
+                base_inputs: dict[str, torch.Tensor] | None = None,
+                with_lora: torch.Tensor | None = None) -> Path:
     """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
 
     Each image is sampled on its own, from the same seed in both rows, so only the adapter differs; one at a
     time, the sampler's memory does not grow with the number of prompts. inputs: the prompts' `prompt_inputs`
     (then the text encoders need not be on the device); base_inputs: the base row's, where they differ (the
-    base text encoders' before a text-encoder LoRA trained; default: `inputs`).
+    base text encoders' before a text-encoder LoRA trained; default: `inputs`). with_lora: the lower row's
+    images where they were made already (a watched run's last samples, made with `noise_per_prompt`: the same
+    noise, so the same images up to float rounding).
     """
     inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
     base_inputs = inputs if base_inputs is None else base_inputs
@@ -160,7 +175,8 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
 
     with lora_disabled(denoiser(pipe)):
         without = torch.cat([one(i, base_inputs) for i in range(len(prompts))])  # (P, 3, H, W)
-    with_lora = torch.cat([one(i, inputs) for i in range(len(prompts))])
+    if with_lora is None:
+        with_lora = torch.cat([one(i, inputs) for i in range(len(prompts))])
     return _save_pair_grid(without, with_lora, path)
 
 

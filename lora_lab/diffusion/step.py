@@ -119,14 +119,16 @@ def loss_weights(config: TrainConfig, objective, t: torch.Tensor) -> torch.Tenso
     return None
 
 
-def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond) -> torch.Tensor:
+def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond,
+                   weighted: bool = True) -> torch.Tensor:
     """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
     noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t); each example's squared
-    error weighted by `loss_weights`. fp32 scalar."""
+    error weighted by `loss_weights` (`weighted=False`: every example the same, as validation wants).
+    fp32 scalar."""
     with autocast(config.mixed_precision, x0.device):
         pred = predict(kind, denoiser(pipe), objective.noisy(x0, noise, t), t, cond,
                        guidance=config.train_guidance, vae_scale_factor=pipe.vae_scale_factor)
-    weights = loss_weights(config, objective, t)
+    weights = loss_weights(config, objective, t) if weighted else None
     if weights is None:
         return objectives.diffusion_loss(pred, objective.target(x0, noise, t))
     return weighted_loss(pred, objective.target(x0, noise, t), weights)

@@ -157,7 +157,7 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     with phase("save"):
         outputs = save_outputs(config, kind, pipe, run, env, learner)
     with phase("sample"):
-        outputs.update(sample_outputs(config, encoders, run, env, samples))
+        outputs.update(sample_outputs(config, encoders, run, env, samples, watch.last_samples))
         outputs.update(watch.close())
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
@@ -384,9 +384,11 @@ def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str,
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
-                   samples: tuple[list[str], dict] | None) -> dict[str, Path]:
+                   samples: tuple[list[str], dict] | None, last: torch.Tensor | None = None
+                   ) -> dict[str, Path]:
     """The samples with and without the LoRA (rank 0) from the sample prompts encoded while caching: only the
-    VAE comes back to the device for them."""
+    VAE comes back to the device for them. `last`: the watch's samples of the last step, the LoRA row's images
+    (the same prompts, seed and noise) where the text encoders did not train."""
     outputs = {}
     if env.main and samples is not None:
         model = denoiser(encoders.pipe)
@@ -400,6 +402,7 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
                 trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
-                                             inputs=trained, base_inputs=inputs)
+                                             inputs=trained, base_inputs=inputs,
+                                             with_lora=last if config.text_encoder_lr is None else None)
     env.barrier()
     return outputs

@@ -8,13 +8,14 @@ checkpoint.
     watch.saved()                   # at a checkpoint: lora_step_NNNNNNN.safetensors beside it
     watch.close()                   # samples/strip.png: every step's samples side by side
 
-The validation loss of a step is the denoising loss of the held-out examples at VALIDATION_QUANTILES fixed
-timesteps, each example with its own fixed noise (drawn from VALIDATION_SEED and its index: the same draws at
-every evaluation and in every run). The timesteps are the midpoints of VALIDATION_QUANTILES equal-probability
-strata of the distribution training draws t from (DDPM: uniform on 0 .. T-1; flow matching: the logit-normal
-sigmas, shifted): the loss depends strongly on t (a random t would make the curve mostly noise), and the mean
-over these quantiles is a deterministic stratified estimate of the expected training loss over t, so the
-training and validation curves measure the same quantity.
+The validation loss of a step is the unweighted denoising loss of the held-out examples at
+VALIDATION_QUANTILES fixed timesteps, each example with its own fixed noise (drawn from VALIDATION_SEED and
+its index: the same draws at every evaluation and in every run). The timesteps are the midpoints of
+VALIDATION_QUANTILES equal-probability strata of the base's own distribution of t (`objective_for(pipe)`: DDPM
+uniform on 0 .. T-1; flow matching the logit-normal(0, 1) sigmas with the scheduler's fixed shift): the loss
+depends strongly on t (a random t would make the curve mostly noise), and the mean over these quantiles is a
+deterministic stratified estimate of its expectation over t. The run's timestep knobs and loss weightings do
+not enter it, so the validation losses of runs that differ in them compare (docs/training.md).
 """
 
 from __future__ import annotations
@@ -59,28 +60,33 @@ def validation_noise(i: int, k: int, shape: tuple[int, ...]) -> torch.Tensor:
 @torch.no_grad()
 def validation_loss(config: TrainConfig, kind: ModelKind, pipe, val: EncodedExamples,
                     objective=None) -> float:
-    """The mean over the held-out examples and the fixed timesteps of the denoising loss (module docstring),
-    with the adapter as it is; no gradients, forwards of at most batch_size rows (a training micro-batch's,
-    so validating never needs more memory than a training step)."""
+    """The mean over the held-out examples and the fixed timesteps of the unweighted denoising loss (module
+    docstring), with the adapter as it is; no gradients. The (example, timestep) rows go through the denoiser
+    batch_size at a time (a training micro-batch's rows, so validating never needs more memory than a training
+    step), examples of one latent size together (buckets)."""
     objective = objective or objective_for(pipe)
     model = denoiser(pipe)
     device = next(p.device for p in model.parameters())
     t = validation_timesteps(objective)
     k = len(t)
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for i, latent in enumerate(val.latents):
+        by_size.setdefault(tuple(latent.shape), []).append(i)
     was_training = model.training
     model.eval()
     try:
         total = 0.0
-        for i, latent in enumerate(val.latents):
-            noise = validation_noise(i, k, tuple(latent.shape))
-            for start in range(0, k, config.batch_size):
-                rows = slice(start, min(k, start + config.batch_size))
-                n = rows.stop - rows.start
-                x0 = latent.to(device).expand(n, *latent.shape)
-                cond = val.embeds_of([i] * n, None, None, device)
-                loss = denoising_loss(config, kind, pipe, objective, x0, noise[rows].to(device),
-                                      t[rows].to(device), cond)
-                total += loss.item() * n
+        for shape, examples in by_size.items():
+            noise = {i: validation_noise(i, k, shape) for i in examples}
+            rows = [(i, j) for i in examples for j in range(k)]
+            for start in range(0, len(rows), config.batch_size):
+                chunk = rows[start: start + config.batch_size]
+                x0 = torch.stack([val.latents[i] for i, _ in chunk]).to(device)
+                eps = torch.stack([noise[i][j] for i, j in chunk]).to(device)
+                cond = val.embeds_of([i for i, _ in chunk], None, None, device)
+                tj = t[[j for _, j in chunk]].to(device)
+                loss = denoising_loss(config, kind, pipe, objective, x0, eps, tj, cond, weighted=False)
+                total += loss.item() * len(chunk)
     finally:
         model.train(was_training)
     return total / (k * len(val.latents))
@@ -135,6 +141,7 @@ class Watch:
         self.config, self.kind, self.pipe, self.run, self.env = config, kind, pipe, run, env
         self.encoders, self.samples, self.val = encoders, samples, val
         self.log_path = run.output / "loss.jsonl"
+        self.last_samples: torch.Tensor | None = None  # the last step's images: samples.png's lower row
         self.tb = None
         if config.log_with == "tensorboard" and env.main:
             from torch.utils.tensorboard import SummaryWriter
@@ -173,9 +180,10 @@ class Watch:
     def sample_step(self) -> Path:
         """samples/step_NNNNNNN.png: the sample prompts with the adapter as it is, one image per prompt,
         prompts as rows. The prompts go through the sampler batch_size at a time (a training micro-batch's
-        images: no more memory than a training step), each group from the run's seed: the same noise at every
-        step. On the CPU the VAE stays after the first sampling (the host is the device: rebuilding it each
-        time would cost more than keeping it); elsewhere it comes back for each sampling and leaves after."""
+        images: no more memory than a training step), each prompt from the run's seed's noise: the same noise
+        at every step, and samples.png's (the last step's images are its lower row). On the CPU the VAE stays
+        after the first sampling (the host is the device: rebuilding it each time would cost more than keeping
+        it); elsewhere it comes back for each sampling and leaves after."""
         model = denoiser(self.pipe)
         was_training = model.training
         model.eval()
@@ -188,6 +196,8 @@ class Watch:
                     images = self.sample_images()
         finally:
             model.train(was_training)
+        if self.run.step == self.config.steps:
+            self.last_samples = images
         prompts = self.samples[0]
         grid = image_grid(images, rows=len(prompts), scale=max(1, 128 // images.shape[-1]))
         path = self.run.output / "samples" / f"step_{self.run.step:07d}.png"
@@ -200,12 +210,13 @@ class Watch:
         return path
 
     def sample_images(self) -> torch.Tensor:
-        """(P, 3, H, W) the sample prompts' images, batch_size prompts per sampler call."""
+        """(P, 3, H, W) the sample prompts' images, batch_size prompts per sampler call, each prompt from the
+        run's seed's noise (as samples.png samples it alone)."""
         prompts, inputs = self.samples
         b = self.config.batch_size
         return torch.cat([sample(self.pipe, prompts[i: i + b], seed=self.config.seed,
                                  steps=self.config.sample_steps, tiled=self.config.vae_tiling,
-                                 inputs={k: v[i: i + b] for k, v in inputs.items()})
+                                 inputs={k: v[i: i + b] for k, v in inputs.items()}, noise_per_prompt=True)
                           for i in range(0, len(prompts), b)])
 
     def write(self, record: dict) -> None:

@@ -280,8 +280,7 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
 
     with unset_fake_temporarily():
         for enc in kind.text_encoders:
-            near = Path(parts.get("t5xxl") or path) if enc.arch == "t5" else path
-            tokenizers[enc.tokenizer] = tokenizer_for(enc.arch, enc.component, found.variant, kind, near)
+            tokenizers[enc.tokenizer] = tokenizer_for(enc.arch, enc.component, found.variant, kind)
         components = load(None)
         source = components.pop("source")
         components.update(tokenizers)

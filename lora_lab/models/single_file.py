@@ -93,6 +93,11 @@ def detect(header: FileHeader) -> Detected:
                 raise ModelLoadError(f"{header.path}: a {kind} checkpoint of a size lora_lab has no config "
                                      f"for (first layer {width} wide; known: {sorted(widths)})")
             variant = widths[width]
+            if variant == "sd35-medium" and prefix + "joint_blocks.0.x_block.attn2.qkv.weight" not in header:
+                patches = header.shapes.get(prefix + "pos_embed", (0, "?"))[1]
+                raise ModelLoadError(f"{header.path}: a Stable Diffusion 3 Medium (3.0) checkpoint (no "
+                                     f"dual attention in its first block, a pos_embed of {patches} patches), "
+                                     "which lora_lab has no config for: it trains SD3.5 Medium and Large")
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")
@@ -243,14 +248,13 @@ def component_configs(kind: str, variant: str) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind, near: Path):
-    """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`; T5's from a
-    spiece.model beside `near`, the file that holds the encoder)."""
+def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind):
+    """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`)."""
     if variant == "tiny":
         return build_tokenizer("t5" if arch == "t5" else "clip")
     from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
     if arch == "t5":
-        return real_t5_tokenizer(kind.t5_tokens, near)
+        return real_t5_tokenizer(kind.t5_tokens)
     return real_clip_tokenizer(pad="!" if kind.name == "sdxl" and component == "text_encoder_2" else
                                "<|endoftext|>")

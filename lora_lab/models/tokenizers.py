@@ -1,7 +1,7 @@
 """The real models' tokenizers, offline.
 
     real_clip_tokenizer(pad="<|endoftext|>")  -> CLIP's BPE tokenizer (CLIP-L and OpenCLIP bigG share it)
-    real_t5_tokenizer(length, near=None)      -> T5's sentencepiece tokenizer, from a `spiece.model` file
+    real_t5_tokenizer(length)                 -> T5's sentencepiece (Unigram) tokenizer, T5TokenizerFast
 
 CLIP: the vocabulary is OpenAI's `bpe_simple_vocab_16e6.txt.gz` as open_clip ships it (MIT licence, its
 LICENSE beside it in data/tokenizers/), made into the vocabulary and merges that transformers' CLIPTokenizer
@@ -9,21 +9,21 @@ reads exactly as open_clip's SimpleTokenizer makes them: 256 byte symbols, the s
 one token per merge (the first 48894), then <|startoftext|> and <|endoftext|>: 49408 tokens. SDXL's second
 tokenizer pads with "!" (pad="!").
 
-T5: no package on the registries ships T5's sentencepiece model (`spiece.model`, Apache-2.0), so lora_lab
-does not ship it either: it is read from a `spiece.model` beside the --t5xxl file, and where there is none
-the error says so.
+T5: the vocabulary of T5 / T5 v1.1 (Google's, Apache-2.0: 32000 sentencepiece pieces and 100 <extra_id_N>)
+as the Hugging Face tokenizers JSON that stable-diffusion.cpp embeds (its C array decoded, from the PyPI sdist
+of stable-diffusion-cpp-python; MIT), shipped gzipped in data/tokenizers/ with LICENSE.t5; read by
+transformers' T5TokenizerFast: "A long paragraph for summarization." gives transformers' own test's ids.
 """
 
 from __future__ import annotations
 
 import functools
 import gzip
-from pathlib import Path
 
 from .builders import DATA_DIR
-from .kinds import ModelLoadError
 
 CLIP_BPE = DATA_DIR / "tokenizers" / "bpe_simple_vocab_16e6.txt.gz"
+T5_JSON = DATA_DIR / "tokenizers" / "t5_tokenizer.json.gz"
 CLIP_TOKENS = 77
 _MERGES = 49152 - 256 - 2  # open_clip's SimpleTokenizer reads this many merges
 
@@ -60,11 +60,11 @@ def real_clip_tokenizer(pad: str = "<|endoftext|>"):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_TOKENS, pad_token=pad)
 
 
-def real_t5_tokenizer(length: int, near: str | Path | None = None):
-    from transformers import T5Tokenizer
+def real_t5_tokenizer(length: int):
+    """T5's tokenizer (Flux's and SD3.5's T5-XXL) from the shipped JSON, `length` tokens at most."""
+    from tokenizers import Tokenizer
+    from transformers import T5TokenizerFast
 
-    spiece = Path(near).parent / "spiece.model" if near else None
-    if spiece is None or not spiece.is_file():
-        raise ModelLoadError("T5-XXL's tokenizer is not shipped with lora_lab (no package ships its "
-                             "spiece.model): put spiece.model (google/t5-v1_1-xxl) beside the --t5xxl file")
-    return T5Tokenizer(vocab_file=str(spiece), model_max_length=length, legacy=True)
+    tok = Tokenizer.from_str(gzip.decompress(T5_JSON.read_bytes()).decode("utf-8"))
+    return T5TokenizerFast(tokenizer_object=tok, model_max_length=length, eos_token="</s>", unk_token="<unk>",
+                           pad_token="<pad>", extra_ids=100)
