@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         base = statistics.median(o for _, o, _ in times[name, settings[0][0], settings[0][1]])
         for load, threads in settings:
             wall, own, train = (statistics.median(x) for x in zip(*times[name, load, threads]))
-            print(f"| {name} | {load}, {threads} thread(s) | {wall:.1f} | {own:.1f} | {train:.1f} | "
+            train = "n/a" if load == "lab busy" else f"{train:.1f}"  # the browser test does not read it
+            print(f"| {name} | {load}, {threads} thread(s) | {wall:.1f} | {own:.1f} | {train} | "
                   f"{own / base if base else float('nan'):.2f} |")
     return 0
 

@@ -33,6 +33,9 @@ KNOWN_NOISE: tuple[tuple[str, str, str, str], ...] = (
     ("diffusers.loaders.peft", "No LoRA keys associated to ", "", "as above, diffusers' other loader"),
     ("IPKernelApp", "Kernel is running over TCP without encryption", "",
      "the kernels of the batch runner, on localhost for it alone (`kernel_log_config`)"),
+    ("IPKernelApp", "KeyboardInterrupt caught in kernel", "",
+     "jupyter_client interrupts a kernel before it shuts it down, after the notebook ran; with two notebooks "
+     "at once the interrupt often lands while the kernel still handles a message"),
 )
 
 

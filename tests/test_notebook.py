@@ -320,7 +320,7 @@ def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, m
     assert not batch_run()
 
 
-def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path):
+def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path, capfd):
     """`--jobs 2`: two notebooks in two worker processes at once; the records come back in the order asked,
     each with its wall time, and a failed claim in one does not hide the other's pass."""
     from lora_lab.notebook.runner import run_notebooks
@@ -332,6 +332,8 @@ def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path):
     assert records[0]["passed"] and not records[1]["passed"] and "ClaimFailed" in records[1]["error"]
     assert all(r["wall_seconds"] > 0 for r in records)
     assert (tmp_path / "out" / "a_good.ipynb").is_file() and (tmp_path / "out" / "b_bad.ipynb").is_file()
+    err = capfd.readouterr().err  # the kernels' shutdown (an interrupt first) leaves no line in the terminal
+    assert "IPKernelApp" not in err and "KeyboardInterrupt" not in err, err
 
 
 def test_the_longest_notebook_of_the_last_run_starts_first(tmp_path):
