@@ -14,6 +14,7 @@ from torch import nn
 from lora_lab.formats.lycoris import apply_lycoris, save_lycoris
 from lora_lab.lora.config import LoRAConfigError
 from lora_lab.lora.lycoris import LycorisLayer, add_lycoris, factorization
+from lora_lab.lora.model import lora_disabled
 
 LINEAR = "mid_block.attentions.0.proj_in"
 CONV = "down_blocks.0.resnets.0.conv1"
@@ -83,6 +84,23 @@ def test_forward_merge_unmerge_and_strength_are_the_formula(kind, rank):
         torch.testing.assert_close(layer(inp), expect, rtol=1e-4, atol=1e-5)
         layer.unmerge()
         torch.testing.assert_close(layer.base.weight, base.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lora_disabled_switches_lycoris_layers_off_too(kind):
+    """The trainer's samples.png draws its base row inside `lora_disabled`: a LoKr/LoHa run's base row must be
+    the base (it was the adapted model: only LoRA layers were switched off)."""
+    model = _unet_like()
+    x = torch.randn(5, 12)
+    before = copy.deepcopy(model)
+    add_lycoris(model, kind, [LINEAR, CONV], rank=2, alpha=4.0, factor=2)
+    _trained(model)
+    lin = model.get_submodule(LINEAR)
+    adapted = lin(x)
+    assert not torch.allclose(adapted, before.get_submodule(LINEAR)(x))
+    with lora_disabled(model):
+        torch.testing.assert_close(lin(x), before.get_submodule(LINEAR)(x), rtol=0, atol=0)
+    torch.testing.assert_close(lin(x), adapted, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind, rank", [("lokr", None), ("lokr", 2), ("loha", 3)])

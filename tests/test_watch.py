@@ -101,6 +101,28 @@ def test_loss_log_has_the_train_and_validation_loss_lr_grad_norm_time_and_sample
     assert (first - last).abs().max() > 0
 
 
+def test_samples_png_reuses_step_0_and_the_last_step_and_shows_what_sampling_afresh_shows(run, tmp_path):
+    """A watched run's samples.png takes its base row from step 0's samples (the adapter as initialised adds
+    nothing) and its LoRA row from the last step's: the same images as sampling both rows afresh at the end
+    (up to float rounding of one batch against one prompt at a time)."""
+    import numpy as np
+    from PIL import Image
+
+    from lora_lab.diffusion.sampling import sample_grid
+    from lora_lab.models import denoiser
+
+    out, config, result = run
+    prompts, inputs = result.cached.samples
+    denoiser(result.pipe).eval()
+    fresh = sample_grid(result.pipe, prompts, config.seed, config.sample_steps, tmp_path / "fresh.png",
+                        inputs=inputs)
+    made, again = (np.asarray(Image.open(p), dtype=np.int16) for p in (result.outputs["samples"], fresh))
+    assert made.shape == again.shape and np.abs(made - again).max() <= 1
+    h = (made.shape[0] - 3) // 2  # two rows of tiles, 1 px of padding around them
+    top, bottom = made[1:1 + h], made[2 + h:2 + 2 * h]  # they differ: the LoRA trained (neither row is a copy)
+    assert np.abs(top - bottom).max() > 8
+
+
 def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

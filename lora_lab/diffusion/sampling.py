@@ -155,15 +155,17 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
                 guidance: float | None = None, tiled: bool = False,
                 inputs: dict[str, torch.Tensor] | None = None,
                 base_inputs: dict[str, torch.Tensor] | None = None,
-                with_lora: torch.Tensor | None = None) -> Path:
+                without: torch.Tensor | None = None, with_lora: torch.Tensor | None = None) -> Path:
     """A PNG of two rows, one column per prompt: the base model (LoRA disabled) above, with the LoRA below.
 
     Each image is sampled on its own, from the same seed in both rows, so only the adapter differs; one at a
     time, the sampler's memory does not grow with the number of prompts. inputs: the prompts' `prompt_inputs`
     (then the text encoders need not be on the device); base_inputs: the base row's, where they differ (the
-    base text encoders' before a text-encoder LoRA trained; default: `inputs`). with_lora: the lower row's
-    images where they were made already (a watched run's last samples, made with `noise_per_prompt`: the same
-    noise, so the same images up to float rounding).
+    base text encoders' before a text-encoder LoRA trained; default: `inputs`). without / with_lora: the
+    upper / lower row's images where they were made already (a watched run's samples of step 0, where the
+    adapter as initialised adds nothing (B = 0; a zero LoKr/LoHa factor; DoRA's magnitude the base's norm),
+    and of its last step, made with `noise_per_prompt`: the same noise, so the same images up to float
+    rounding).
     """
     inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
     base_inputs = inputs if base_inputs is None else base_inputs
@@ -173,8 +175,9 @@ def sample_grid(pipe, prompts: list[str], seed: int, steps: int, path: Path,
         return sample(pipe, [prompts[i]], seed=seed, steps=steps,
                       inputs={k: v[i: i + 1] for k, v in given.items()}, **kw)
 
-    with lora_disabled(denoiser(pipe)):
-        without = torch.cat([one(i, base_inputs) for i in range(len(prompts))])  # (P, 3, H, W)
+    if without is None:
+        with lora_disabled(denoiser(pipe)):
+            without = torch.cat([one(i, base_inputs) for i in range(len(prompts))])  # (P, 3, H, W)
     if with_lora is None:
         with_lora = torch.cat([one(i, inputs) for i in range(len(prompts))])
     return _save_pair_grid(without, with_lora, path)

@@ -157,7 +157,8 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     with phase("save"):
         outputs = save_outputs(config, kind, pipe, run, env, learner)
     with phase("sample"):
-        outputs.update(sample_outputs(config, encoders, run, env, samples, watch.last_samples))
+        outputs.update(sample_outputs(config, encoders, run, env, samples, watch.first_samples,
+                                      watch.last_samples))
         outputs.update(watch.close())
     encoders.restore()  # the pipeline returned is whole again
     return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
@@ -384,11 +385,12 @@ def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str,
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
-                   samples: tuple[list[str], dict] | None, last: torch.Tensor | None = None
-                   ) -> dict[str, Path]:
+                   samples: tuple[list[str], dict] | None, first: torch.Tensor | None = None,
+                   last: torch.Tensor | None = None) -> dict[str, Path]:
     """The samples with and without the LoRA (rank 0) from the sample prompts encoded while caching: only the
-    VAE comes back to the device for them. `last`: the watch's samples of the last step, the LoRA row's images
-    (the same prompts, seed and noise) where the text encoders did not train."""
+    VAE comes back to the device for them. `first` / `last`: the watch's samples of step 0 and of the last
+    step, the base row's and the LoRA row's images (the same prompts, seed and noise; at step 0 the adapter
+    as initialised adds nothing), used where the text encoders did not train."""
     outputs = {}
     if env.main and samples is not None:
         model = denoiser(encoders.pipe)
@@ -403,6 +405,7 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
                                              inputs=trained, base_inputs=inputs,
-                                             with_lora=last if config.text_encoder_lr is None else None)
+                                             **({} if config.text_encoder_lr is not None
+                                                else {"without": first, "with_lora": last}))
     env.barrier()
     return outputs

@@ -142,6 +142,7 @@ class Watch:
         self.encoders, self.samples, self.val = encoders, samples, val
         self.log_path = run.output / "loss.jsonl"
         self.last_samples: torch.Tensor | None = None  # the last step's images: samples.png's lower row
+        self.first_samples: torch.Tensor | None = None  # step 0's (a fresh run's): samples.png's base row
         self.tb = None
         if config.log_with == "tensorboard" and env.main:
             from torch.utils.tensorboard import SummaryWriter
@@ -198,6 +199,8 @@ class Watch:
             model.train(was_training)
         if self.run.step == self.config.steps:
             self.last_samples = images
+        if self.run.step == 0:  # the adapter as initialised adds nothing: these are the base's images
+            self.first_samples = images
         prompts = self.samples[0]
         grid = image_grid(images, rows=len(prompts), scale=max(1, 128 // images.shape[-1]))
         path = self.run.output / "samples" / f"step_{self.run.step:07d}.png"

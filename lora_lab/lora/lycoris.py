@@ -76,7 +76,7 @@ class LycorisLayer(nn.Module):
         if rank is not None and rank < 1 or alpha is not None and not alpha > 0:
             raise LoRAConfigError(f"LycorisLayer: rank must be >= 1 and alpha > 0, got {rank}, {alpha}")
         base.requires_grad_(False)
-        self.base, self.kind, self.strength, self.merged = base, kind, 1.0, False
+        self.base, self.kind, self.strength, self.merged, self.enabled = base, kind, 1.0, False, True
         w = base.weight
         self.shape = tuple(w.shape)
         out, inner = w.shape[0], w[0].numel()
@@ -137,7 +137,7 @@ class LycorisLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.merged or self.strength == 0:
+        if self.merged or self.strength == 0 or not self.enabled:
             return y
         d = (self.strength * self.delta()).to(x.dtype)
         if isinstance(self.base, nn.Conv2d):

@@ -33,6 +33,7 @@ from ..modules import matches_targets, parent_name, swap_module
 from ..quant import QuantLinear
 from .config import LoRAConfig, LoRAConfigError, LoRAStateError, LoRATargetError
 from .layer import LoRAConv2d, LoRALinear, LoRAModule
+from .lycoris import LycorisLayer
 
 __all__ = ["add_lora", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora", "remove_lora",
            "set_lora_strength", "train_adapters", "unmerge_lora"]
@@ -136,10 +137,11 @@ def remove_lora(model: nn.Module, merge: bool = True, requantize: bool = False) 
 
 @contextmanager
 def lora_disabled(model: nn.Module):
-    """Inside the block every adapter is off (the base model); each is restored afterwards, also on an
-    exception."""
-    mods = [m for _, m in lora_modules(model)]
-    merged = [n for n, m in lora_modules(model) if m.merged]
+    """Inside the block every adapter is off (the base model): LoRA/DoRA/LoCon and LoKr/LoHa alike; each is
+    restored afterwards, also on an exception."""
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRAModule, LycorisLayer))]
+    mods = [m for _, m in named]
+    merged = [n for n, m in named if m.merged]
     if merged:
         raise LoRAStateError("merged adapters are part of the base weights and cannot be switched off: "
                              f"{merged[:8]}")
