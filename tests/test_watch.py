@@ -119,7 +119,7 @@ def test_samples_png_reuses_step_0_and_the_last_step_and_shows_what_sampling_afr
     made, again = (np.asarray(Image.open(p), dtype=np.int16) for p in (result.outputs["samples"], fresh))
     assert made.shape == again.shape and np.abs(made - again).max() <= 1
     h = (made.shape[0] - 3) // 2  # two rows of tiles, 1 px of padding around them
-    top, bottom = made[1:1 + h], made[2 + h:2 + 2 * h]  # they differ: the LoRA trained (neither row is a copy)
+    top, bottom = made[1:1 + h], made[2 + h:2 + 2 * h]  # they differ: the LoRA trained (no row is a copy)
     assert np.abs(top - bottom).max() > 8
 
 
