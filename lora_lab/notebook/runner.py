@@ -219,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parameters = {name: _cli_value(value) for name, value in args.parameter}
     t0 = time.time()
-    results = run_notebooks(paths, out, parameters, jobs=args.jobs)
-    summary = {"notebooks": results, "passed": all(r["passed"] for r in results), "jobs": args.jobs,
+    jobs = min(args.jobs, len(paths))
+    results = run_notebooks(paths, out, parameters, jobs=jobs)
+    summary = {"notebooks": results, "passed": all(r["passed"] for r in results), "jobs": jobs,
                "wall_seconds": round(time.time() - t0, 1)}
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2, default=jsonable).encode())
     print(f"\nreports: {out}  (summary: {out / 'summary.json'})")
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"  {r['error']}" if r.get("error") else ""
         print(f"  {verdict}  {r['notebook']}: {held}/{n} claims held in "
               f"{r.get('wall_seconds', '?')} s{extra}")
-    print(f"  all: {summary['wall_seconds']} s, {args.jobs} at a time")
+    print(f"  all: {summary['wall_seconds']} s, {jobs} at a time")
     return 0 if summary["passed"] else 1
 
 
