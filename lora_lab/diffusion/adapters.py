@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from ..lora import LoRAConfig, add_lora
-from ..lora.lycoris import add_lycoris
+from ..lora import LoRAConfig, LoRAConfigError, add_lora
+from ..lora.lycoris import add_lycoris, factorization, lycoris_targets
 from ..models import TINY_MAX_RESOLUTION, ModelKind, denoiser, is_tiny
-from ..modules import matches_targets
 from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError
-
-
-def targeted_layers(config: TrainConfig, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The denoiser's Linear and Conv2d layers the config's adapter wraps, by name."""
-    return [(name, m) for name, m in model.named_modules() if name
-            and matches_targets(name, config.adapter_targets()) and isinstance(m, (torch.nn.Linear,
-                                                                                   torch.nn.Conv2d))]
 
 
 def check_adapter_for_base(config: TrainConfig, model: torch.nn.Module) -> None:
     """A rank no wider than every targeted layer; a LoKr factor that divides every targeted layer's output
     and input dimensions (each splits as factor x rest): TrainConfigError naming the first that fails."""
-    layers = targeted_layers(config, model)
+    layers = lycoris_targets(model, config.adapter_targets())  # the Linear / Conv2d layers the targets name
     widths = [(min(m.weight.shape[0], m.weight[0].numel()), name) for name, m in layers]
     if widths and config.rank > min(widths)[0]:
         width, name = min(widths)
@@ -33,9 +25,12 @@ def check_adapter_for_base(config: TrainConfig, model: torch.nn.Module) -> None:
     if config.adapter == "lokr" and factor > 0:
         for name, m in layers:
             out, inner = m.weight.shape[:2]
-            if out % factor or inner % factor:
+            try:  # LycorisLayer's own split of each dimension, before anything is built
+                factorization(out, factor), factorization(inner, factor)
+            except LoRAConfigError:
                 raise TrainConfigError(f"TrainConfig.lokr_factor={factor}: does not divide the targeted "
-                                       f"layer {name} (out {out}, in {inner}); use a common divisor, or -1")
+                                       f"layer {name} (out {out}, in {inner}); use a common divisor, or -1"
+                                       ) from None
 
 
 def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution: int) -> None:

@@ -402,10 +402,11 @@ def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: 
             # a text-encoder LoRA: the LoRA row's prompts through the trained encoders, the base row's cached
             with torch.no_grad():
                 trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
+            reuse = config.text_encoder_lr is None  # the watch's prompts went through the encoders as cached
             outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
                                              run.output / "samples.png", tiled=config.vae_tiling,
                                              inputs=trained, base_inputs=inputs,
-                                             **({} if config.text_encoder_lr is not None
-                                                else {"without": first, "with_lora": last}))
+                                             without=first if reuse else None,
+                                             with_lora=last if reuse else None)
     env.barrier()
     return outputs

@@ -174,14 +174,20 @@ class LycorisLayer(nn.Module):
         return {prefix + n: p.detach() for n, p in self.named_parameters(recurse=False)}
 
 
+def lycoris_targets(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
+    """(name, layer) for every Linear / Conv2d of `model` whose name matches `targets`: what add_lycoris
+    wraps."""
+    return [(n, m) for n, m in model.named_modules() if n and matches_targets(n, targets)
+            and isinstance(m, (nn.Linear, Linear, nn.Conv2d))]
+
+
 def add_lycoris(model: nn.Module, kind: str, targets, rank: int | None = 8, alpha: float | None = None,
                 factor: int = -1) -> list[str]:
     """Wrap every Linear / Conv2d of `model` whose name matches `targets` in a LoKr or LoHa adapter (the
     model frozen first); returns the wrapped names. LoRAConfigError (before any wrap) where a LoKr factor
     does not divide a matched layer's dimensions."""
     model.requires_grad_(False)
-    names = [n for n, m in model.named_modules() if n and matches_targets(n, targets)
-             and isinstance(m, (nn.Linear, Linear, nn.Conv2d))]
+    names = [n for n, _ in lycoris_targets(model, targets)]
     if not names:
         raise LoRATargetError(f"add_lycoris: no Linear or Conv2d matches {targets!r}")
     layers = {}
