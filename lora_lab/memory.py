@@ -158,6 +158,19 @@ def _tensor_leaves(values):
             yield from _tensor_leaves(v)
 
 
+class Window:
+    """What `LiveBytes.window` saw: the live total at its start, top (and the saved part then) and end, the
+    storages born while it was open (`born`: key -> a weak reference to the storage) and the keys marked saved
+    (`marked`)."""
+
+    def __init__(self, start: int, saved_start: int):
+        self.start, self.saved_start = start, saved_start
+        self.top, self.saved_at_top = start, saved_start
+        self.end, self.saved_end = start, saved_start
+        self.born: dict[int, weakref.ref] = {}
+        self.marked: set[int] = set()
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of live tensor storages, and their peak, at the dispatch level (any device).
 
@@ -192,6 +205,7 @@ class LiveBytes(TorchDispatchMode):
         self._phases: list[str] = []  # the phases running now
         self._elsewhere: set[int] = set()  # storages not counted (exclude)
         self._born_elsewhere = False  # inside elsewhere(): new storages are not counted
+        self._windows: list[Window] = []  # open windows (`window`)
 
     def _free(self, key: int) -> None:
         n = self.live.pop(key, 0)
@@ -219,12 +233,47 @@ class LiveBytes(TorchDispatchMode):
         if born and self.in_forward:
             self.forward_born.add(key)
         weakref.finalize(s, self._free, key)
+        for w in self._windows:
+            w.born[key] = weakref.ref(s)
+        self._new_level()
+
+    def _new_level(self) -> None:
+        """The peaks after `current` rose."""
         if self.current > self.peak:
             self.peak = self.current
             self.saved_at_peak = self.saved_live
         for name in self._phases:
             if self.current > self.phase_peaks[name]:
                 self.phase_peaks[name] = self.current
+        for w in self._windows:
+            if self.current > w.top:
+                w.top, w.saved_at_top = self.current, self.saved_live
+
+    def transient(self, nbytes: int, saved: int = 0) -> None:
+        """Bytes live for a moment (`saved` of them saved activations): the peaks see them, nothing stays."""
+        self.current += nbytes
+        self.saved_live += saved
+        self._new_level()
+        self.current -= nbytes
+        self.saved_live -= saved
+
+    @contextlib.contextmanager
+    def window(self):
+        """A `Window` on what happens while the block runs: the largest live total, the storages born."""
+        w = self.open_window()
+        try:
+            yield w
+        finally:
+            self.close_window(w)
+
+    def open_window(self) -> Window:
+        w = Window(self.current, self.saved_live)
+        self._windows.append(w)
+        return w
+
+    def close_window(self, w: Window) -> None:
+        self._windows.remove(w)
+        w.end, w.saved_end = self.current, self.saved_live
 
     def track(self, tensors) -> None:
         for t in tensors:
@@ -292,6 +341,8 @@ class LiveBytes(TorchDispatchMode):
 
     def mark_saved(self, t: torch.Tensor) -> torch.Tensor:
         key = id(t.untyped_storage())
+        for w in self._windows:
+            w.marked.add(key)
         if key in self.forward_born and key not in self.saved_alive:
             n = self.live.get(key, 0)
             self.saved_total += n

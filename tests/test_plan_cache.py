@@ -1,18 +1,15 @@
-"""What makes plans fast: the plan cache on disk (lora_lab/planning/cache.py: a hit is the plan made again,
-every input is in the key, a damaged file is planned again and rewritten, where the cache lives), and the
-sample phase's one block of each run of identical ones (the same peak)."""
+"""The plan cache on disk (lora_lab/planning/cache.py): a hit is the plan made again, every input is in the
+key, a damaged file is planned again and rewritten, where the cache lives."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from lora_lab.planning import cache, planner, run
+from lora_lab.planning import cache, planner
 from lora_lab.planning.planner import plan_memory, plan_options
 
 TINY = dict(size="tiny", device="cpu", base_dtype="fp32", rank=4, mixed_precision="no", sample_steps=0)
@@ -111,25 +108,3 @@ def test_where_plans_are_cached(tmp_path, monkeypatch):
     assert cache.cache_dir() == tmp_path / "mine"
     monkeypatch.setenv("LORA_LAB_PLAN_CACHE", "off")
     assert cache.cache_dir() is None and cache.store_plan("k", {}) is None and cache.load_plan("k") is None
-
-
-def test_one_block_of_each_run_of_identical_blocks_runs_and_all_come_back():
-    blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 8),
-              torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
-    model = torch.nn.Module()
-    model.transformer_blocks = torch.nn.ModuleList(blocks)
-    with torch.no_grad(), run.one_of_identical_blocks(model):
-        assert list(model.transformer_blocks) == [blocks[0], blocks[2], blocks[3]]
-    assert list(model.transformer_blocks) == blocks
-    with pytest.raises(RuntimeError, match="without gradients"), run.one_of_identical_blocks(model):
-        pass
-
-
-def test_the_sample_phase_is_the_same_with_one_block_of_each_run(monkeypatch):
-    """Tiny SDXL's UNet has stacks of 2 identical transformer blocks: the sample phase's peak (and every other
-    phase) is the same when every block runs."""
-    options = dict(TINY, sample_steps=1, cache=False)
-    fast = plan_memory("sdxl", **options)
-    monkeypatch.setattr(run, "one_of_identical_blocks", lambda model: contextlib.nullcontext())
-    every = plan_memory("sdxl", **options)
-    assert fast.phases == every.phases and fast.phases["sample"] > 0

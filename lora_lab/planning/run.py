@@ -47,6 +47,7 @@ from ..lora import lora_state_dict
 from ..memory import LiveBytes, _tensors
 from ..models import decode_latents, default_resolution, denoiser, model_kind, predict
 from ..optim import Adam8bit
+from .blocks import Unreplayable, one_of_identical_blocks, replayed_blocks
 from .fakedevice import DeviceRules, fake_device
 
 CPU = torch.device("cpu")  # the fake device every planned tensor is on
@@ -96,9 +97,25 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     attention kernels and autocast; "cpu") and return each phase's peak of device memory. dataset_size: the
     examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for
     `enable_checkpointing` beside the config's policy.
-    Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...)."""
+    Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...).
+
+    Without checkpointing or block swapping, the training step replays the blocks between the first and the
+    last of each run of identical transformer blocks (`blocks.replayed_blocks`, checked to the byte by every
+    plan); where the check fails, the run is planned again with every block running."""
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
+    options = dict(device=device, attention=attention, dataset_size=dataset_size,
+                   distinct_captions=distinct_captions, checkpoint_options=checkpoint_options)
+    if not (config.checkpointing_policy() or checkpoint_options or config.blocks_to_swap):
+        try:
+            return _plan_once(config, replay=True, **options)
+        except Unreplayable:
+            pass
+    return _plan_once(config, replay=False, **options)
+
+
+def _plan_once(config: TrainConfig, *, device: str, attention: str, dataset_size: int,
+               distinct_captions: int | None, checkpoint_options: dict | None, replay: bool) -> RunPeaks:
     kind = model_kind(config.model)
     dtype = config.base_torch_dtype(torch.device(device))
     on_host = device != "cpu"  # where the dataset's cache and the released encoders go
@@ -116,7 +133,8 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
             with tracker.phase("load"):
                 load_denoiser(config, opened, CPU, dtype)
             with tracker.phase("train step"):
-                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options, device)
+                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options, device,
+                                            rules if replay else None)
             with tracker.phase("save"):
                 _save(config, kind, pipe, learner, tracker, on_host)
             if config.sample_steps:
@@ -190,9 +208,11 @@ def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
 
 
 def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker: LiveBytes,
-                checkpoint_options: dict | None, device: str) -> tuple[dict, object]:
+                checkpoint_options: dict | None, device: str,
+                replay: DeviceRules | None) -> tuple[dict, object]:
     """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most
-    two micro-batches (the second with the first's gradients live), measured in parts."""
+    two micro-batches (the second with the first's gradients live), measured in parts. replay: the plan's
+    rules where identical blocks are replayed (`blocks.replayed_blocks`), else None."""
     _, learner = add_trainable(config, kind, pipe, CPU, host=tracker.elsewhere)  # swapped blocks' host copies
     model = denoiser(pipe)
     if checkpoint_options:
@@ -226,7 +246,8 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
         draws = draw_step(config, objective, enough, None, None, 0)
     hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(tracker.mark_saved, lambda x: x):
+        with (torch.autograd.graph.saved_tensors_hooks(tracker.mark_saved, lambda x: x),
+              replayed_blocks(model, tracker, replay) if replay else contextlib.nullcontext()):
             accumulate_grads(config, kind, pipe, objective, enough, None, None, learner, 0, DistEnv(), draws)
     finally:
         for h in hooks:
@@ -314,41 +335,6 @@ def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:
         state[name] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
         state[f"{name}_absmax"] = torch.empty(n_blocks, dtype=torch.float32, device=p.device)
     return state
-
-
-BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")  # diffusers' names, every denoiser here
-
-
-def _signature(block: torch.nn.Module) -> tuple:
-    return (type(block), repr(block), tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in
-                                            block.state_dict(keep_vars=True).items()))
-
-
-@contextlib.contextmanager
-def one_of_identical_blocks(model: torch.nn.Module):
-    """Without gradients, the denoiser's stacks of transformer blocks run one block of each run of identical
-    consecutive blocks (same class, structure, weights' shapes and dtypes). Exact for a no-grad forward: each
-    block of such a run starts with the same live tensors (the stack's input, the same shapes) and frees its
-    temporaries before the next starts, so the run's peak is one block's; the weights of the blocks skipped
-    stay where they are (counted since loading). A plan's sample phase uses it: SDXL's 70 blocks are 11 runs.
-    """
-    if torch.is_grad_enabled():
-        raise RuntimeError("one_of_identical_blocks is exact only without gradients")
-    swapped = []
-    for module in list(model.modules()):
-        for name in BLOCK_STACKS:
-            stack = module._modules.get(name)
-            if isinstance(stack, torch.nn.ModuleList) and len(stack) > 1:
-                signatures = [_signature(b) for b in stack]
-                keep = [b for i, b in enumerate(stack) if i == 0 or signatures[i] != signatures[i - 1]]
-                if len(keep) < len(stack):
-                    swapped.append((module, name, stack))
-                    module._modules[name] = torch.nn.ModuleList(keep)
-    try:
-        yield
-    finally:
-        for module, name, stack in swapped:
-            module._modules[name] = stack
 
 
 def _repeat(data: EncodedExamples, n: int) -> tuple:
