@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -507,6 +508,36 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
             outcomes["refused"] += 1
         assert time.perf_counter() - t0 < 2.0
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle
+
+
+@pytest.mark.parametrize("inside", ["", "out", "samples/run"])
+def test_an_output_inside_the_dataset_is_refused_and_the_data_stays_as_it_was(dataset, tmp_path, capsys,
+                                                                               inside):
+    """--output DATASET (or a folder in it) put samples.png, lora.safetensors and checkpoints/ among the
+    training images: a later run found an image without a caption, --resume a changed dataset."""
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    before = sorted(p.name for p in data.iterdir())
+    rc = cli_main(["train", "--model", "flux", "--dataset", str(data), "--output", str(data / inside),
+                   "--steps", "1", "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "is inside the dataset folder" in err, err
+    assert sorted(p.name for p in data.iterdir()) == before
+
+
+def test_a_fresh_run_never_writes_over_a_saved_lora(dataset, tmp_path, capsys):
+    """A folder that holds a LoRA but no checkpoints (pruned by hand, or another tool's): a fresh run wrote
+    its own lora.safetensors over it; now one error line, the file as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lora.safetensors").write_bytes(b"a LoRA trained for a week")
+    rc = cli_main(["train", "--model", "flux", "--dataset", str(dataset), "--output", str(out),
+                   "--steps", "1", "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("lora-lab: error: ")]
+    assert rc == 2 and len(errors) == 1 and "already holds lora.safetensors, a saved LoRA" in errors[0], err
+    assert (out / "lora.safetensors").read_bytes() == b"a LoRA trained for a week"
+    assert sorted(p.name for p in out.iterdir()) == ["lora.safetensors"]
 
 
 @pytest.mark.parametrize("change, error", [

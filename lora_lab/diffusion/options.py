@@ -41,6 +41,7 @@ def check_watch_fields(config, bad) -> None:
         bad("log_with", f"must be one of {', '.join(LOG_WITH)} (or None: loss.jsonl only)")
     if not (isinstance(config.tag_dropout, (int, float)) and 0 <= config.tag_dropout < 1):
         bad("tag_dropout", "must be a probability in [0, 1)")
+    check_output_outside_data(config, bad)
     if config.datasets is not None:
         if config.dataset is not None:
             bad("datasets", "and dataset both given: list every folder in datasets")
@@ -52,6 +53,20 @@ def check_watch_fields(config, bad) -> None:
                 bad("datasets", f"entry {i + 1}: {problem}")
         if all(table.get("is_reg", False) for table in config.datasets):
             bad("datasets", "every entry is a regularization folder (is_reg): none to train on")
+
+
+def check_output_outside_data(config, bad) -> None:
+    """The output folder is no data folder and inside none: the run's samples.png and checkpoints/ would
+    become the data's (an image without a caption, a changed folder that refuses --resume)."""
+    folders = [("dataset", config.dataset_dir() if config.datasets is None else None),
+               ("reg_dataset", config.reg_dataset), ("validation_dataset", config.validation_dataset)]
+    folders += [("datasets", t["path"]) for t in config.datasets or [] if isinstance(t, dict) and "path" in t]
+    out = Path(config.output).resolve()
+    for name, folder in folders:
+        if isinstance(folder, (str, Path)) and Path(folder).is_dir() and out.is_relative_to(
+                Path(folder).resolve()):
+            bad("output", f"is inside the {name} folder {folder}: the run's files (samples.png, "
+                "checkpoints/) would join its data; choose an output folder outside it")
 
 
 def dataset_table_problem(table) -> str | None:

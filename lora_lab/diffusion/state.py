@@ -263,6 +263,10 @@ def check_sums(path: Path, state: dict[str, Any]) -> None:
                           "it was written (a flipped bit, a bad disk)")
 
 
+SAVED_LORAS = ("lora.safetensors", "lora_ema.safetensors", "lora_step_*.safetensors",
+               "pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors")
+
+
 def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | None, list[Path]]:
     """(checkpoint, its state, the bad checkpoints newer than it) to resume from; (None, None, []) for a fresh
     run. The newest good checkpoint (`load_checkpoint`) wins; each bad newer one is named in a warning.
@@ -277,6 +281,10 @@ def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | No
             "or choose another --output"
         )
     if not config.resume:
+        saved = sorted(p.name for pattern in SAVED_LORAS for p in out.glob(pattern))
+        if saved:  # a fresh run writes these names: a LoRA already saved would be lost
+            raise TrainConfigError(f"{out} already holds {saved[0]}, a saved LoRA a new run would write "
+                                   "over; choose another --output (or move the file away)")
         return None, None, []
     bad: list[Path] = []
     for _, path in reversed(found):
