@@ -525,6 +525,13 @@ def test_an_output_inside_the_dataset_is_refused_and_the_data_stays_as_it_was(da
     assert sorted(p.name for p in data.iterdir()) == before
 
 
+def test_a_validation_folder_that_is_trained_on_is_refused(dataset, tmp_path):
+    """--validation-dataset DATASET trained on its own validation images: the held-out loss held none out."""
+    with pytest.raises(TrainConfigError, match="validation_dataset.*is inside the dataset folder"):
+        TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path / "out"),
+                    validation_dataset=str(dataset), **FAST)
+
+
 def test_a_fresh_run_never_writes_over_a_saved_lora(dataset, tmp_path, capsys):
     """A folder that holds a LoRA but no checkpoints (pruned by hand, or another tool's): a fresh run wrote
     its own lora.safetensors over it; now one error line, the file as it was."""

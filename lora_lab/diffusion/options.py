@@ -57,16 +57,22 @@ def check_watch_fields(config, bad) -> None:
 
 def check_output_outside_data(config, bad) -> None:
     """The output folder is no data folder and inside none: the run's samples.png and checkpoints/ would
-    become the data's (an image without a caption, a changed folder that refuses --resume)."""
-    folders = [("dataset", config.dataset_dir() if config.datasets is None else None),
-               ("reg_dataset", config.reg_dataset), ("validation_dataset", config.validation_dataset)]
-    folders += [("datasets", t["path"]) for t in config.datasets or [] if isinstance(t, dict) and "path" in t]
-    out = Path(config.output).resolve()
-    for name, folder in folders:
-        if isinstance(folder, (str, Path)) and Path(folder).is_dir() and out.is_relative_to(
-                Path(folder).resolve()):
+    become the data's (an image without a caption, a changed folder that refuses --resume). The validation
+    folder is no training folder and inside none: its images would be trained on."""
+    trained = [("dataset", config.dataset_dir() if config.datasets is None else None),
+               ("reg_dataset", config.reg_dataset)]
+    trained += [("datasets", t["path"]) for t in config.datasets or [] if isinstance(t, dict) and "path" in t]
+    trained = [(name, folder) for name, folder in trained
+               if isinstance(folder, (str, Path)) and Path(folder).is_dir()]
+    val = config.validation_dataset
+    for name, folder in [*trained, ("validation_dataset", val)] if val is not None else trained:
+        if Path(config.output).resolve().is_relative_to(Path(folder).resolve()):
             bad("output", f"is inside the {name} folder {folder}: the run's files (samples.png, "
                 "checkpoints/) would join its data; choose an output folder outside it")
+    for name, folder in trained if val is not None else []:
+        if Path(val).resolve().is_relative_to(Path(folder).resolve()):
+            bad("validation_dataset", f"is inside the {name} folder {folder}: its images are trained on, so "
+                "the validation loss would hold none out; name a folder of other images")
 
 
 def dataset_table_problem(table) -> str | None:
