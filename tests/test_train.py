@@ -525,6 +525,20 @@ def test_an_output_inside_the_dataset_is_refused_and_the_data_stays_as_it_was(da
     assert sorted(p.name for p in data.iterdir()) == before
 
 
+def test_a_runs_config_json_repeats_it_from_another_folder(dataset, tmp_path, monkeypatch):
+    """`lora-lab train --config out/config.json --output again` from another folder: config.json held the
+    dataset as typed (`--dataset data`, relative), so the repeat said 'data: is not a folder'."""
+    from lora_lab.diffusion.runfile import config_from_file
+
+    shutil.copytree(dataset, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--model", "flux", "--dataset", "data", "--output", "out", "--steps", "1",
+                     "--rank", "4", "--sample-steps", "0", "--no-progress"]) == 0
+    monkeypatch.chdir(tmp_path / "out")
+    again = config_from_file("config.json", {"output": "again"})
+    assert Path(again.dataset) == (tmp_path / "data").absolute() and again.output == "again"
+
+
 def test_a_validation_folder_that_is_trained_on_is_refused(dataset, tmp_path):
     """--validation-dataset DATASET trained on its own validation images: the held-out loss held none out."""
     with pytest.raises(TrainConfigError, match="validation_dataset.*is inside the dataset folder"):
