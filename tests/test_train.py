@@ -510,6 +510,18 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle
 
 
+@pytest.mark.parametrize("flag", ["--output", "--dataset"])
+def test_an_empty_folder_name_is_refused(dataset, tmp_path, monkeypatch, capsys, flag):
+    """`--output ""` trained into the current folder, `--dataset ""` on it (Path("") is ".")."""
+    monkeypatch.chdir(tmp_path)
+    args = {"--dataset": str(dataset), "--output": "out", flag: ""}
+    rc = cli_main(["train", "--model", "flux", *[x for kv in args.items() for x in kv], "--steps", "1",
+                   "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{flag[2:]}='': is empty" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("inside", ["", "out", "samples/run"])
 def test_an_output_inside_the_dataset_is_refused_and_the_data_stays_as_it_was(dataset, tmp_path, capsys,
                                                                                inside):

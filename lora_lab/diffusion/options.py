@@ -41,6 +41,9 @@ def check_watch_fields(config, bad) -> None:
         bad("log_with", f"must be one of {', '.join(LOG_WITH)} (or None: loss.jsonl only)")
     if not (isinstance(config.tag_dropout, (int, float)) and 0 <= config.tag_dropout < 1):
         bad("tag_dropout", "must be a probability in [0, 1)")
+    for name in ("output", "dataset", "reg_dataset", "validation_dataset"):
+        if getattr(config, name) == "":  # Path("") is the current folder: a run into (or of) wherever it runs
+            bad(name, "is empty: give a folder")
     check_output_outside_data(config, bad)
     if config.datasets is not None:
         if config.dataset is not None:
