@@ -348,6 +348,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     _check_output(Path(args.output),
                   [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
                   args.overwrite)
+    if Path(args.output).suffix.lower() != ".png":  # it wrote PNG bytes into out.jpg
+        raise LoraLabError(f"--output {args.output}: the grid is a PNG; give a file name ending in .png")
     out = sample_with_without(
         model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
         steps=args.steps, guidance=args.guidance, device=args.device, path=Path(args.output),

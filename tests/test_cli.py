@@ -178,6 +178,7 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
     ("--guidance", "inf", "--guidance inf: must"),
     ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"),
     ("--device", "tpu", "must be auto, cpu, cuda"),
+    ("--output", "s.jpg", "--output s.jpg: the grid is a PNG"),  # it wrote PNG bytes under that name
 ])
 def test_sample_flags_out_of_range_are_one_error_line(files, capsys, flag, value, said):
     """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1
