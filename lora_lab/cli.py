@@ -13,6 +13,7 @@ from pathlib import Path
 from .checkpointing import CheckpointingError, parse_policy
 from .diffusion.config import BASE_DTYPES
 from .diffusion.distributed import resolve_device
+from .diffusion.options import MAX_SAMPLE_STEPS
 from .diffusion.runfile import config_from_file
 from .diffusion.sampling import sample_with_without
 from .diffusion.trainer import TrainConfig, train
@@ -338,8 +339,9 @@ def _run_sample(args: argparse.Namespace) -> int:
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
-    if args.steps < 1:
-        raise LoraLabError(f"--steps {args.steps}: must be an integer >= 1")
+    if not 1 <= args.steps <= MAX_SAMPLE_STEPS:
+        raise LoraLabError(f"--steps {args.steps}: must be an integer in [1, {MAX_SAMPLE_STEPS}] (the "
+                           "schedulers' training timesteps)")
     if args.guidance is not None and not math.isfinite(args.guidance):
         raise LoraLabError(f"--guidance {args.guidance}: must be a finite number")
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes

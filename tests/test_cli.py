@@ -172,8 +172,9 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
 
 
 @pytest.mark.parametrize(("flag", "value", "said"), [
-    ("--steps", "0", "--steps 0: must be an integer >= 1"),
-    ("--steps", "-1", "--steps -1: must be an integer >= 1"),
+    ("--steps", "0", "--steps 0: must be an integer in [1, 1000]"),
+    ("--steps", "-1", "--steps -1: must be an integer in [1, 1000]"),
+    ("--steps", str(10**25), "must be an integer in [1, 1000]"),  # a ValueError traceback from numpy
     ("--guidance", "nan", "--guidance nan: must be a finite number"),
     ("--guidance", "inf", "--guidance inf: must"),
     ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"),

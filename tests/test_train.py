@@ -510,6 +510,13 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle
 
 
+def test_sample_steps_beyond_the_schedulers_timesteps_are_refused(dataset, tmp_path):
+    """--sample-steps 10**25 trained the whole run, then ended in numpy's ValueError traceback."""
+    with pytest.raises(TrainConfigError, match=r"sample_steps=10{25}.*at most 1000"):
+        TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path),
+                    **{**FAST, "sample_steps": 10**25})
+
+
 @pytest.mark.parametrize("flag", ["--output", "--dataset"])
 def test_an_empty_folder_name_is_refused(dataset, tmp_path, monkeypatch, capsys, flag):
     """`--output ""` trained into the current folder, `--dataset ""` on it (Path("") is ".")."""

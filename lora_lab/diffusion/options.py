@@ -18,6 +18,9 @@ FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "tim
               "loss_weighting")
 DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
 ADAPTERS = ("lora", "lokr", "loha")
+# Denoising steps a sample may take: every base's scheduler has 1000 training timesteps (more steps repeat
+# them; 10**25 was a ValueError traceback from numpy, after the run had trained).
+MAX_SAMPLE_STEPS = 1000
 
 
 def check_watch_fields(config, bad) -> None:
@@ -27,6 +30,8 @@ def check_watch_fields(config, bad) -> None:
             bad(name, "must be an integer >= 0")
     if not isinstance(config.caption_variants, int) or config.caption_variants < 1:
         bad("caption_variants", "must be an integer >= 1")
+    if isinstance(config.sample_steps, int) and config.sample_steps > MAX_SAMPLE_STEPS:
+        bad("sample_steps", f"must be at most {MAX_SAMPLE_STEPS} (the schedulers' training timesteps)")
     if config.sample_every and not config.sample_steps:
         bad("sample_every", "needs denoising steps to sample with (--sample-steps is 0)")
     split = config.validation_split
