@@ -163,15 +163,52 @@ print(f"{{p.peak}} {{p.cached}} {{p.seconds:.3f}}")
 """
 
 
+# What any plan that runs the real model classes pays before it counts a byte, each in a fresh process: the
+# imports, and the denoiser's own forward and backward at 1024 px on plain meta tensors (bf16, no adapter, no
+# autocast, nothing counted, only the input's gradient: less work than the plan's training step does).
+FLOOR = {
+    "import torch": "import torch",
+    "+ import lora_lab.planning and the classes an SDXL plan runs": """
+import torch, lora_lab.planning, diffusers, transformers
+for name in ("UNet2DConditionModel", "AutoencoderKL"): getattr(diffusers, name)
+for name in ("CLIPTextModel", "CLIPTextModelWithProjection"): getattr(transformers, name)""",
+    "+ SDXL's UNet forward and backward at 1024 on meta tensors": """
+import torch, lora_lab.planning
+from lora_lab.models.real import build_real
+with torch.device("meta"):
+    unet = build_real("sdxl", ["unet"])["unet"].to(torch.bfloat16).requires_grad_(False)
+    x = torch.empty(1, 4, 128, 128, dtype=torch.bfloat16, requires_grad=True)
+    cond = {"text_embeds": torch.empty(1, 1280, dtype=torch.bfloat16), "time_ids": torch.empty(1, 6)}
+    out = unet(x, torch.ones(1), torch.empty(1, 77, 2048, dtype=torch.bfloat16), added_cond_kwargs=cond)
+    out.sample.float().mean().backward()""",
+}
+
+
 def cold_start(model: str, resolution: int, rounds: int) -> None:
     """One plan in a fresh Python process (imports included), with an empty plan cache and then with the plan
-    cache the first process wrote: wall and CPU seconds of the whole process (its children's rusage)."""
+    cache the first process wrote: wall and CPU seconds of the whole process (its children's rusage). First
+    the floor under any plan that runs the real classes (FLOOR), each in a fresh process."""
     import subprocess
     import sys
 
     from busy import machine_load
 
-    print(f"| {model} {resolution} px, fresh process | wall s | CPU s | plan s (inside) | from the cache | "
+    def fresh(code: str, env=None) -> tuple[float, float, list[str]]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        wall = time.perf_counter() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, out
+
+    print("| a fresh process: the floor | wall s | CPU s | 1-min load |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, code in FLOOR.items():
+        load = machine_load()
+        wall, cpu, _ = fresh("import warnings; warnings.filterwarnings('ignore')\n" + code)
+        print(f"| {label} | {wall:.1f} | {cpu:.1f} | {load} |", flush=True)
+    print(f"\n| {model} {resolution} px, fresh process | wall s | CPU s | plan s (inside) | from the cache | "
           "1-min load |")
     print("| --- | ---: | ---: | ---: | --- | ---: |")
     peaks, rows = set(), {"cold": [], "warm": []}
@@ -180,14 +217,7 @@ def cold_start(model: str, resolution: int, rounds: int) -> None:
             env = {**os.environ, "LORA_LAB_PLAN_CACHE": folder}
             for label in ("cold", "warm"):
                 load = machine_load()
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                t = time.perf_counter()
-                code = COLD_START.format(model=model, resolution=resolution)
-                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                     check=True).stdout.split()
-                wall = time.perf_counter() - t
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                wall, cpu, out = fresh(COLD_START.format(model=model, resolution=resolution), env)
                 peaks.add(int(out[0]))
                 rows[label].append(wall)
                 print(f"| {label} cache | {wall:.1f} | {cpu:.1f} | {float(out[2]):.2f} | {out[1]} | {load} |",

@@ -202,11 +202,11 @@ class LiveBytes(TorchDispatchMode):
         self.forward_born.discard(key)
 
     def _count(self, t: torch.Tensor, born: bool) -> None:
-        if t.is_meta:  # shapes without memory (a model built before its weights are loaded)
-            return
         s = t.untyped_storage()
         key = id(s)
-        if key in self.live or key in self._elsewhere:
+        # counted already, not counted, or shapes without memory (a model built before its weights are
+        # loaded); in that order: `is_meta` asks a fake tensor's device of Python, the dict lookups do not
+        if key in self.live or key in self._elsewhere or t.is_meta:
             return
         if born and self._born_elsewhere:
             self.exclude([t])

@@ -10,7 +10,7 @@ from lora_lab.diffusion import TrainConfig, TrainConfigError
 from lora_lab.diffusion.optimizers import make_optimizer, param_groups, set_lr
 from lora_lab.diffusion.state import Learner
 from lora_lab.lora import LoRAConfig, add_lora
-from lora_lab.memory import _tensors, optimizer_state_bytes
+from lora_lab.memory import LiveBytes, _tensors, optimizer_state_bytes
 from lora_lab.planning.fakedevice import fake_device
 from lora_lab.planning.run import _first_step_state, storage_bytes
 from lora_lab.precision import MixedPrecision
@@ -74,3 +74,37 @@ def test_the_recommended_settings_reach_the_optimizers():
         TrainConfig(optimizer="prodigy")
     with pytest.raises(TrainConfigError, match=r"^TrainConfig.loraplus_ratio=16.0: prodigy takes one lr"):
         TrainConfig(optimizer="prodigy", lr=1.0, loraplus_ratio=16.0)
+
+
+@pytest.mark.parametrize("device, foreach", [("cuda", True), ("cpu", False)])
+def test_planned_adamw_step_holds_what_torch_holds_on_the_planned_device(device, foreach):
+    """torch's AdamW steps with foreach on CUDA (its default there: one temporary the size of every
+    exp_avg_sq at once) and with a loop over the parameters on the CPU. The plan's step on fake tensors
+    peaks where a real step of that kind peaks (LiveBytes on the CPU, foreach forced as CUDA forces it)."""
+    config = TrainConfig(model="sd15", lr=1e-4)
+
+    def step_peak(named, optimizer) -> int:
+        for _, p in named:
+            p.grad = torch.zeros_like(p)
+        tracker = LiveBytes()
+        with tracker:
+            tracker.track(t for s in optimizer.state.values() for t in _tensors(s))
+            tracker.track(t for _, p in named for t in (p, p.grad))
+            tracker.reset_peak()
+            optimizer.step()
+        return tracker.peak - tracker.current
+
+    named = _adapted()
+    real = make_optimizer(param_groups(named, config), config)
+    for group in real.param_groups:
+        group["foreach"] = foreach
+    step_peak(named, real)  # the first step makes the state, as _first_step_state does
+    measured = step_peak(named, real)
+    with fake_device():
+        fake = _adapted()
+        learner = Learner(fake, make_optimizer(param_groups(fake, config), config), MixedPrecision("no"))
+        _first_step_state(learner, device)
+        planned = step_peak(fake, learner.optimizer)
+    assert planned == measured
+    if foreach:
+        assert planned == sum(p.numel() * 4 for _, p in named)  # sqrt(exp_avg_sq) of every parameter at once

@@ -116,7 +116,7 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
             with tracker.phase("load"):
                 load_denoiser(config, opened, CPU, dtype)
             with tracker.phase("train step"):
-                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options)
+                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options, device)
             with tracker.phase("save"):
                 _save(config, kind, pipe, learner, tracker, on_host)
             if config.sample_steps:
@@ -190,7 +190,7 @@ def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
 
 
 def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker: LiveBytes,
-                checkpoint_options: dict | None) -> tuple[dict, object]:
+                checkpoint_options: dict | None, device: str) -> tuple[dict, object]:
     """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most
     two micro-batches (the second with the first's gradients live), measured in parts."""
     _, learner = add_trainable(config, kind, pipe, CPU, host=tracker.elsewhere)  # swapped blocks' host copies
@@ -201,7 +201,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
                              **{"policy": config.checkpointing_policy(), **checkpoint_options})
         model.train()
     params = learner.params
-    _first_step_state(learner)
+    _first_step_state(learner, device)
     out = {"adapters": storage_bytes(params),
            "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
            "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
@@ -257,11 +257,16 @@ def _save(config: TrainConfig, kind, pipe, learner, tracker: LiveBytes, on_host:
         del copies
 
 
-def _first_step_state(learner) -> None:
+def _first_step_state(learner, device: str = "cpu") -> None:
     """The optimizer's state as after its first step (every later step runs with it live). lora_lab's 8-bit
     AdamW gets its state's layout, and its steps are not run: on fake tensors its many small ops take minutes,
     and its temporaries are a few MiB (`functional.adam.CHUNK_BLOCKS` blocks at a time). Prodigy too: its
-    step reads values (`.item()`), which fake tensors lack; its temporaries are one parameter's size."""
+    step reads values (`.item()`), which fake tensors lack; its temporaries are one parameter's size.
+
+    torch's Adam and AdamW step as they would on `device`: on CUDA, torch's default is the foreach step
+    (`torch.optim.optimizer._default_to_fused_or_foreach`), which holds one temporary the size of every
+    exp_avg_sq at once; on the CPU, a loop over the parameters. Fake tensors are CPU tensors of a subclass,
+    for which torch would pick the loop, so the planned device's choice is set on the groups."""
     optimizer = learner.optimizer
     if isinstance(optimizer, Adam8bit) or type(optimizer).__name__ == "Prodigy":
         zero_at_init = {id(p) for n, p in learner.named if n.endswith(".up")}  # LoRA's B starts at zero
@@ -275,6 +280,8 @@ def _first_step_state(learner) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        for group in optimizer.param_groups:
+            group["foreach"] = device == "cuda"
         # torch's own lazy state initialization, without the first step's arithmetic (a dozen ops a
         # parameter, a few seconds at real size): the same tensors (step, exp_avg, exp_avg_sq, ...)
         for group in optimizer.param_groups:
