@@ -13,6 +13,7 @@ from pathlib import Path
 from .checkpointing import CheckpointingError, parse_policy
 from .diffusion.config import BASE_DTYPES
 from .diffusion.distributed import resolve_device
+from .diffusion.options import MAX_SAMPLE_STEPS
 from .diffusion.runfile import config_from_file
 from .diffusion.sampling import sample_with_without
 from .diffusion.trainer import TrainConfig, train
@@ -55,6 +56,8 @@ _checkpoint_policy = _checked_by(parse_policy, CheckpointingError)  # lora-lab p
 def _lora_spec(text: str) -> tuple[Path, float]:
     """FILE[:STRENGTH] -> (path, strength); the strength defaults to 1."""
     path, sep, strength = text.rpartition(":")
+    if not (path if sep else text):  # Path("") is ".", the current folder
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FILE:STRENGTH, and the file name is empty")
     if not sep:
         return Path(text), 1.0
     try:
@@ -176,7 +179,8 @@ def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser
         unset = f.default if flag_defaults else argparse.SUPPRESS
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
-        helptext = f"{f.metadata['help']} (default: {f.default})"
+        helptext = f.metadata["help"]  # says its default itself where "None" would not tell it
+        helptext += "" if "(default:" in helptext else f" (default: {f.default})"
         if f.name == "datasets":  # tables: a --config file only
             continue
         if kind is bool:
@@ -275,6 +279,8 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:  # plan_memory's own error would name grad_accum, which this flag becomes
+        raise LoraLabError(f"--batch-size {args.batch_size}: must be an integer >= 1")
     common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
               "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype,
               "keep_encoders": args.keep_encoders, "vae_tiling": args.vae_tiling, "attention": args.attention,
@@ -333,8 +339,9 @@ def _run_sample(args: argparse.Namespace) -> int:
     for path, _ in args.lora:
         if not path.is_file():
             raise LoraLabError(f"--lora {path}: no such file")
-    if args.steps < 1:
-        raise LoraLabError(f"--steps {args.steps}: must be an integer >= 1")
+    if not 1 <= args.steps <= MAX_SAMPLE_STEPS:
+        raise LoraLabError(f"--steps {args.steps}: must be an integer in [1, {MAX_SAMPLE_STEPS}] (the "
+                           "schedulers' training timesteps)")
     if args.guidance is not None and not math.isfinite(args.guidance):
         raise LoraLabError(f"--guidance {args.guidance}: must be a finite number")
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
@@ -343,6 +350,8 @@ def _run_sample(args: argparse.Namespace) -> int:
     _check_output(Path(args.output),
                   [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
                   args.overwrite)
+    if Path(args.output).suffix.lower() != ".png":  # it wrote PNG bytes into out.jpg
+        raise LoraLabError(f"--output {args.output}: the grid is a PNG; give a file name ending in .png")
     out = sample_with_without(
         model=args.model, base=args.base, loras=args.lora, prompts=[args.prompt], seed=args.seed,
         steps=args.steps, guidance=args.guidance, device=args.device, path=Path(args.output),
@@ -359,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `lora-lab inspect F | head`: the reader has gone, not an error of the command
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
+        return 1
     except LoraLabError as e:  # a user's mistake (a bad file, a wrong name): one line, exit code 2
         print(f"lora-lab: error: {_one_line(str(e))}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ def parse_json(where: str, raw: bytes | str):
 def read_header(path: Path) -> tuple[list[str], dict[str, str]]:
     """A safetensors header, checked: the tensor keys and the metadata; LoraFormatError naming the key."""
     if not path.is_file():
-        raise LoraFormatError(f"{path}: no such file")
+        raise LoraFormatError(f"{path}: {'is a folder, not a file' if path.is_dir() else 'no such file'}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)

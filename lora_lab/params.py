@@ -46,7 +46,8 @@ def load_frozen(
     """
     path = Path(path)
     if not path.is_file():
-        raise WeightFileError(f"{path}: no such weights file")
+        what = "is a folder, not a weights file" if path.is_dir() else "no such weights file"
+        raise WeightFileError(f"{path}: {what}")
     out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:

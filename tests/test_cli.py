@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -76,6 +77,15 @@ def test_merge_writes_the_merged_weights(files, capsys):
      "with a number after the colon"),
     (["merge", "base.safetensors", "m.safetensors"], "the following arguments are required: --lora"),
     (["merge", "a.safetensors", "m.safetensors", "--lora", "b.safetensors:1"], "match no module"),
+    # a new user's pass (qa): the CLI's own flag, not the Python keyword; a folder called a folder (it was
+    # "no such file"); an empty file name (it was ".": the current folder); the flag typed, not grad_accum
+    (["merge", "a.safetensors", "m.safetensors", "--lora", "b.safetensors:1"], "--no-strict"),
+    (["inspect", "."], ".: is a folder, not a file"),
+    (["merge", ".", "m.safetensors", "--lora", "a.safetensors"], ".: is a folder, not a weights file"),
+    (["merge", "base.safetensors", "m.safetensors", "--lora", ":1"], "the file name is empty"),
+    (["plan", "--model", "sdxl", "--batch-size", "0"], "--batch-size 0: must be an integer >= 1"),
+    (["convert", "a.safetensors", "x.safetensors", "--to", "peft", "--base", "sdxl"],
+     "a.safetensors: a sd15 LoRA (its metadata says so), not sdxl"),
     (["merge", "base.safetensors", "m.safetensors", "--lora", "a.safetensors:1",
       "--component", "text_encoder"],
      "base.safetensors: the --lora file(s) change none of its weights (component text_encoder); "
@@ -162,12 +172,14 @@ def test_sample_never_writes_its_png_over_a_lora_file(files, capsys):
 
 
 @pytest.mark.parametrize(("flag", "value", "said"), [
-    ("--steps", "0", "--steps 0: must be an integer >= 1"),
-    ("--steps", "-1", "--steps -1: must be an integer >= 1"),
+    ("--steps", "0", "--steps 0: must be an integer in [1, 1000]"),
+    ("--steps", "-1", "--steps -1: must be an integer in [1, 1000]"),
+    ("--steps", str(10**25), "must be an integer in [1, 1000]"),  # a ValueError traceback from numpy
     ("--guidance", "nan", "--guidance nan: must be a finite number"),
     ("--guidance", "inf", "--guidance inf: must"),
     ("--seed", str(2**64), "must be an integer in [-2**63, 2**64)"),
     ("--device", "tpu", "must be auto, cpu, cuda"),
+    ("--output", "s.jpg", "--output s.jpg: the grid is a PNG"),  # it wrote PNG bytes under that name
 ])
 def test_sample_flags_out_of_range_are_one_error_line(files, capsys, flag, value, said):
     """--steps 0 was a ZeroDivisionError, --seed 2**64 a ValueError, --device tpu a RuntimeError; --steps -1
@@ -336,3 +348,34 @@ def test_lycoris_files_inspect_merge_and_refuse_to_convert(files, capsys, kind):
     for name in ("proj", "conv_in"):  # W + D_lora + t dW
         expect = lora[f"{name}.weight"] + 0.5 * model.get_submodule(name).delta().detach()
         torch.testing.assert_close(got[f"{name}.weight"], expect, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- a new user's pass (qa)
+
+
+def test_convert_with_the_files_own_base_or_none_still_works(files, capsys):
+    """`--base` that contradicts the file's recorded base is refused (above: it wrote an sd15 LoRA labelled
+    sdxl, its ss_base_model_version still sd_v1); the file's own base is accepted."""
+    a, out = files / "a.safetensors", files / "x.safetensors"
+    assert main(["convert", str(a), str(out), "--to", "peft", "--base", "sd15"]) == 0
+    assert load_lora(out).base == "sd15"
+
+
+def test_a_reader_that_closes_the_pipe_is_not_an_error(files):
+    """`lora-lab inspect F | head`: the reader goes away; the command printed `lora-lab: error: [Errno 32]
+    Broken pipe` and exited 2."""
+    p = subprocess.Popen([sys.executable, "-m", "lora_lab.cli", "inspect", str(files / "a.safetensors")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command has printed anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1 and err == ""
+
+
+def test_train_help_says_each_default_once():
+    """`lora-lab train --help` showed '(default: the set in data/) (default: None)'."""
+    from lora_lab.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = " ".join(train.format_help().split())
+    assert "(default: the set in data/)" in text
+    assert not re.search(r"\(default: [^)]*\) \(default:", text) and text.count("(default:") > 40

@@ -73,8 +73,9 @@ def test_errors_name_the_file(tmp_path):
         ImageCaptionDataset(tmp_path)
     _write(tmp_path, "good", 20, 20)
     _write(tmp_path, "nocap", 20, 20, caption=None)
-    with pytest.raises(DatasetError, match=r"nocap\.png: no caption file nocap\.txt"):
+    with pytest.raises(DatasetError, match=r"nocap\.png: no caption file nocap\.txt") as err:
         ImageCaptionDataset(tmp_path)
+    assert "--skip-bad-images" in str(err.value)  # the CLI's flag: it said only `skip_bad=True`
     (tmp_path / "nocap.png").unlink()
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not a png")
     (tmp_path / "broken.txt").write_text("a broken file")

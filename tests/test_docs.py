@@ -82,3 +82,43 @@ def test_checker_finds_planted_broken_links(tmp_path):
         "page.md: nothing.png (no such file)",
         "page.md: other.md#not-a-heading (no heading #not-a-heading)",
     ]
+
+
+SCRIPT_COMMAND = re.compile(r"((?:benchmarks|data)/\w+\.py)([^`\n]*)")
+LORA_LAB_COMMAND = re.compile(r"lora-lab (inspect|convert|merge|train|sample|plan)\b([^`\n]*)")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def unknown_flags(pages) -> list[str]:
+    """`--flags` the pages give a script of benchmarks/ or data/, or a `lora-lab` command, on the same line,
+    that the script's source or the command's parser does not have."""
+    from lora_lab.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    bad = []
+    for page in pages:
+        for line in page.read_text(encoding="utf-8").splitlines():
+            for m in SCRIPT_COMMAND.finditer(line):
+                script = ROOT / m.group(1)
+                source = script.read_text(encoding="utf-8") if script.is_file() else ""
+                bad += [f"{page.name}: {m.group(1)} {flag}" for flag in FLAG.findall(m.group(2))
+                        if f'"{flag}"' not in source and f"'{flag}'" not in source]
+            for m in LORA_LAB_COMMAND.finditer(line):
+                known = {o for a in commands[m.group(1)]._actions for o in a.option_strings}
+                bad += [f"{page.name}: lora-lab {m.group(1)} {flag}" for flag in FLAG.findall(m.group(2))
+                        if flag not in known]
+    return bad
+
+
+def test_every_documented_command_flag_exists():
+    """measurements.md gave `bench_memory.py --no-optimizers` after that flag had gone (its table moved to
+    bench_optim.py): the command failed with 'unrecognized arguments'."""
+    assert unknown_flags(PAGES) == []
+
+
+def test_flag_checker_finds_a_planted_unknown_flag(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("`python benchmarks/bench_memory.py --profile --no-such-flag`\n"
+                    "`lora-lab merge B O --lora F --strength 2`\n", encoding="utf-8")
+    assert unknown_flags([page]) == ["page.md: benchmarks/bench_memory.py --no-such-flag",
+                                     "page.md: lora-lab merge --strength"]

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -507,6 +508,76 @@ def test_fuzzed_checkpoints_load_or_raise_checkpoint_error(two_checkpoints, tmp_
             outcomes["refused"] += 1
         assert time.perf_counter() - t0 < 2.0
     assert outcomes["refused"] > 100, outcomes  # most mutants break the zip or the pickle
+
+
+def test_sample_steps_beyond_the_schedulers_timesteps_are_refused(dataset, tmp_path):
+    """--sample-steps 10**25 trained the whole run, then ended in numpy's ValueError traceback."""
+    with pytest.raises(TrainConfigError, match=r"sample_steps=10{25}.*at most 1000"):
+        TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path),
+                    **{**FAST, "sample_steps": 10**25})
+
+
+@pytest.mark.parametrize("flag", ["--output", "--dataset"])
+def test_an_empty_folder_name_is_refused(dataset, tmp_path, monkeypatch, capsys, flag):
+    """`--output ""` trained into the current folder, `--dataset ""` on it (Path("") is ".")."""
+    monkeypatch.chdir(tmp_path)
+    args = {"--dataset": str(dataset), "--output": "out", flag: ""}
+    rc = cli_main(["train", "--model", "flux", *[x for kv in args.items() for x in kv], "--steps", "1",
+                   "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{flag[2:]}='': is empty" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inside", ["", "out", "samples/run"])
+def test_an_output_inside_the_dataset_is_refused_and_the_data_stays_as_it_was(dataset, tmp_path, capsys,
+                                                                               inside):
+    """--output DATASET (or a folder in it) put samples.png, lora.safetensors and checkpoints/ among the
+    training images: a later run found an image without a caption, --resume a changed dataset."""
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    before = sorted(p.name for p in data.iterdir())
+    rc = cli_main(["train", "--model", "flux", "--dataset", str(data), "--output", str(data / inside),
+                   "--steps", "1", "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "is inside the dataset folder" in err, err
+    assert sorted(p.name for p in data.iterdir()) == before
+
+
+def test_a_runs_config_json_repeats_it_from_another_folder(dataset, tmp_path, monkeypatch):
+    """`lora-lab train --config out/config.json --output again` from another folder: config.json held the
+    dataset as typed (`--dataset data`, relative), so the repeat said 'data: is not a folder'."""
+    from lora_lab.diffusion.runfile import config_from_file
+
+    shutil.copytree(dataset, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--model", "flux", "--dataset", "data", "--output", "out", "--steps", "1",
+                     "--rank", "4", "--sample-steps", "0", "--no-progress"]) == 0
+    monkeypatch.chdir(tmp_path / "out")
+    again = config_from_file("config.json", {"output": "again"})
+    assert Path(again.dataset) == (tmp_path / "data").absolute() and again.output == "again"
+
+
+def test_a_validation_folder_that_is_trained_on_is_refused(dataset, tmp_path):
+    """--validation-dataset DATASET trained on its own validation images: the held-out loss held none out."""
+    with pytest.raises(TrainConfigError, match="validation_dataset.*is inside the dataset folder"):
+        TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path / "out"),
+                    validation_dataset=str(dataset), **FAST)
+
+
+def test_a_fresh_run_never_writes_over_a_saved_lora(dataset, tmp_path, capsys):
+    """A folder that holds a LoRA but no checkpoints (pruned by hand, or another tool's): a fresh run wrote
+    its own lora.safetensors over it; now one error line, the file as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lora.safetensors").write_bytes(b"a LoRA trained for a week")
+    rc = cli_main(["train", "--model", "flux", "--dataset", str(dataset), "--output", str(out),
+                   "--steps", "1", "--sample-steps", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("lora-lab: error: ")]
+    assert rc == 2 and len(errors) == 1 and "already holds lora.safetensors, a saved LoRA" in errors[0], err
+    assert (out / "lora.safetensors").read_bytes() == b"a LoRA trained for a week"
+    assert sorted(p.name for p in out.iterdir()) == ["lora.safetensors"]
 
 
 @pytest.mark.parametrize("change, error", [

@@ -399,14 +399,21 @@ class TrainConfig:
 
     def resolved(self, base: Path | str | None, resolution: int, dtype: torch.dtype) -> TrainConfig:
         """The config with every default made explicit: what config.json records and a resume must match."""
+        def absolute(path):  # config.json repeats the run from any folder (`--config out/config.json`)
+            return None if path is None or str(path).startswith("real:") else str(Path(path).absolute())
+
         return replace(
             self,
-            base=None if base is None else str(base),
+            base=absolute(base),
             resolution=resolution,
             base_dtype=next(k for k, v in BASE_DTYPES.items() if v == dtype),
             alpha=self.adapter_alpha(),
-            dataset=None if self.datasets is not None else str(self.dataset_dir()),
-            reg_dataset=None if self.reg_dataset is None else str(self.reg_dataset),
+            dataset=None if self.datasets is not None else absolute(self.dataset_dir()),
+            reg_dataset=absolute(self.reg_dataset),
+            validation_dataset=absolute(self.validation_dataset),
+            datasets=None if self.datasets is None else [{**t, "path": absolute(t["path"])}
+                                                         for t in self.datasets],
+            **{part: absolute(file) for part, file in self.base_parts().items()},
         )
 
     @classmethod

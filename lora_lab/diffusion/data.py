@@ -130,8 +130,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 w, h = _open_image(path).size
             except DatasetError as e:
                 if not skip_bad:
-                    raise DatasetError(f"{e} (pass skip_bad=True to skip such files "
-                                       "with a warning)") from None
+                    raise DatasetError(f"{e} (lora-lab train --skip-bad-images, skip_bad_images=True, skips "
+                                       "such files with a warning)") from None
                 bad.append(str(e))
                 continue
             self.paths.append(path)

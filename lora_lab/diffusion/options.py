@@ -18,6 +18,9 @@ FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "tim
               "loss_weighting")
 DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
 ADAPTERS = ("lora", "lokr", "loha")
+# Denoising steps a sample may take: every base's scheduler has 1000 training timesteps (more steps repeat
+# them; 10**25 was a ValueError traceback from numpy, after the run had trained).
+MAX_SAMPLE_STEPS = 1000
 
 
 def check_watch_fields(config, bad) -> None:
@@ -27,6 +30,8 @@ def check_watch_fields(config, bad) -> None:
             bad(name, "must be an integer >= 0")
     if not isinstance(config.caption_variants, int) or config.caption_variants < 1:
         bad("caption_variants", "must be an integer >= 1")
+    if isinstance(config.sample_steps, int) and config.sample_steps > MAX_SAMPLE_STEPS:
+        bad("sample_steps", f"must be at most {MAX_SAMPLE_STEPS} (the schedulers' training timesteps)")
     if config.sample_every and not config.sample_steps:
         bad("sample_every", "needs denoising steps to sample with (--sample-steps is 0)")
     split = config.validation_split
@@ -41,6 +46,10 @@ def check_watch_fields(config, bad) -> None:
         bad("log_with", f"must be one of {', '.join(LOG_WITH)} (or None: loss.jsonl only)")
     if not (isinstance(config.tag_dropout, (int, float)) and 0 <= config.tag_dropout < 1):
         bad("tag_dropout", "must be a probability in [0, 1)")
+    for name in ("output", "dataset", "reg_dataset", "validation_dataset"):
+        if getattr(config, name) == "":  # Path("") is the current folder: a run into (or of) wherever it runs
+            bad(name, "is empty: give a folder")
+    check_output_outside_data(config, bad)
     if config.datasets is not None:
         if config.dataset is not None:
             bad("datasets", "and dataset both given: list every folder in datasets")
@@ -52,6 +61,26 @@ def check_watch_fields(config, bad) -> None:
                 bad("datasets", f"entry {i + 1}: {problem}")
         if all(table.get("is_reg", False) for table in config.datasets):
             bad("datasets", "every entry is a regularization folder (is_reg): none to train on")
+
+
+def check_output_outside_data(config, bad) -> None:
+    """The output folder is no data folder and inside none: the run's samples.png and checkpoints/ would
+    become the data's (an image without a caption, a changed folder that refuses --resume). The validation
+    folder is no training folder and inside none: its images would be trained on."""
+    trained = [("dataset", config.dataset_dir() if config.datasets is None else None),
+               ("reg_dataset", config.reg_dataset)]
+    trained += [("datasets", t["path"]) for t in config.datasets or [] if isinstance(t, dict) and "path" in t]
+    trained = [(name, folder) for name, folder in trained
+               if isinstance(folder, (str, Path)) and Path(folder).is_dir()]
+    val = config.validation_dataset
+    for name, folder in [*trained, ("validation_dataset", val)] if val is not None else trained:
+        if Path(config.output).resolve().is_relative_to(Path(folder).resolve()):
+            bad("output", f"is inside the {name} folder {folder}: the run's files (samples.png, "
+                "checkpoints/) would join its data; choose an output folder outside it")
+    for name, folder in trained if val is not None else []:
+        if Path(val).resolve().is_relative_to(Path(folder).resolve()):
+            bad("validation_dataset", f"is inside the {name} folder {folder}: its images are trained on, so "
+                "the validation loss would hold none out; name a folder of other images")
 
 
 def dataset_table_problem(table) -> str | None:

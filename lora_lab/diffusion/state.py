@@ -64,7 +64,7 @@ BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampli
                   loraplus_ratio=None, text_encoder_lr=None)
 BEFORE_0_2.update(adapter="lora", lokr_factor=-1)  # LoKr/LoHa came later: those runs trained a LoRA
 # compared by real path: ./out, /abs/out and a link to it are one
-PATH_FIELDS = ("output", "dataset", "base", "reg_dataset")
+PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "vae")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
 # The largest adapter weight a good checkpoint holds. Trained LoRA factors stay far below 1 and DoRA
 # magnitudes are row norms of the base's weights; a weight beyond this means the run diverged (--lr 1e30 puts
@@ -263,6 +263,10 @@ def check_sums(path: Path, state: dict[str, Any]) -> None:
                           "it was written (a flipped bit, a bad disk)")
 
 
+SAVED_LORAS = ("lora.safetensors", "lora_ema.safetensors", "lora_step_*.safetensors",
+               "pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors")
+
+
 def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | None, list[Path]]:
     """(checkpoint, its state, the bad checkpoints newer than it) to resume from; (None, None, []) for a fresh
     run. The newest good checkpoint (`load_checkpoint`) wins; each bad newer one is named in a warning.
@@ -277,6 +281,10 @@ def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | No
             "or choose another --output"
         )
     if not config.resume:
+        saved = sorted(p.name for pattern in SAVED_LORAS for p in out.glob(pattern))
+        if saved:  # a fresh run writes these names: a LoRA already saved would be lost
+            raise TrainConfigError(f"{out} already holds {saved[0]}, a saved LoRA a new run would write "
+                                   "over; choose another --output (or move the file away)")
         return None, None, []
     bad: list[Path] = []
     for _, path in reversed(found):
@@ -402,6 +410,8 @@ def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
     def same(k: str) -> bool:
         if k in PATH_FIELDS and isinstance(saved.get(k), str) and isinstance(now[k], str):
             return os.path.realpath(saved[k]) == os.path.realpath(now[k])
+        if k == "datasets" and isinstance(saved.get(k), list) and isinstance(now[k], list):  # their paths too
+            return [real_path(t) for t in saved[k]] == [real_path(t) for t in now[k]]
         return saved.get(k, BEFORE_0_2.get(k)) == now[k]
 
     changed = sorted(k for k in now if k not in RESUME_FREE and not same(k))
@@ -417,6 +427,12 @@ def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
             f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was "
             "written (names, sizes or captions); restore them, or start a new run in another --output"
         )
+
+
+def real_path(table: Any) -> Any:
+    """A [[datasets]] table with its path as a real path (what a resume compares)."""
+    ok = isinstance(table, dict) and isinstance(table.get("path"), str)
+    return {**table, "path": os.path.realpath(table["path"])} if ok else table
 
 
 def write_config(run: RunState) -> None:

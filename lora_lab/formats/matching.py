@@ -92,6 +92,6 @@ def _unmatched(where, unmatched, strict, component, comps):
            f"{f' (component {component!r})' if component else f' (components {comps})'}: "
            + ", ".join(unmatched[:20]) + (" ..." if len(unmatched) > 20 else ""))
     if strict:
-        raise LoraFormatError(msg + "; pass strict=False to skip them")
+        raise LoraFormatError(msg + "; pass strict=False (lora-lab merge --no-strict) to skip them")
     warnings.warn(msg + "; skipped", stacklevel=3)
     return component, {}

@@ -123,6 +123,9 @@ def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, bas
         raise LoraFormatError(f"{src}: a LyCORIS LoKr/LoHa file, already in the kohya/ComfyUI naming; its "
                               "Kronecker/Hadamard factors fit no LoRA down/up pair, and diffusers 0.42 loads "
                               "no SD/SDXL/SD3/Flux LoKr or LoHa: nothing to convert it to")
+    if base is not None and lf.base is not None and base != lf.base:  # would write a mislabelled file
+        raise LoraFormatError(f"{src}: a {lf.base} LoRA (its metadata says so), not {base}: convert it "
+                              f"with base {lf.base!r} or without one")
     for m in lf.modules.values():  # read here, so that the error names the file and key they come from
         m.check_finite(f"{lf.path}: module {m.key!r}")
     keep = {k: v for k, v in lf.metadata.items() if not k.startswith("lora_lab.") and k != METADATA_KEY}
