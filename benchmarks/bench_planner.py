@@ -8,6 +8,7 @@
     python benchmarks/bench_planner.py --validate --quantized   # the same check with a quantized frozen base
     python benchmarks/bench_planner.py --speed         # only the planner's speed: 3 plans of SDXL 1024, fit
     python benchmarks/bench_planner.py --cold-start    # a plan in a fresh process: cold plan cache, then warm
+    python benchmarks/bench_planner.py --replay        # identical blocks replayed vs every block run: CPU s
     python benchmarks/bench_planner.py --targets       # the whole-run targets: SDXL and Flux NF4 at 1024
     python benchmarks/bench_planner.py --small-cards   # Flux.1-dev 1024 on 12 / 16 GiB, block swapping
     python benchmarks/bench_planner.py --real-cpu      # real SD1.5 trained on this CPU (random weights):
@@ -229,6 +230,41 @@ def cold_start(model: str, resolution: int, rounds: int) -> None:
           "the same peak both ways")
 
 
+def replay(rounds: int) -> None:
+    """Plans at 1024 px (no checkpointing, no sample phase) with the training step's identical blocks replayed
+    (planning/blocks.py) and with every block running, alternating which goes first: CPU seconds of each, the
+    blocks replayed, and whether the plans are the same in every field."""
+    import contextlib
+
+    from lora_lab.planning import blocks, plan_memory, run
+    from lora_lab.planning.fakedevice import warm_caches
+
+    warm_caches()
+    plan_memory("sd15", resolution=256, sample_steps=0)  # the first plan's one-time costs, outside the rows
+    replayed_blocks, calls = run.replayed_blocks, [0]
+    apply = blocks._Replay.apply
+    blocks._Replay.apply = lambda *a: calls.__setitem__(0, calls[0] + 1) or apply(*a)
+    print("| model, 1024 px | every block CPU s | replayed CPU s | ratio | blocks replayed | the same plan |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for model in ("sdxl", "sd35-large", "flux-dev"):
+        cpu: dict[str, list[float]] = {"every": [], "replay": []}
+        plans, replayed = {}, 0
+        for r in range(rounds):
+            for label in (("every", "replay") if r % 2 else ("replay", "every")):
+                run.replayed_blocks = (replayed_blocks if label == "replay"
+                                       else lambda *a: contextlib.nullcontext())
+                calls[0], c = 0, time.process_time()
+                plans[label] = plan_memory(model, resolution=1024, sample_steps=0)
+                cpu[label].append(time.process_time() - c)
+                replayed = max(replayed, calls[0])
+        run.replayed_blocks = replayed_blocks
+        same = {**vars(plans["every"]), "seconds": 0} == {**vars(plans["replay"]), "seconds": 0}
+        every, fast = min(cpu["every"]), min(cpu["replay"])
+        print(f"| {model} | {every:.1f} | {fast:.1f} | {fast / every:.2f} | {replayed} | "
+              f"{'yes' if same else 'NO'} |", flush=True)
+    blocks._Replay.apply = apply
+
+
 def targets() -> None:
     """The whole-run plans at 1024, batch 1, rank 16, bf16 base, checkpointing + 8-bit AdamW, encoders
     unloaded after caching, on CUDA's rules: every phase, against the targets."""
@@ -361,7 +397,9 @@ if __name__ == "__main__":
     ap.add_argument("--targets", action="store_true", help="the whole-run targets (SDXL, Flux NF4 at 1024)")
     ap.add_argument("--cold-start", action="store_true",
                     help="one SDXL 1024 plan in a fresh process, cold and warm plan cache (--rounds)")
-    ap.add_argument("--rounds", type=int, default=1, help="--cold-start's rounds (default 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="--cold-start's and --replay's rounds (default 1)")
+    ap.add_argument("--replay", action="store_true",
+                    help="plans with the training step's identical blocks replayed vs every block running")
     ap.add_argument("--small-cards", action="store_true",
                     help="Flux.1-dev 1024 on 12 / 16 GiB: NF4 or fp8 base, with and without block swapping")
     ap.add_argument("--real-cpu", action="store_true",
@@ -379,6 +417,8 @@ if __name__ == "__main__":
         targets()
     elif args.cold_start:
         cold_start("sdxl", 1024, args.rounds)
+    elif args.replay:
+        replay(args.rounds)
     elif args.small_cards:
         small_cards()
     elif args.validate and args.quantized:
