@@ -113,3 +113,21 @@ def test_caption_dropout_swaps_in_the_empty_prompt():
     torch.testing.assert_close(out["prompt_embeds"],
                                torch.stack([-torch.ones(2, 2), embeds["prompt_embeds"][0]]))
     torch.testing.assert_close(out["pooled_prompt_embeds"], torch.tensor([[0.0] * 4, [1.0] * 4]))
+
+
+def test_the_base_dtype_goes_with_the_mixed_precision():
+    """torch's autocast to one half precision fails on the other's inputs (the UNet's torch.cat): "auto"
+    loads the base in fp16 on CUDA under fp16 mixed precision, and a bf16 base under fp16 (or the reverse) is
+    refused by name; the plan of an fp16 run on CUDA (which raised torch's RuntimeError) is made."""
+    from lora_lab.planning import plan_memory
+
+    cuda = torch.device("cuda")
+    assert TrainConfig(mixed_precision="fp16").base_torch_dtype(cuda) == torch.float16
+    assert TrainConfig(mixed_precision="bf16").base_torch_dtype(cuda) == torch.bfloat16
+    assert TrainConfig(mixed_precision="fp16").base_torch_dtype(torch.device("cpu")) == torch.float32
+    for base, mixed in (("bf16", "fp16"), ("fp16", "bf16")):
+        with pytest.raises(TrainConfigError, match=rf"^TrainConfig.base_dtype='{base}': {base} under"):
+            TrainConfig(base_dtype=base, mixed_precision=mixed)
+    plan = plan_memory("sdxl", size="tiny", cache=False, sample_steps=0, device="cuda",
+                       mixed_precision="fp16")
+    assert plan.peak > 0 and plan.base_dtype == "fp16"

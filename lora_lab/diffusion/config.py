@@ -64,8 +64,8 @@ class TrainConfig:
     )
     base_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype the frozen base is loaded in: fp32 | bf16 | fp16 | auto (bf16 on CUDA, "
-                  "fp32 on the CPU); the adapters stay fp32"},
+        metadata={"help": "dtype the frozen base is loaded in: fp32 | bf16 | fp16 | auto (on CUDA bf16, fp16 "
+                  "under fp16 mixed precision; fp32 on the CPU); the adapters stay fp32"},
     )
     resolution: int | None = field(
         default=None, metadata={"help": "image side in pixels (default: the base's)"}
@@ -320,6 +320,9 @@ class TrainConfig:
             bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
         if self.warmup_steps > self.steps:
             bad("warmup_steps", f"is longer than the run (steps={self.steps})")
+        if {base := self.base_dtype, mixed := self.mixed_precision} == {"bf16", "fp16"}:
+            bad("base_dtype", f"{base} under {mixed} mixed precision: torch's autocast to {mixed} fails on "
+                f"{base} inputs (the UNet's torch.cat); use {mixed}, fp32 or auto")
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
             bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
         if self.dataset is not None and not Path(self.dataset).is_dir():
@@ -369,8 +372,10 @@ class TrainConfig:
         return {"clip_l": self.clip_l, "clip_g": self.clip_g, "t5xxl": self.t5xxl, "vae": self.vae}
 
     def base_torch_dtype(self, device: torch.device) -> torch.dtype:
-        """The frozen base's dtype: `base_dtype`, or for "auto" bf16 on CUDA and fp32 elsewhere."""
-        name = self.base_dtype if self.base_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+        """The frozen base's dtype: `base_dtype`, or for "auto" on CUDA bf16 (fp16 under fp16 mixed precision:
+        autocast to one half precision cannot take the other's inputs) and fp32 elsewhere."""
+        cuda = "fp16" if self.mixed_precision == "fp16" else "bf16"
+        name = self.base_dtype if self.base_dtype != "auto" else (cuda if device.type == "cuda" else "fp32")
         return BASE_DTYPES[name]
 
     def checkpointing_policy(self) -> str | None:

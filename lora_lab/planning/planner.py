@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .._moved import warn
 from ..checkpointing import enable_checkpointing
 from ..diffusion.config import BASE_DTYPES, TrainConfig
@@ -176,9 +178,9 @@ class MemoryPlan:
 
     @property
     def base_dtype(self) -> str:
-        """The base's dtype as planned ("auto" resolved for the planned device)."""
-        dtype = self.options.get("base_dtype", "auto")
-        return dtype if dtype != "auto" else ("bf16" if self.options.get("device") == "cuda" else "fp32")
+        """The base's dtype as planned ("auto" resolved for the planned device, as the trainer does)."""
+        dtype = train_config(self.options).base_torch_dtype(torch.device(self.options.get("device", "cuda")))
+        return next(name for name, d in BASE_DTYPES.items() if d == dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)
