@@ -166,7 +166,7 @@ class Window:
     def __init__(self, start: int, saved_start: int):
         self.start, self.saved_start = start, saved_start
         self.top, self.saved_at_top = start, saved_start
-        self.end, self.saved_end = start, saved_start
+        self.end = start
         self.born: dict[int, weakref.ref] = {}
         self.marked: set[int] = set()
 
@@ -273,7 +273,7 @@ class LiveBytes(TorchDispatchMode):
 
     def close_window(self, w: Window) -> None:
         self._windows.remove(w)
-        w.end, w.saved_end = self.current, self.saved_live
+        w.end = self.current
 
     def track(self, tensors) -> None:
         for t in tensors:
