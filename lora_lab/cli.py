@@ -10,8 +10,6 @@ import sys
 import typing
 from pathlib import Path
 
-from .checkpointing import CheckpointingError, parse_policy
-from .diffusion.config import BASE_DTYPES
 from .diffusion.distributed import resolve_device
 from .diffusion.options import MAX_SAMPLE_STEPS
 from .diffusion.runfile import config_from_file
@@ -21,17 +19,10 @@ from .errors import LoraLabError
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
 from .models import KINDS, REAL_MODELS
-from .planning import (
-    PlanError,
-    fit_config,
-    fit_vram,
-    options_table,
-    parse_bytes,
-    plan_memory,
-    plan_train_config,
-)
+from .models.real import REAL_DEFAULT, REAL_PREFIX, real_kind
+from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory, plan_options
 from .planning.fakedevice import ATTENTION
-from .quant import FORMATS as QUANT_FORMATS
+from .planning.planner import PLAN_DEFAULTS
 
 # ----------------------------------------------------------------------------- LoRA files
 
@@ -50,7 +41,6 @@ def _checked_by(parse, error: type[Exception]):
 
 
 _memory_size = _checked_by(parse_bytes, PlanError)  # --vram
-_checkpoint_policy = _checked_by(parse_policy, CheckpointingError)  # lora-lab plan --gradient-checkpointing
 
 
 def _lora_spec(text: str) -> tuple[Path, float]:
@@ -154,33 +144,32 @@ def build_parser(flag_defaults: bool = True) -> argparse.ArgumentParser:
     add_lora_file_parsers(sub)
     add_train_parser(sub, flag_defaults)
     add_sample_parser(sub)
-    add_plan_parser(sub)
+    add_plan_parser(sub, flag_defaults)
     return ap
 
 
 # ----------------------------------------------------------------------------- lora-lab train
 
 
-def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser:
-    """`lora-lab train`: one --flag per TrainConfig field (same name, dashes), with its help and default."""
-    p = sub.add_parser(
-        "train",
-        help=f"train a LoRA/DoRA on a diffusion model ({' | '.join(KINDS)})",
-        description="Train a LoRA on a diffusion model. Example: lora-lab train --model sdxl --dataset DIR "
-        "--output DIR --rank 32 --steps 1000. Runs data-parallel under torchrun.",
-    )
+def add_run_flags(p: argparse.ArgumentParser, flag_defaults: bool = True,
+                  defaults: dict | None = None) -> None:
+    """A run's flags, the same on `lora-lab train` and `lora-lab plan`: --config, one --flag per TrainConfig
+    field (same name, dashes) with its help and default (`defaults` over TrainConfig's), and --vram."""
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a run file (TOML, or a run's config.json): every setting below by its name "
                    "(sample_every or sample-every), [[datasets]] tables of path, repeats, caption_extension, "
                    "is_reg; the flags given override it")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        default = (defaults or {}).get(f.name, f.default)
         # without flag_defaults, a flag not given is absent: the run file's value (or the default) stays
-        unset = f.default if flag_defaults else argparse.SUPPRESS
+        unset = default if flag_defaults else argparse.SUPPRESS
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         helptext = f.metadata["help"]  # says its default itself where "None" would not tell it
-        helptext += "" if "(default:" in helptext else f" (default: {f.default})"
+        if f.name in (defaults or {}):
+            helptext = helptext.split(" (default:")[0] + f" (default: {default})"
+        helptext += "" if "(default:" in helptext else f" (default: {default})"
         if f.name == "datasets":  # tables: a --config file only
             continue
         if kind is bool:
@@ -197,8 +186,34 @@ def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser
             p.add_argument(flag, type=base, default=unset, help=helptext)
     p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
                    help="the card's memory, e.g. 24GiB: let the memory planner choose checkpointing, "
-                   "optimizer, micro-batch and VAE tiling so that every phase fits (--batch-size is then the "
-                   "effective batch)")
+                   "optimizer, micro-batch and VAE tiling so that every phase fits (--batch-size x "
+                   "--grad-accum is then the effective batch)")
+
+
+def _run_config(args: argparse.Namespace, **changes) -> TrainConfig:
+    """The TrainConfig of a run's flags: the flags (or a run file with the flags given over it), `changes`
+    over them."""
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "datasets"]
+    if args.config is None:
+        return TrainConfig(**{**{name: getattr(args, name) for name in names}, **changes})
+    # the flags given (not their defaults) over the file
+    given = build_parser(flag_defaults=False).parse_args(args.argv)
+    return config_from_file(args.config, {**{name: getattr(given, name) for name in names
+                                             if hasattr(given, name)}, **changes})
+
+
+# ----------------------------------------------------------------------------- lora-lab train
+
+
+def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser:
+    """`lora-lab train`: a run's flags (`add_run_flags`), --dry-run."""
+    p = sub.add_parser(
+        "train",
+        help=f"train a LoRA/DoRA on a diffusion model ({' | '.join(KINDS)})",
+        description="Train a LoRA on a diffusion model. Example: lora-lab train --model sdxl --dataset DIR "
+        "--output DIR --rank 32 --steps 1000. Runs data-parallel under torchrun.",
+    )
+    add_run_flags(p, flag_defaults)
     p.add_argument("--dry-run", action="store_true",
                    help="plan the run instead of running it: each phase's predicted peak (the trainer's own "
                    "stages on fake tensors; with --base real:NAME at real size), then exit; writes nothing")
@@ -207,18 +222,12 @@ def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "datasets"]
-    if args.config is None:
-        config = TrainConfig(**{name: getattr(args, name) for name in names})
-    else:  # the flags given (not their defaults) over the file
-        given = build_parser(flag_defaults=False).parse_args(args.argv)
-        config = config_from_file(args.config, {name: getattr(given, name) for name in names
-                                                if hasattr(given, name)})
+    config = _run_config(args)
     if args.vram is not None:
         config, why = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
     if args.dry_run:
-        print(plan_train_config(config).table())
+        print(plan_memory(config).table())
         return 0
     config.validate()  # a bad flag's error comes alone, before the line below
     if config.base_dtype == "auto" and os.environ.get("RANK", "0") == "0":
@@ -235,74 +244,45 @@ def _run_train(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- lora-lab plan
 
 
-def add_plan_parser(sub) -> argparse.ArgumentParser:
-    """`lora-lab plan`: the predicted peak memory of LoRA training at real size, per option, against a card's
-    memory."""
+def add_plan_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser:
+    """`lora-lab plan`: a run's flags (those of `lora-lab train`, with a plan's defaults), --attention; the
+    run's plan, its variants' peaks, and with --vram the fastest variant that fits."""
     p = sub.add_parser(
         "plan",
-        help="predict the GPU memory of LoRA training (real SDXL / SD3.5 / Flux sizes) and choose options "
-        "that fit",
-        description="Runs the trainer's stages (caching, loading, training step, saving, sampling) for the "
-        "real model on fake tensors (no weights, no GPU) and counts the bytes live at each phase's peak. "
-        "Example: lora-lab plan --model sdxl --resolution 1024 --rank 16 --vram 24GiB",
+        help="predict the GPU memory of a LoRA training run (real SDXL / SD3.5 / Flux sizes) and choose "
+        "options that fit",
+        description="Plans the run `lora-lab train` would make of the same flags: the trainer's stages "
+        "(caching, loading, training step, saving, sampling) on fake tensors (no weights, no GPU), each "
+        "phase's peak; then the variants with and without checkpointing and 8-bit AdamW. --model is a kind "
+        f"or a real model ({' | '.join(REAL_MODELS)}); without --base, the real model (real:NAME; sd3: "
+        f"{REAL_DEFAULT['sd3']}). Example: lora-lab plan --model sdxl --resolution 1024 --rank 16 "
+        "--vram 24GiB",
     )
-    p.add_argument("--model", required=True, choices=list(REAL_MODELS), help="the real model")
-    p.add_argument("--resolution", type=int, default=None,
-                   help="image side in pixels (default: 1024; sd15: 512)")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default: 16)")
-    p.add_argument("--batch-size", type=int, default=1, help="effective batch (default: 1)")
-    p.add_argument("--dora", action="store_true", help="DoRA adapters")
-    p.add_argument("--conv", action="store_true", help="also LoCon on the UNet's ResNet convs")
-    p.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16"],
-                   help="autocast (default: bf16)")
-    p.add_argument("--base-dtype", default="auto", choices=["auto", *BASE_DTYPES],
-                   help="frozen weights' dtype (default: auto, bf16 on a GPU)")
-    p.add_argument("--keep-encoders", action=argparse.BooleanOptionalAction, default=False,
-                   help="the text encoders and VAE stay on the GPU for the whole run (default: only while "
-                   "caching and sampling, as the trainer does)")
-    p.add_argument("--vae-tiling", action=argparse.BooleanOptionalAction, default=False,
-                   help="samples decoded in tiles (default: no; --vram turns it on where sampling needs it)")
+    add_run_flags(p, flag_defaults, PLAN_DEFAULTS)
     p.add_argument("--attention", default="auto", choices=list(ATTENTION),
-                   help="attention kernel (default: auto)")
-    p.add_argument("--base-quantization", default=None, choices=list(QUANT_FORMATS),
-                   help="the denoiser's frozen Linear weights stored quantized (default: none)")
-    p.add_argument("--gradient-checkpointing", default="full", metavar="POLICY", type=_checkpoint_policy,
-                   help="the policy of the options with checkpointing: full | selective | every_k | budget:F "
-                   "(default: full)")
-    p.add_argument("--vram", default=None, metavar="SIZE", type=_memory_size,
-                   help="the card's memory, e.g. 24GiB: mark what fits, choose the fastest")
-    p.add_argument("--blocks-to-swap", type=int, default=0, metavar="N",
-                   help="also plan checkpointing + adamw8bit with N of the denoiser's blocks in host memory "
-                   "(block swapping), and say the bytes it copies per step")
+                   help="attention kernel (default: auto, what PyTorch picks on the device)")
     p.set_defaults(func=_run_plan)
     return p
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    if args.batch_size < 1:  # plan_memory's own error would name grad_accum, which this flag becomes
-        raise LoraLabError(f"--batch-size {args.batch_size}: must be an integer >= 1")
-    common = {"resolution": args.resolution, "rank": args.rank, "dora": args.dora, "conv": args.conv,
-              "mixed_precision": args.mixed_precision, "base_dtype": args.base_dtype,
-              "keep_encoders": args.keep_encoders, "vae_tiling": args.vae_tiling, "attention": args.attention,
-              "base_quantization": args.base_quantization}
-    plans = [plan_memory(args.model, batch_size=1, grad_accum=args.batch_size,
-                         gradient_checkpointing=ck and args.gradient_checkpointing, optimizer=opt, **common)
-             for ck in (False, True) for opt in ("adamw", "adamw8bit")]
-    if args.blocks_to_swap:
-        plans.append(plan_memory(args.model, batch_size=1, grad_accum=args.batch_size, optimizer="adamw8bit",
-                                 gradient_checkpointing=args.gradient_checkpointing or True,
-                                 blocks_to_swap=args.blocks_to_swap, **common))
-    base = (f"{args.base_quantization} ({plans[0].base_dtype} compute)" if args.base_quantization
-            else plans[0].base_dtype)
-    print(f"{args.model} at {plans[0].options['resolution']}px, rank {args.rank}, {args.mixed_precision} "
-          f"autocast, base {base}, attention {plans[0].attention} (predictions of every phase of a run, not "
-          "measurements)")
+    changes = {}
+    if args.config is None and getattr(args, "base", None) is None:  # the real model of --model
+        name = args.model if args.model in REAL_MODELS else REAL_DEFAULT.get(args.model, args.model)
+        changes = {"model": real_kind(name), "base": f"{REAL_PREFIX}{name}"} if name in REAL_MODELS else {}
+    config = _run_config(args, **changes)
+    policy = config.gradient_checkpointing or "full"  # the variants with checkpointing
+    variants = [dataclasses.replace(config, gradient_checkpointing=ck and policy, optimizer=opt)
+                for ck in (False, True) for opt in ("adamw", "adamw8bit")
+                if ck or not config.blocks_to_swap]  # swapping recomputes: only with checkpointing
+    plans = [plan_memory(v, attention=args.attention) for v in variants]
+    own = plan_options(config, args.attention)  # the run as given: one of the variants, or planned
+    plan = next((p for p in plans if p.options == own), None) or plan_memory(config, attention=args.attention)
+    print(plan.table())
+    print()
     print(options_table(plans, args.vram))
-    if args.blocks_to_swap:
-        print(plans[-1].table())
     if args.vram is not None:
-        result = fit_vram(args.vram, args.model, batch_size=args.batch_size, plans=plans,
-                          checkpointing=args.gradient_checkpointing, **common)
+        result = fit_vram(args.vram, config, plans=plans, checkpointing=policy, attention=args.attention)
         print(result.reason())
         print(result.chosen.table())
     return 0

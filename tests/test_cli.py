@@ -379,3 +379,38 @@ def test_train_help_says_each_default_once():
     text = " ".join(train.format_help().split())
     assert "(default: the set in data/)" in text
     assert not re.search(r"\(default: [^)]*\) \(default:", text) and text.count("(default:") > 40
+
+
+def _flags(command: str, capsys) -> set[str]:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", capsys.readouterr().out))
+
+
+def test_plan_and_train_take_the_same_run_flags(capsys):
+    """`lora-lab plan` plans the run `lora-lab train` makes of the same flags: one list of run flags, made from
+    TrainConfig's fields; each command adds only what it does with the run."""
+    train, plan = _flags("train", capsys), _flags("plan", capsys)
+    assert train - plan == {"--dry-run"} and plan - train == {"--attention"}
+    assert {"--feed-forward", "--adapter", "--ema-decay", "--text-encoder-lr", "--optimizer", "--reg-dataset",
+            "--caption-variants", "--sample-every", "--validation-split", "--config"} <= plan
+
+
+def test_plan_plans_the_flags_it_is_given(monkeypatch, capsys):
+    """A flag of the run changes the run planned (the dry run ignored --feed-forward before)."""
+    from lora_lab.planning import planner
+
+    planned = []
+    monkeypatch.setattr(planner, "_plan", lambda config, options: planned.append(config) or
+                        planner.MemoryPlan("sdxl", "real", options, "flash", dict.fromkeys(
+                            ("cache", "load", "train step", "save", "sample"), 1), {"frozen weights": 1}, 1,
+                            "cache", "backward", 0, 0, resolution=1024, base_dtype="bf16"))
+    assert main(["plan", "--model", "sd35-medium", "--feed-forward", "--ema-decay", "0.99",
+                 "--lokr-factor", "4", "--adapter", "lokr"]) == 0
+    config = planned[0]
+    assert (config.model, config.base, config.feed_forward, config.ema_decay, config.adapter) == (
+        "sd3", "real:sd35-medium", True, 0.99, "lokr")
+    assert config.mixed_precision == "bf16" and config.device == "cuda"  # a plan's defaults
+    planned.clear()
+    assert main(["train", "--model", "sdxl", "--dry-run", "--feed-forward"]) == 0
+    assert planned[0].feed_forward and planned[0].base is None  # the tiny base, as `train` would

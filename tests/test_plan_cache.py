@@ -34,10 +34,10 @@ def test_a_cached_plan_is_the_plan_made_again(plans_in):
 
 
 def _fake_plan(calls):
-    def plan(model, options):
+    def plan(config, options):
         calls.append(options)
         phases = {"cache": 1, "load": 2, "train step": 5, "save": 2, "sample": 0}
-        return planner.MemoryPlan(model, str(options["size"]), options, "native (cpu)", phases,
+        return planner.MemoryPlan(options["model"], str(options["size"]), options, "native (cpu)", phases,
                                   {"frozen weights": 5}, 5, "train step", "backward", 3, 1)
     return plan
 
@@ -64,19 +64,27 @@ def test_a_damaged_cache_file_is_ignored_and_rewritten(plans_in, monkeypatch, da
     assert third.cached and len(calls) == 2 and _same(third, first)
 
 
+def _key(model="sdxl", *, attention="auto", checkpoint_options=None, **fields) -> str:
+    config = planner.plan_config(model, **fields)
+    return cache.plan_key(config, plan_options(config, attention, checkpoint_options))
+
+
 def test_every_input_of_a_plan_changes_its_key(tmp_path, monkeypatch):
-    base = plan_options("sdxl")
-    key = cache.plan_key(base)
+    key = _key()
     changed = {"resolution": 512, "batch_size": 2, "grad_accum": 2, "rank": 8, "dora": True, "conv": True,
                "optimizer": "adamw8bit", "gradient_checkpointing": True, "mixed_precision": "fp16",
                "base_dtype": "fp32", "base_quantization": "nf4", "keep_encoders": True, "vae_tiling": True,
-               "sample_steps": 0, "attention": "math", "device": "cpu", "dataset_size": 4, "ema": True,
-               "text_encoder_lora": True, "adapter": "loha"}
-    keys = {name: cache.plan_key(plan_options("sdxl", **{name: value})) for name, value in changed.items()}
-    keys["model"] = cache.plan_key(plan_options("flux-dev"))
-    keys["checkpoint_options"] = cache.plan_key(plan_options("sdxl", gradient_checkpointing=True,
-                                                             checkpoint_options={"k": 2}))
-    keys["size"] = cache.plan_key(plan_options("sdxl", size="tiny"))
+               "sample_steps": 0, "attention": "math", "device": "cpu", "ema_decay": 0.9,
+               "text_encoder_lr": 1e-4, "adapter": "loha", "feed_forward": True, "sample_every": 5,
+               "caption_dropout": 0.1}
+    keys = {name: _key(**{name: value}) for name, value in changed.items()}
+    keys["model"] = _key("flux-dev")
+    keys["checkpoint_options"] = _key(gradient_checkpointing=True, checkpoint_options={"k": 2})
+    keys["size"] = _key(size="tiny")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("a caption")
+    keys["dataset"] = _key(dataset=str(data))
     for name, target, attr, value in [
             ("lora_lab version", cache, "__version__", "9.9"),
             ("lora_lab source", cache, "source_hash", lambda: "another"),
@@ -84,18 +92,25 @@ def test_every_input_of_a_plan_changes_its_key(tmp_path, monkeypatch):
             ("diffusers", cache, "_version", lambda package: "0.0" if package == "diffusers" else "1")]:
         with monkeypatch.context() as m:
             m.setattr(target, attr, value)
-            keys[name] = cache.plan_key(base)
+            keys[name] = _key()
     assert len(set(keys.values()) | {key}) == len(keys) + 1, keys
+    # what the memory does not depend on is not in the key: the same plan serves both runs
+    assert _key(lr=1e-3, steps=5, seed=7, ema_decay=0.5) == _key(ema_decay=0.9)
+    assert _key(gradient_checkpointing="full") == _key(gradient_checkpointing=True)
+    # a data folder's files are in its key: a caption rewritten is another plan
+    before = _key(dataset=str(data))
+    (data / "a.txt").write_text("a longer caption than before")
+    assert _key(dataset=str(data)) != before
     # a local folder's configs are in its key: edit one, and it is another plan
     folder = tmp_path / "base"
     (folder / "unet").mkdir(parents=True)
     (folder / "model_index.json").write_text("{}")
     (folder / "unet" / "config.json").write_text('{"sample_size": 64}')
-    options = dict(base, size=str(folder))
-    before = cache.plan_key(options)
-    assert cache.plan_key(options) == before
+    config = planner.TrainConfig(model="sdxl", base=str(folder), device="cuda")
+    before = cache.plan_key(config, {})
+    assert cache.plan_key(config, {}) == before
     (folder / "unet" / "config.json").write_text('{"sample_size": 128}')
-    assert cache.plan_key(options) != before
+    assert cache.plan_key(config, {}) != before
 
 
 def test_where_plans_are_cached(tmp_path, monkeypatch):

@@ -101,11 +101,13 @@ def test_fit_swaps_the_fewest_blocks_as_its_last_resort(monkeypatch):
 
     calls = []
 
-    def fake_plan(model, *, blocks_to_swap=0, **kw):
+    def fake_plan(config, **kw):
+        blocks_to_swap = config.blocks_to_swap
         calls.append(blocks_to_swap)
         peak = 100 - 10 * blocks_to_swap
-        options = {"vae_tiling": False, **kw, "blocks_to_swap": blocks_to_swap}
-        plan = planner.MemoryPlan(model, "tiny", options, "flash",
+        options = {k: getattr(config, k) for k in ("batch_size", "grad_accum", "gradient_checkpointing",
+                                                   "optimizer", "vae_tiling", "blocks_to_swap")}
+        plan = planner.MemoryPlan(config.model, "tiny", options, "flash",
                                   {"train step": peak}, {"frozen weights": peak}, peak, "train step",
                                   "backward", 0, 0, moved_per_step=20 * blocks_to_swap)
         return plan

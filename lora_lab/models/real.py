@@ -122,6 +122,8 @@ REAL_SCHEDULERS = {
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
+# the real model a kind plans by default (`lora-lab plan --model sd3`)
+REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}
 

@@ -4,15 +4,15 @@ the run, and the fastest options that fit a card's memory.
     fakedevice.py  a device without memory: fake tensors, the GPU's attention kernel and autocast rules
     run.py         plan_run: the trainer's own stages on fake tensors, each phase's peak of device memory
     measure.py     a real run measured phase by phase (what plans are checked against)
-    planner.py     plan_memory(...) -> MemoryPlan (each phase's peak, the step's parts),
-                   plan_options, parse_bytes
+    planner.py     plan_memory(TrainConfig | model, ...) -> MemoryPlan (each phase's peak, the step's parts),
+                   plan_config (the TrainConfig of a model's plan), parse_bytes
     fit.py         fit_vram(vram, ...) -> FitResult (the fastest option that fits), options_table, fit_config
 """
 
-from .fit import FitResult, fit_config, fit_vram, options_table, plan_train_config
+from .fit import FitResult, fit_config, fit_vram, options_table
 from .measure import measure_run, measure_training_step
-from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes, plan_memory, plan_options
+from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes, plan_config, plan_memory, plan_options
 
 __all__ = ["FitResult", "MemoryPlan", "PlanError", "fit_config", "fit_vram", "format_bytes", "measure_run",
-           "measure_training_step", "options_table", "parse_bytes", "plan_memory", "plan_options",
-           "plan_train_config"]
+           "measure_training_step", "options_table", "parse_bytes", "plan_config", "plan_memory",
+           "plan_options"]

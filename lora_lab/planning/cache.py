@@ -1,15 +1,16 @@
 """The plan cache on disk: a plan made once is read back in a later process, not planned again.
 
-    plan_key(options)        -> the plan's key: a hash of everything a plan depends on
+    plan_key(config, options) -> the plan's key: a hash of everything a plan depends on
     load_plan(key)           -> the cached plan's fields (a dict), or None (none, unreadable, another key)
     store_plan(key, fields)  -> writes them (atomically), where `cache_dir()` says
     cache_dir()              -> $LORA_LAB_PLAN_CACHE, else $XDG_CACHE_HOME/lora_lab/plans, else
                                 ~/.cache/lora_lab/plans; None where LORA_LAB_PLAN_CACHE is "off"
 
-The key covers the plan's options (checked and with their defaults, `planner.plan_options`), lora_lab's
-version and a hash of its source files (an edited checkout plans again), the versions of torch, diffusers
-and transformers, and for a base read from a folder (a local diffusers folder, or the tiny base shipped in
-data/base/) its config files' contents and every other file's name, size and time. A changed input gives
+The key covers the plan's options (what of the TrainConfig its memory depends on, `diffusion/footprint.py`,
+and the planning options: `planner.plan_options`), lora_lab's version and a hash of its source files (an
+edited checkout plans again), the versions of torch, diffusers and transformers, and every file the plan
+reads (`read_paths`: a base folder or file and its parts, the data folders): config files by contents,
+every other file by name, size and time. A changed input gives
 another key, so a cached plan is never one of other inputs; the cache is safe to delete at any time.
 
 Files are JSON, one per key (`<key>.json`), read with `fileio.parse_json`: nothing read runs code. A file
@@ -32,8 +33,9 @@ from .._version import __version__
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes, cache_root, parse_json
 from ..models import shipped_base
+from ..models.real import REAL_PREFIX
 
-FORMAT = 1  # the layout of a cache file; a new layout is another key
+FORMAT = 2  # the layout of a cache file; a new layout is another key
 MAX_FILE_BYTES = 1 << 20  # a plan's JSON is a few KiB: a larger file is not one of ours
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -63,27 +65,43 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _folder_fingerprint(folder: Path) -> list:
-    """A folder base's config files (contents) and its other files (name, size, time): what a plan reads."""
+def _fingerprint(path: Path) -> list:
+    """What a plan reads of a file or folder: config files by contents, every other file by name, size and
+    time (a folder's files, recursively)."""
+    if not path.exists():
+        return [str(path), None]
     out = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        name = str(path.relative_to(folder))
-        stat = path.stat()
-        if path.suffix == ".json" and stat.st_size <= MAX_FILE_BYTES:
-            out.append([name, hashlib.sha256(path.read_bytes()).hexdigest()])
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        name = str(file.relative_to(path)) if path.is_dir() else str(file)
+        stat = file.stat()
+        if file.suffix == ".json" and stat.st_size <= MAX_FILE_BYTES:
+            out.append([name, hashlib.sha256(file.read_bytes()).hexdigest()])
         else:
             out.append([name, stat.st_size, stat.st_mtime_ns])
     return out
 
 
-def plan_key(options: dict) -> str:
-    """The key of a plan of `options` (as `plan_options` returns them): a hex sha256."""
-    size = str(options["size"])
-    folder = (shipped_base(options["kind"]) if size == "tiny" else None if size == "real" else Path(size))
+def read_paths(config) -> list[Path]:
+    """The files and folders a plan of `config` reads: its base (the tiny one shipped in data/ by default)
+    and the base's part files, and its data folders."""
+    base = config.base if config.base is not None else shipped_base(config.model)
+    paths = [] if base is None or str(base).startswith(REAL_PREFIX) else [Path(base)]
+    paths += [Path(p) for p in config.base_parts().values() if p is not None]
+    if config.datasets is not None:
+        paths += [Path(t["path"]) for t in config.datasets]
+    else:
+        paths.append(config.dataset_dir())
+    paths += [Path(p) for p in (config.reg_dataset, config.validation_dataset) if p is not None]
+    return paths
+
+
+def plan_key(config, options: dict) -> str:
+    """The key of a plan of `config` with `options` (what `planner.plan_options` gives: what of the config
+    the plan depends on, and the planning options): a hex sha256."""
     inputs = {"format": FORMAT, "lora_lab": __version__, "source": source_hash(),
               "torch": torch.__version__, "diffusers": _version("diffusers"),
               "transformers": _version("transformers"), "options": options,
-              "base files": _folder_fingerprint(folder) if folder is not None else None}
+              "files": [_fingerprint(p) for p in read_paths(config)]}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -2,9 +2,9 @@
 of options.
 
     fit_vram("24GiB", "sdxl", resolution=1024, batch_size=4) -> FitResult (chosen plan, why, every plan tried)
+    fit_vram("24GiB", TrainConfig(...))                      -> the same for a run as given
     options_table(plans, vram)                              -> one line per option: peak, its phase, fits
-    fit_config(train_config, "24GiB")                       -> the TrainConfig `lora-lab train --vram` runs
-    plan_train_config(train_config)                         -> the plan `lora-lab train --dry-run` prints
+    fit_config(config, "24GiB")                             -> the TrainConfig `lora-lab train --vram` runs
 
 Options are tried cheapest in time first: no recomputation before recomputation, fp32 AdamW (the faster
 step) before 8-bit, and the largest micro-batch that fits, with gradient accumulation for the rest; as the
@@ -14,20 +14,12 @@ copies per step, which the reason says).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from .._moved import old_name
-from ..diffusion.distributed import resolve_device
-from ..models import default_resolution, shipped_base
-from ..models.real import REAL_PREFIX
-from ..models.single_file import detect_file
+from ..diffusion.config import TrainConfig
 from . import planner
-from .measure import dataset_len, distinct_captions
-from .planner import MemoryPlan, PlanError, folder_vae_scale, format_bytes, parse_bytes
+from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes
 
 # The order `fit_vram` tries options in, cheapest in time first: no recomputation before recomputation,
 # fp32 Adam (fastest step) before 8-bit.
@@ -48,8 +40,8 @@ class FitResult:
         """The TrainConfig fields to set: gradient_checkpointing, optimizer, batch_size, grad_accum,
         vae_tiling."""
         o = self.chosen.options
-        return {**{k: o[k] for k in ("gradient_checkpointing", "optimizer", "batch_size", "grad_accum",
-                                     "vae_tiling")}, "blocks_to_swap": o.get("blocks_to_swap", 0)}
+        chosen = ("optimizer", "batch_size", "grad_accum", "vae_tiling", "blocks_to_swap")
+        return {**{k: o[k] for k in chosen}, "gradient_checkpointing": o["gradient_checkpointing"] or False}
 
     def reason(self) -> str:
         s = self.settings
@@ -87,33 +79,44 @@ def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str
     return "\n".join(rows)
 
 
-def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
-             plans: list[MemoryPlan] | tuple = (), checkpointing: bool | str = True,
-             **plan_options) -> FitResult:
-    """The fastest training configuration whose every phase fits `vram` (e.g. "24GiB"), a card's memory.
+def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "real",
+             checkpointing: bool | str = True, plans: list[MemoryPlan] | tuple = (), attention: str = "auto",
+             checkpoint_options: dict | None = None, **fields) -> FitResult:
+    """The fastest variant of a run (a `TrainConfig`, or `planner.plan_config(run, size=size, **fields)`)
+    whose every phase fits `vram` (e.g. "24GiB"), a card's memory; its batch_size x grad_accum is the
+    effective batch, kept.
 
-    Options are tried in order of their time cost: no checkpointing before checkpointing (it adds a
+    Variants are tried in order of their time cost: no checkpointing before checkpointing (it adds a
     forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit; within those,
-    the largest micro-batch (a power of two dividing `batch_size`, the effective batch) that fits, with
-    gradient accumulation making up the rest. Where only the sample phase does not fit, the same option with
-    the samples decoded in tiles (vae_tiling) is planned. Raises PlanError naming the smallest peak found and
-    what sets it when nothing fits. `plan_options` go to `plan_memory`; `plans` are plans already made (e.g.
-    the table `lora-lab plan` prints): one whose options are those of an option tried is used as it is, not
-    planned again. checkpointing: the policy of the options with checkpointing (True = "full").
+    the largest micro-batch (a power of two dividing the effective batch) that fits, with gradient
+    accumulation making up the rest. Where only the sample phase does not fit, the same variant with the
+    samples decoded in tiles (vae_tiling) is planned. Raises PlanError naming the smallest peak found and
+    what sets it when nothing fits. `plans` are plans already made (e.g. the table `lora-lab plan` prints):
+    one whose options are those of a variant tried is used as it is, not planned again. checkpointing: the
+    policy of the variants with checkpointing (True = "full"). attention, checkpoint_options: `plan_memory`'s.
     """
     vram = parse_bytes(vram)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
-        raise PlanError(f"fit_vram: batch_size must be an integer from 1 to 4096, got {batch_size!r}")
+    if isinstance(run, TrainConfig):
+        if fields or size != "real":
+            raise PlanError("fit_vram: give a TrainConfig or a model with its fields, not both")
+        config = run
+    else:
+        for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
+            if key in fields:
+                raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
+        config = planner.plan_config(run, size=size, **fields)
+    batch_size = config.batch_size * config.grad_accum
+    if batch_size > 4096:
+        raise PlanError(f"fit_vram: the effective batch must be at most 4096, got {batch_size}")
     micro = [b for b in (2**i for i in range(batch_size.bit_length()))
              if batch_size % b == 0][::-1]  # largest first
-    for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
-        if key in plan_options:
-            raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
     tried: list[MemoryPlan] = []
 
-    def planned(**kw) -> MemoryPlan:
-        options = planner.plan_options(model, **kw) if plans else None
-        p = next((q for q in plans if q.options == options), None) or planner.plan_memory(model, **kw)
+    def planned(**changes) -> MemoryPlan:
+        variant = replace(config, **changes)
+        options = planner.plan_options(variant, attention, checkpoint_options)
+        p = next((q for q in plans if q.options == options), None) or planner.plan_memory(
+            variant, attention=attention, checkpoint_options=checkpoint_options)
         tried.append(p)
         return p
 
@@ -121,11 +124,11 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
         for opt in OPTIMIZER_ORDER:
             def plan(b, ckpt=ckpt, opt=opt):
                 kw = {"batch_size": b, "grad_accum": batch_size // b,
-                      "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt, **plan_options}
+                      "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt}
                 p = planned(**kw)
                 others = [v for phase, v in p.phases.items() if phase != "sample"]
-                if not p.fits(vram) and not kw.get("vae_tiling") and max(others) <= vram:
-                    p = planned(**{**kw, "vae_tiling": True})  # only sampling did not fit: decode in tiles
+                if not p.fits(vram) and not config.vae_tiling and max(others) <= vram:
+                    p = planned(**kw, vae_tiling=True)  # only sampling did not fit: decode in tiles
                 return p
             smallest = plan(micro[-1])
             if not smallest.fits(vram):
@@ -136,7 +139,7 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
                 if p.fits(vram):
                     return FitResult(vram, p, tried)
             return FitResult(vram, smallest, tried)
-    swapped = _fit_swapping(vram, model, micro[-1], batch_size, checkpointing, plan_options, planned)
+    swapped = _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, planned)
     if swapped is not None:
         return FitResult(vram, swapped, tried)
     best = min(tried, key=lambda p: p.peak)
@@ -149,17 +152,17 @@ def fit_vram(vram: int | str, model: str = "sdxl", *, batch_size: int = 1,
            "(full, every_k, budget:F)"))
 
 
-def _fit_swapping(vram: int, model: str, micro: int, batch_size: int, checkpointing, plan_options: dict,
+def _fit_swapping(vram: int, config: TrainConfig, micro: int, batch_size: int, checkpointing,
                   planned) -> MemoryPlan | None:
     """The last resort: checkpointing, 8-bit AdamW, the smallest micro-batch, and as few of the denoiser's
     blocks swapped to host memory as fit (`checkpointing/swap.py`): every block swapped first, which gives
     the bytes of a block; then the count the room left allows, planned again. None where
     even every block swapped does not fit, or the model's blocks cannot be counted (a local folder)."""
-    total = _swappable_blocks(model, plan_options.get("size", "real"))
+    total = _swappable_blocks(config)
     if not total:
         return None
     kw = {"batch_size": micro, "grad_accum": batch_size // micro, "optimizer": "adamw8bit",
-          "gradient_checkpointing": checkpointing or True, **plan_options}
+          "gradient_checkpointing": checkpointing or True}
     every = planned(**kw, blocks_to_swap=total)
     if not every.fits(vram):
         return None
@@ -179,20 +182,20 @@ def _fewest_swapped(vram: int, total: int, per_block: int, every: MemoryPlan, kw
     return p if p.fits(vram) else every
 
 
-def _swappable_blocks(model: str, size: str) -> int:
+def _swappable_blocks(config: TrainConfig) -> int:
     """How many blocks the denoiser of a real or tiny model has to swap (0: a local folder, not counted)."""
     import torch
 
     from ..checkpointing.swap import swappable
     from ..models import model_kind
     from ..models.builders import CONFIGS
-    from ..models.real import REAL_CONFIGS, real_kind
+    from ..models.real import REAL_CONFIGS
 
+    model, size = planner.plan_size(config)
+    kind = model_kind(config.model)
     if size == "real":
-        kind = model_kind(real_kind(model))
-        cls_name, cfg = REAL_CONFIGS[model][kind.component]
+        cfg = REAL_CONFIGS[model][kind.component][1]
     elif size == "tiny":
-        kind = model_kind(model)
         cfg = CONFIGS[model][kind.component]
     else:
         return 0
@@ -201,62 +204,9 @@ def _swappable_blocks(model: str, size: str) -> int:
     return len(swappable(denoiser, kind.checkpoint_blocks()))
 
 
-def plan_size(config) -> tuple[str, str]:
-    """(model, size) of plan_memory for a TrainConfig's base: a real model, a local folder, or the tiny
-    base."""
-    base = config.base if config.base is not None else shipped_base(config.model)
-    if base is not None and str(base).startswith(REAL_PREFIX):
-        return str(base).removeprefix(REAL_PREFIX), "real"
-    if base is not None and str(base).endswith(".safetensors"):  # a single file: lora_lab's configs of it
-        variant = detect_file(base).variant
-        return (config.model, "tiny") if variant == "tiny" else (variant, "real")
-    return config.model, "tiny" if base is None or Path(base) == shipped_base(config.model) else str(base)
-
-
-def plan_config(config, **extra) -> dict[str, Any]:
-    """The plan_memory options of a TrainConfig on its device (what `train --dry-run` and `--vram` plan)."""
-    model, size = plan_size(config)
-    device = resolve_device(config.device).type
-    resolution = config.resolution
-    if resolution is None and size not in ("real", "tiny"):
-        sub = "unet" if config.model in ("sd15", "sdxl") else "transformer"
-        sample = json.loads((Path(size) / sub / "config.json").read_text()).get("sample_size")
-        resolution = default_resolution(SimpleNamespace(
-            vae_scale_factor=folder_vae_scale(Path(size)),
-            unet=SimpleNamespace(config=SimpleNamespace(sample_size=sample))))
-    options = dict(size=size, resolution=resolution, rank=config.rank, dora=config.dora, conv=config.conv,
-                   mixed_precision=config.mixed_precision, base_dtype=config.base_dtype,
-                   base_quantization=config.base_quantization, keep_encoders=config.keep_encoders,
-                   vae_tiling=config.vae_tiling, sample_steps=config.sample_steps, device=device,
-                   ema=config.ema_decay is not None, text_encoder_lora=config.text_encoder_lr is not None,
-                   adapter=config.adapter, lokr_factor=config.lokr_factor,
-                   **_dataset_options(config, size, resolution), **extra)
-    return {"model": model, **options}
-
-
-def _dataset_options(config, size: str, resolution: int | None) -> dict[str, int]:
-    """The examples a run of `config` caches, and their distinct captions (a real-size plan: one)."""
-    if size == "real":
-        return {"dataset_size": 1}
-    return {"dataset_size": dataset_len(config, resolution or 16),
-            "distinct_captions": distinct_captions(config, resolution or 16)}
-
-
-def plan_train_config(config) -> MemoryPlan:
-    """`lora-lab train --dry-run`: the plan of exactly this run (its options as given)."""
-    options = plan_config(config, batch_size=config.batch_size, grad_accum=config.grad_accum,
-                          optimizer=config.optimizer, gradient_checkpointing=config.gradient_checkpointing,
-                          blocks_to_swap=config.blocks_to_swap)
-    return planner.plan_memory(**options)
-
-
-def fit_config(config, vram: int | str):
+def fit_config(config: TrainConfig, vram: int | str) -> tuple[TrainConfig, str]:
     """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size, grad_accum
-    (and vae_tiling) chosen by `fit_vram` for its base on its device; config.batch_size * config.grad_accum is
-    the effective batch kept. Returns (config, why)."""
-    options = plan_config(config)
-    result = fit_vram(vram, options.pop("model"), batch_size=config.batch_size * config.grad_accum, **options)
+    (and vae_tiling, blocks_to_swap) chosen by `fit_vram` for its base on its device;
+    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why)."""
+    result = fit_vram(vram, config)
     return replace(config, **result.settings), result.reason()
-
-
-__getattr__ = old_name(__name__, {"fit": "lora_lab.planning.fit:fit_vram"})  # lora_lab 0.1's names

@@ -64,6 +64,7 @@ class RunPeaks:
     gradients: int
     attention: dict[str, int] = field(default_factory=dict)  # the attention backends that ran, and how often
     moved_per_step: int = 0  # block swapping: host -> device bytes one step copies
+    resolution: int = 0  # the image side planned
 
 
 def storage_bytes(tensors) -> int:
@@ -91,8 +92,9 @@ class PlannedExamples:
         return {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
 
 
-def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "auto", dataset_size: int = 1,
-             distinct_captions: int | None = None, checkpoint_options: dict | None = None) -> RunPeaks:
+def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "auto",
+             dataset_size: int | None = None, distinct_captions: int | None = None,
+             checkpoint_options: dict | None = None) -> RunPeaks:
     """Run the trainer's stages for `config` on fake tensors under the rules of `device` ("cuda": its
     attention kernels and autocast; "cpu") and return each phase's peak of device memory. dataset_size: the
     examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for
@@ -102,6 +104,12 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     Without checkpointing or block swapping, the training step replays the blocks between the first and the
     last of each run of identical transformer blocks (`blocks.replayed_blocks`, checked to the byte by every
     plan); where the check fails, the run is planned again with every block running."""
+    if dataset_size is None:  # TEMPORARY (vocab branch): the stages branch derives these in the plan
+        from .measure import dataset_len
+        from .measure import distinct_captions as distinct
+        real = str(config.base or "").startswith("real:")
+        dataset_size = 1 if real else dataset_len(config)
+        distinct_captions = None if real else distinct(config)
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
     options = dict(device=device, attention=attention, dataset_size=dataset_size,
@@ -157,7 +165,7 @@ def _plan_once(config: TrainConfig, *, device: str, attention: str, dataset_size
     parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
     parts["working set at peak"] = peak - sum(parts.values())
     return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
-                    step["grads"], dict(rules.used), swap.bytes_per_step() if swap else 0)
+                    step["grads"], dict(rules.used), swap.bytes_per_step() if swap else 0, resolution)
 
 
 @contextlib.contextmanager
