@@ -88,12 +88,10 @@ def validate() -> None:
             for opt in ("adamw", "adamw8bit"):
                 for mp in ("no", "bf16"):
                     with tempfile.TemporaryDirectory() as d:
-                        m = measure_training_step(TrainConfig(model=kind, output=d, rank=8,
-                                                              gradient_checkpointing=ckpt,
-                                                              optimizer=opt, mixed_precision=mp))
-                    p = plan_memory(kind, size="tiny", device="cpu", base_dtype="fp32", rank=8,
-                                    gradient_checkpointing=ckpt, optimizer=opt, mixed_precision=mp,
-                                    dataset_size=m["dataset_size"])
+                        config = TrainConfig(model=kind, output=d, rank=8, gradient_checkpointing=ckpt,
+                                             optimizer=opt, mixed_precision=mp)
+                        m = measure_training_step(config)
+                        p = plan_memory(config)  # the same run
                     err = p.peak / m["peak"] - 1
                     worst = max(worst, abs(err))
                     same = "yes" if p.parts["optimizer state"] == m["optimizer_state"] else "NO"
@@ -112,9 +110,9 @@ def validate_quantized() -> None:
     print("| --- | --- | ---: | ---: | ---: |")
     for q in ("int8", "int8-block", "nf4", "fp8"):
         with tempfile.TemporaryDirectory() as d:
-            m = measure_training_step(TrainConfig(model="sdxl", output=d, rank=8, base_quantization=q))
-        p = plan_memory("sdxl", size="tiny", device="cpu", base_dtype="fp32", rank=8, base_quantization=q,
-                        mixed_precision="no", dataset_size=m["dataset_size"])
+            config = TrainConfig(model="sdxl", output=d, rank=8, base_quantization=q)
+            m = measure_training_step(config)
+            p = plan_memory(config)  # the same run
         print(f"| sdxl | {q} | {m['peak']:,} | {p.peak:,} | {100 * (p.peak / m['peak'] - 1):+.2f}% |",
               flush=True)
 
@@ -344,12 +342,7 @@ def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
             t = time.perf_counter()
             measured = measure_phases(config, ("live", "torch"))
             seconds = time.perf_counter() - t
-            plan = plan_memory("sd15", size="real", device="cpu", resolution=res, rank=16,
-                               base_dtype=dtype, gradient_checkpointing=ckpt, dataset_size=4,
-                               mixed_precision=config.mixed_precision,
-                               distinct_captions=len({(data / f).read_text() for f in
-                                                      sorted(p.name for p in data.glob("*.txt"))}),
-                               sample_steps=1)
+            plan = plan_memory(config)  # the same run
             for ph in PHASE_COLUMNS:
                 live, mt, planned = measured["live"][ph], measured["torch"][ph], plan.phases[ph]
                 err = planned / live - 1 if live else 0.0

@@ -64,10 +64,7 @@ def planner_rows(resolutions: list[int]) -> list[dict]:
                                          mixed_precision="bf16", base_quantization=quantization,
                                          progress=False, device="cuda")
                     measured = measure_run(config, "cuda")
-                    plan = plan_memory("sdxl", size="real", device="cuda", resolution=res, rank=16,
-                                       base_dtype="bf16", gradient_checkpointing=ckpt, optimizer="adamw8bit",
-                                       mixed_precision="bf16", base_quantization=quantization, dataset_size=4,
-                                       sample_steps=2)
+                    plan = plan_memory(config)  # the same run
                     rows.append({"resolution": res, "base": quantization or "bf16", "checkpointing": ckpt,
                                  "measured": measured, "planned": dict(plan.phases)})
                     shutil.rmtree(config.output, ignore_errors=True)

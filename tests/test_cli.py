@@ -388,8 +388,8 @@ def _flags(command: str, capsys) -> set[str]:
 
 
 def test_plan_and_train_take_the_same_run_flags(capsys):
-    """`lora-lab plan` plans the run `lora-lab train` makes of the same flags: one list of run flags, made from
-    TrainConfig's fields; each command adds only what it does with the run."""
+    """`lora-lab plan` plans the run `lora-lab train` makes of the same flags: one list of run flags, made
+    from TrainConfig's fields; each command adds only what it does with the run."""
     train, plan = _flags("train", capsys), _flags("plan", capsys)
     assert train - plan == {"--dry-run"} and plan - train == {"--attention"}
     assert {"--feed-forward", "--adapter", "--ema-decay", "--text-encoder-lr", "--optimizer", "--reg-dataset",

@@ -283,7 +283,7 @@ def test_bad_options_are_clear_errors(monkeypatch):
         plan_memory("sdxl", bogus_option=1)
     with pytest.raises(PlanError, match=r"checkpoint_options \['bogus'\]"):
         plan_memory("sdxl", gradient_checkpointing=True, checkpoint_options={"bogus": 1})
-    with pytest.raises(PlanError, match=r"unknown option\(s\) \[.ema.\]"):  # TrainConfig names only: ema_decay
+    with pytest.raises(PlanError, match=r"unknown option\(s\) \[.ema.\]"):  # TrainConfig's: ema_decay
         plan_memory("sdxl", size="tiny", ema=True)
     assert calls == []  # each refused before anything was planned
     with pytest.raises(PlanError, match="rank=100000: larger than the targeted layer"):
