@@ -53,7 +53,8 @@ class TorchPhases:
     from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for).
     MemTracker hooks every parameter's gradient, which a frozen one refuses: on a module with frozen
     parameters it is told not to (the adapter's gradients are still counted, as the tensors they are); and it
-    refuses a model called a second time: its per-module statistics (not used here) start again then."""
+    refuses a model called a second time: its per-module statistics (not used here) start again then (a
+    module that ran without gradients before is still told of the next backward's end, which is skipped)."""
 
     def __init__(self):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -69,6 +70,10 @@ class TorchPhases:
                 except NotImplementedError:
                     self.reset_mod_stats()
                     super()._pre_fw_hook(module, inputs)
+
+            def _post_bw_hook(self, module, args):  # a module run without grad before the restart (the
+                if module is not None and module in self.memory_tracking:  # VAE while caching) is told
+                    super()._post_bw_hook(module, args)  # of the next backward's end: skipped
 
         self.tracker = FrozenAware()
         self.phase_peaks: dict[str, int] = {}
