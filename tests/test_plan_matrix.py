@@ -1,6 +1,6 @@
 """The validation matrix of `train --dry-run` (issue 40): for each training option that changes what a run
 holds, a tiny real run (sd15, the CPU), measured phase by phase by PyTorch's MemTracker and by LiveBytes
-(`planning.measure.measure_phases`), against the plan of the same config (`planning.run.plan_run`).
+(`planning.measure.measure_phases`), against the dry run's plan of the same config (`plan_memory`).
 
 Claims, per case: every phase's plan is within 5% of both measurements; and wherever the case's run differs
 from the plain run's by more than 5% in a phase, its plan differs from the plain plan there too, the same way.
@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 
 from lora_lab.diffusion import TrainConfig
 from lora_lab.diffusion.trainer import PHASES
-from lora_lab.planning.measure import dataset_len, distinct_captions, measure_phases
-from lora_lab.planning.run import RunPeaks, plan_run
+from lora_lab.planning import MemoryPlan, plan_memory
+from lora_lab.planning.measure import measure_phases
 
 # `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together: its
 # runs are measured once, on one worker
@@ -70,11 +70,9 @@ def _cases(names, xfails: dict) -> list:
             for n in names]
 
 
-def _plan(config: TrainConfig) -> RunPeaks:
-    """The plan of `config` on the CPU (the one place the plan is asked for: plan_run(config, device="cpu")
-    once it reads the dataset's size from the config)."""
-    return plan_run(config, device="cpu", dataset_size=dataset_len(config),
-                    distinct_captions=distinct_captions(config))
+def _plan(config: TrainConfig) -> MemoryPlan:
+    """What `lora-lab train --dry-run` plans of `config` (its device: the CPU)."""
+    return plan_memory(config, cache=False)
 
 
 @pytest.fixture(scope="module")
