@@ -281,7 +281,7 @@ def _where_set(blocks_to_swap: int, ema: bool, text_encoder_lora: bool, adapter:
             raise PlanError(f"{name}={value!r}: must be True or False")
         if value:
             out[name] = True
-    if adapter != "lora" or lokr_factor != -1:
+    if (adapter, lokr_factor) != ("lora", -1):  # not the defaults
         out.update(adapter=adapter, lokr_factor=lokr_factor)
     return out
 
