@@ -91,6 +91,27 @@ def save_lora(
             raise LoraFormatError(f"{path}: format={format!r}: LoKr/LoHa adapters have LyCORIS' keys only, "
                                   "in kohya's naming (diffusers loads no LoKr/LoHa): save them with 'kohya'")
         return write_lycoris(path, lf.modules, base, layout, metadata)
+    tensors = _lora_tensors(path, lf, format, base, layout)
+    alphas = sorted({m.alpha for m in lf.modules.values()})
+    if format == "kohya" and len(alphas) > 1:
+        warnings.warn(
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' "
+            "kohya reader (0.42) gives attention projections the most common alpha: save format='peft' "
+            "for diffusers",
+            stacklevel=2,
+        )
+    meta = _metadata(lf, format, base)
+    if layout is not None:  # so that lora_lab reads the LDM names back (and converts them) without the UNet
+        meta[UNET_LAYOUT_KEY] = layout.to_json()
+    meta.update(metadata or {})
+    path = Path(path)
+    atomic_save_safetensors(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    return path
+
+
+def _lora_tensors(path, lf: LoraFile, format: str, base: str | None, layout: UnetLayout | None
+                  ) -> dict[str, torch.Tensor]:
+    """The LoRA/DoRA modules' tensors under `format`'s keys (each module checked first)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, m in lf.modules.items():
         _checked_module(f"{path}: module {name!r}", m.down, m.up, m.alpha, m.dora_scale, name)
@@ -107,21 +128,7 @@ def save_lora(
             if m.dora_scale is not None:
                 shape = (-1,) if m.down.dim() == 2 else (1, -1, 1, 1)
                 tensors[f"{name}.lora_magnitude_vector"] = m.dora_scale.reshape(shape)
-    alphas = sorted({m.alpha for m in lf.modules.values()})
-    if format == "kohya" and len(alphas) > 1:
-        warnings.warn(
-            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' "
-            "kohya reader (0.42) gives attention projections the most common alpha: save format='peft' "
-            "for diffusers",
-            stacklevel=2,
-        )
-    meta = _metadata(lf, format, base)
-    if layout is not None:  # so that lora_lab reads the LDM names back (and converts them) without the UNet
-        meta[UNET_LAYOUT_KEY] = layout.to_json()
-    meta.update(metadata or {})
-    path = Path(path)
-    atomic_save_safetensors(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
-    return path
+    return tensors
 
 
 def file_formats(model: nn.Module) -> tuple[str, ...]:
