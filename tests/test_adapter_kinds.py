@@ -1,6 +1,6 @@
-"""One adapter interface (lora/base.py's AdapterLayer): every public adapter operation on each of the five kinds
-(LoRA, DoRA, LoCon, LoKr, LoHa) on a small model of Linear and Conv2d layers; and no code outside lora/ and
-formats/ that branches on the adapter kind."""
+"""One adapter interface (lora/base.py's AdapterLayer): every public adapter operation on each of the five
+kinds (LoRA, DoRA, LoCon, LoKr, LoHa) on a small model of Linear and Conv2d layers; and no code outside lora/
+and formats/ that branches on the adapter kind."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Small(nn.Module):
 
 
 def _wrapped(kind: str, seed: int = 1) -> tuple[nn.Module, nn.Module]:
-    """(the model with `kind`'s adapters, trained to random non-zero values; an unwrapped copy of its base)."""
+    """(the model with `kind`'s adapters, set to random non-zero values; an unwrapped copy of its base)."""
     model = Small()
     base = copy.deepcopy(model)
     how, options, targets, _ = KINDS[kind]
@@ -218,7 +218,8 @@ def test_the_branch_patterns_catch_the_old_branches():
     if adapter in ("lokr", "loha"):
     """
     assert len(kind_branches(old)) == 6
-    assert kind_branches('if mode == "merge":\n    kind.component != "unet"\n    x = adapter  # != "lora"') == []
+    fine = 'if mode == "merge":\n    kind.component != "unet"\n    x = adapter  # != "lora"'
+    assert kind_branches(fine) == []
 
 
 def test_no_code_outside_lora_and_formats_branches_on_the_adapter_kind():
