@@ -18,6 +18,7 @@ from lora_lab.layers import count_parameters
 from lora_lab.lora import (
     AdapterLayer,
     LoRAStateError,
+    LoRATargetError,
     add_adapters,
     load_lora_state_dict,
     lora_disabled,
@@ -114,6 +115,16 @@ def test_every_operation_works_on_every_kind(kind):
     for n, m in named.items():
         torch.testing.assert_close(m.base.weight, weights[n], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_kind_wraps_a_layer_that_has_an_adapter(kind):
+    model, _ = _wrapped(kind)
+    for how in ("lora", "lokr", "loha"):
+        for targets in (KINDS[kind][2], r".*"):  # the adapters, and with them the bases inside
+            with pytest.raises(LoRATargetError, match="already have an adapter"):
+                add_adapters(model, how, targets, rank=2)
+    assert list(dict(lora_modules(model))) == KINDS[kind][2]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..modules import replace_weight
+from ..modules import matches_targets, parent_name, replace_weight
 from ..quant import QuantLinear
-from .config import LoRAConfigError, LoRAStateError, is_real_number
+from .config import LoRAConfigError, LoRAStateError, LoRATargetError, is_real_number
 
 
 class AdapterLayer(nn.Module):
@@ -164,3 +164,15 @@ class AdapterLayer(nn.Module):
 def keep(t: torch.Tensor) -> torch.Tensor:
     """A detached fp32 CPU copy (what `adapter_state` returns)."""
     return t.detach().to("cpu", torch.float32, copy=True).contiguous()
+
+
+def refuse_adapted(model: nn.Module, targets) -> None:
+    """LoRATargetError if `targets` match an adapter layer of `model` or the base inside one: wrapping it
+    would put an adapter on an adapter (what add_lora and add_lycoris check first)."""
+    modules = dict(model.named_modules())
+    twice = [n for n, m in modules.items() if n and matches_targets(n, targets) and (
+        isinstance(m, AdapterLayer) or (isinstance(modules[parent_name(n)], AdapterLayer)
+                                        and m is modules[parent_name(n)].base))]
+    if twice:
+        raise LoRATargetError(f"targets {targets!r} match module(s) that already have an adapter: "
+                              f"{twice[:8]}")

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..layers import Linear
 from ..modules import matches_targets, swap_module
-from .base import AdapterLayer, keep
+from .base import AdapterLayer, keep, refuse_adapted
 from .config import LoRAConfigError, LoRATargetError
 
 KINDS = ("lokr", "loha")
@@ -173,7 +173,8 @@ def add_lycoris(model: nn.Module, kind: str, targets, rank: int | None = 8, alph
                 factor: int = -1) -> list[str]:
     """Wrap every Linear / Conv2d of `model` whose name matches `targets` in a LoKr or LoHa adapter (the
     model frozen first); returns the wrapped names. LoRAConfigError (before any wrap) where a LoKr factor
-    does not divide a matched layer's dimensions."""
+    does not divide a matched layer's dimensions, LoRATargetError where one already has an adapter."""
+    refuse_adapted(model, targets)
     model.requires_grad_(False)
     names = [n for n, _ in lycoris_targets(model, targets)]
     if not names:

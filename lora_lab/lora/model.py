@@ -31,9 +31,9 @@ from torch import nn
 
 from ..errors import LoraLabError
 from ..layers import Linear
-from ..modules import matches_targets, parent_name, swap_module
+from ..modules import matches_targets, swap_module
 from ..quant import QuantLinear
-from .base import AdapterLayer
+from .base import AdapterLayer, refuse_adapted
 from .config import LoRAConfig, LoRAConfigError, LoRAStateError, LoRATargetError
 from .layer import LoRAConv2d, LoRALinear
 from .lycoris import KINDS as LYCORIS_KINDS
@@ -53,21 +53,11 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     `LoRATargetError` if nothing matches, or if a matching module already has an adapter.
     """
     kinds: tuple[type, ...] = (nn.Linear, Linear, QuantLinear) + ((nn.Conv2d,) if config.conv else ())
+    refuse_adapted(model, config.targets)
     modules = dict(model.named_modules())
-    found: list[str] = []
-    twice: list[str] = []
-    for name, module in modules.items():
-        if not name or not matches_targets(name, config.targets):
-            # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
-            continue
-        parent = modules[parent_name(name)]
-        if isinstance(module, AdapterLayer) or (isinstance(parent, AdapterLayer) and module is parent.base):
-            twice.append(name)
-        elif isinstance(module, kinds):
-            found.append(name)
-    if twice:
-        raise LoRATargetError(f"targets {config.targets!r} match module(s) that already have an adapter: "
-                              f"{twice[:8]}")
+    # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
+    found = [name for name, module in modules.items()
+             if name and matches_targets(name, config.targets) and isinstance(module, kinds)]
     if not found:
         shown = [f"{n} ({type(m).__name__})" for n, m in modules.items() if n][:20]
         raise LoRATargetError(
