@@ -149,16 +149,19 @@ class LycorisLayer(AdapterLayer):
             return y + F.conv2d(x, d, None, b.stride, b.padding, b.dilation, b.groups)
         return y + F.linear(x, d)
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The factors by ComfyUI's role names (lokr_w1, lokr_w2 | lokr_w2_a/b; hada_w1_a ...) and alpha."""
+    def _roles(self) -> dict[str, nn.Parameter]:
+        """The factors by ComfyUI's role names (lokr_w1, lokr_w2 | lokr_w2_a/b; hada_w1_a ...)."""
         prefix = "hada_" if self.kind == "loha" else "lokr_"
-        out = {prefix + n: keep(p) for n, p in self.named_parameters(recurse=False)}
-        out["alpha"] = torch.tensor(self.alpha, dtype=torch.float32)
-        return out
+        return {prefix + n: p for n, p in self.named_parameters(recurse=False)}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The factors by their role names, and alpha."""
+        return {**{role: keep(p) for role, p in self._roles().items()},
+                "alpha": torch.tensor(self.alpha, dtype=torch.float32)}
 
     def _load_state(self, state):
-        for n, p in self.named_parameters(recurse=False):
-            p.copy_(state[("hada_" if self.kind == "loha" else "lokr_") + n])
+        for role, p in self._roles().items():
+            p.copy_(state[role])
         self.alpha = float(state["alpha"])
 
 
