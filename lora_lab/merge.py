@@ -229,8 +229,9 @@ def apply_loras(
     """Apply LoRA files at strengths to `model` (one pipeline component, e.g. a UNet).
 
     mode="merge": the adapted weights are replaced by W' (as `merge_loras`); no way back but reloading.
-    mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by a LoRALinear / LoRAConv2d per file
-    (a LoRAStack when several files adapt it); `AppliedLoras.set_strength(i, t)` changes file i's strength.
+    mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by an adapter layer per file (LoRALinear /
+    LoRAConv2d, LoKr/LoHa: LycorisLayer; a LoRAStack when several files adapt it);
+    `AppliedLoras.set_strength(i, t)` changes file i's strength.
     Both modes hold the LoRAs to the same bound (the module docstring): runtime mode computes each W' once to
     check it (one weight at a time), so a LoRA that cannot merge is not applied at run time either.
     A quantized base (`quantize_base`'s QuantLinear layers): runtime adapters compute on top of the

@@ -341,8 +341,8 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
 def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
     """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
     (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
-    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lycoris`), its
-    metadata holding the resolved config and the step."""
+    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lora` picks by the
+    layers), its metadata holding the resolved config and the step."""
     model = denoiser(pipe)
     layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
     text = config.text_encoder_lr is not None
