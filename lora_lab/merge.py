@@ -34,28 +34,13 @@ from .errors import LoraFormatError
 from .fileio import atomic_save_safetensors
 from .formats import LoraFile, LoraWeights, load_lora, match_modules
 from .formats.lycoris import LycorisWeights
-from .functional import dora
-from .functional.lowrank import lowrank_delta
-from .lora import LycorisLayer
-from .lora.model import LoRAConv2d, LoRALinear, LoRAModule
+from .lora import AdapterLayer
 from .modules import replace_weight, swap_module
 from .params import load_frozen
 from .quant.layer import QuantLinear
 from .quant.weights import QuantizationError
 
 LoraSpec = tuple["LoraFile | str | os.PathLike", float]
-
-
-def lora_change(weight: torch.Tensor, m: LoraWeights | LycorisWeights, strength: float) -> torch.Tensor:
-    """D = the change one LoRA (or LoKr/LoHa) module makes to `weight` at `strength`, fp32 (formula in the
-    module docstring; LoKr/LoHa: `lora/lycoris.py`)."""
-    if isinstance(m, LycorisWeights):
-        return strength * m.delta(weight.shape).to(weight.device)
-    # a linear LoRA fits a 1x1 conv: both are flattened
-    down, up = m.down.to(weight.device), m.up.to(weight.device)
-    if m.dora_scale is None:
-        return strength * lowrank_delta(down, up, m.scale).reshape(weight.shape)
-    return dora.weight_change(weight, down, up, m.dora_scale.to(weight.device).float(), m.scale, strength)
 
 
 class MergedState(Mapping):
@@ -91,7 +76,7 @@ def merged_weight(name: str, w: torch.Tensor, patches: list[Patch]) -> torch.Ten
     module docstring): a change that is not finite, or W' beyond W's dtype where W is within it."""
     out = w.float()
     for p in patches:
-        change = lora_change(w, p.module, p.strength)
+        change = p.module.change(w, p.strength)  # the module docstring's D (LoKr/LoHa: lora/lycoris.py)
         # overflow (a huge strength or alpha), a DoRA row of norm 0
         if not bool(torch.isfinite(change).all()):
             raise LoraFormatError(f"{p.where}: at strength {p.strength:g} the change to {name!r} "
@@ -191,7 +176,7 @@ class AppliedLoras:
 
     mode: str
     weights: list[str]
-    adapters: list[list[LoRAModule]] = field(default_factory=list)
+    adapters: list[list[AdapterLayer]] = field(default_factory=list)
 
     def set_strength(self, index: int, strength: float) -> None:
         """Runtime mode: the strength of LoRA file `index` (in the order given), no reloading."""
@@ -209,7 +194,7 @@ class LoRAStack(nn.Module):
     `merge_loras`. Costs one base pass per file: merge for speed, stack for changing strengths.
     """
 
-    def __init__(self, base: nn.Module, adapters: Sequence[LoRAModule]):
+    def __init__(self, base: nn.Module, adapters: Sequence[AdapterLayer]):
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleList(adapters)
@@ -244,8 +229,9 @@ def apply_loras(
     """Apply LoRA files at strengths to `model` (one pipeline component, e.g. a UNet).
 
     mode="merge": the adapted weights are replaced by W' (as `merge_loras`); no way back but reloading.
-    mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by a LoRALinear / LoRAConv2d per file
-    (a LoRAStack when several files adapt it); `AppliedLoras.set_strength(i, t)` changes file i's strength.
+    mode="runtime": each adapted nn.Linear / nn.Conv2d is wrapped by an adapter layer per file (LoRALinear /
+    LoRAConv2d, LoKr/LoHa: LycorisLayer; a LoRAStack when several files adapt it);
+    `AppliedLoras.set_strength(i, t)` changes file i's strength.
     Both modes hold the LoRAs to the same bound (the module docstring): runtime mode computes each W' once to
     check it (one weight at a time), so a LoRA that cannot merge is not applied at run time either.
     A quantized base (`quantize_base`'s QuantLinear layers): runtime adapters compute on top of the
@@ -283,24 +269,13 @@ def apply_loras(
             module = model.get_submodule(key[: -len(".weight")])
             w = module.dequantize() if isinstance(module, QuantLinear) else module.weight
             merged_weight(key, w, items)
-    per_file: list[list[LoRAModule]] = [[] for _ in loras]
+    per_file: list[list[AdapterLayer]] = [[] for _ in loras]
     for key, items in patches.items():
         path = key[: -len(".weight")]
         base = model.get_submodule(path)
-        cls = LoRAConv2d if isinstance(base, nn.Conv2d) else LoRALinear
         adapters = []
         for p in items:
-            m = p.module
-            if isinstance(m, LycorisWeights):
-                a = LycorisLayer.from_factors(base, m.factors, m.alpha)
-                a.strength = p.strength
-                adapters.append(a)
-                per_file[p.source].append(a)
-                continue
-            r, shape = m.rank, weights[key].shape  # a quantized base's shape without dequantizing it
-            down = m.down.float().reshape(r, *shape[1:])  # (r, in[, kh, kw]): a linear LoRA fits a 1x1 conv
-            up = m.up.float().reshape(shape[0], r, *[1] * (len(shape) - 2))
-            a = cls.from_weights(base, down, up, m.alpha, magnitude=m.dora_scale)
+            a = p.module.adapter(base, weights[key].shape)  # a quantized base's shape without dequantizing it
             a.strength = p.strength
             adapters.append(a)
             per_file[p.source].append(a)

@@ -346,7 +346,7 @@ def test_lycoris_files_inspect_merge_and_refuse_to_convert(files, capsys, kind):
     base = load_file(str(files / "base.safetensors"))
     got, lora = load_file(str(out)), merge_loras(base, [(files / "a.safetensors", 1.0)])
     for name in ("proj", "conv_in"):  # W + D_lora + t dW
-        expect = lora[f"{name}.weight"] + 0.5 * model.get_submodule(name).delta().detach()
+        expect = lora[f"{name}.weight"] + 0.5 * model.get_submodule(name).delta_weight().detach()
         torch.testing.assert_close(got[f"{name}.weight"], expect, rtol=1e-5, atol=1e-5)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..lora import LoRAConfig, LoRAConfigError, add_lora
-from ..lora.lycoris import add_lycoris, factorization, lycoris_targets
+from ..lora import LoRAConfig, LoRAConfigError, add_adapters, add_lora
+from ..lora.lycoris import factorization, lycoris_targets
 from ..models import TINY_MAX_RESOLUTION, ModelKind, denoiser, is_tiny
 from .config import TEXT_ENCODER_TARGETS, TrainConfig, TrainConfigError
 
@@ -21,8 +21,8 @@ def check_adapter_for_base(config: TrainConfig, model: torch.nn.Module) -> None:
         width, name = min(widths)
         raise TrainConfigError(f"TrainConfig.rank={config.rank}: larger than the targeted layer {name} "
                                f"(min(out, in) = {width}); use --rank {width} or less")
-    factor = config.lokr_factor
-    if config.adapter == "lokr" and factor > 0:
+    factor = config.lokr_factor  # set (> 0) for a LoKr only: TrainConfig checks that
+    if factor > 0:
         for name, m in layers:
             out, inner = m.weight.shape[:2]
             try:  # LycorisLayer's own split of each dimension, before anything is built
@@ -66,12 +66,9 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
                                "adapt")
     model.requires_grad_(False)
     torch.manual_seed(config.seed)
-    if config.adapter != "lora":
-        return add_lycoris(model, config.adapter, config.adapter_targets(), rank=config.rank,
-                           alpha=config.adapter_alpha(), factor=config.lokr_factor)
-    return add_lora(model, LoRAConfig(rank=config.rank, alpha=config.adapter_alpha(),
-                                      targets=config.adapter_targets(), use_dora=config.dora,
-                                      conv=config.conv))
+    return add_adapters(model, config.adapter, config.adapter_targets(), rank=config.rank,
+                        alpha=config.adapter_alpha(), use_dora=config.dora, conv=config.conv,
+                        factor=config.lokr_factor)
 
 
 def clip_encoders(kind: ModelKind) -> list[str]:

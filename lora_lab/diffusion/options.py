@@ -9,6 +9,7 @@ import math
 from dataclasses import fields
 from pathlib import Path
 
+from ..lora import ADAPTER_KINDS
 from ..models import model_kind
 from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
@@ -17,7 +18,15 @@ LOG_WITH = ("tensorboard",)
 FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
               "loss_weighting")
 DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
-ADAPTERS = ("lora", "lokr", "loha")
+ADAPTERS = ADAPTER_KINDS  # lora (DoRA: with dora), lokr, loha
+# the options that belong to one adapter kind: (that kind, why); set for another kind, they are refused
+KIND_OPTIONS = {
+    "lokr_factor": ("lokr", "LoKr's split of each dimension"),
+    "dora": ("lora", "DoRA's magnitude is LoRA's"),
+    "loraplus_ratio": ("lora", "LoRA+ sets the lr of LoRA's up matrices"),
+    "text_encoder_lr": ("lora", "the text encoders' adapter is a LoRA; a file holds one adapter kind"),
+    "base_quantization": ("lora", "LoKr/LoHa wrap float Linear and Conv2d layers"),
+}
 # Denoising steps a sample may take: every base's scheduler has 1000 training timesteps (more steps repeat
 # them; 10**25 was a ValueError traceback from numpy, after the run had trained).
 MAX_SAMPLE_STEPS = 1000
@@ -139,21 +148,15 @@ def check_knob_fields(config, bad) -> None:
 
 
 def check_adapter_fields(config, bad) -> None:
-    """The adapter kind, LoKr's factor, and the options that belong to LoRA only (`bad(name, why)`); whether
-    the factor divides each targeted layer is the base's to tell (`adapters.check_config_for_base`)."""
+    """The adapter kind, LoKr's factor, and the options that belong to one kind (`KIND_OPTIONS`;
+    `bad(name, why)`); whether the factor divides each targeted layer is the base's to tell
+    (`adapters.check_config_for_base`)."""
     if config.adapter not in ADAPTERS:
         bad("adapter", f"must be one of {', '.join(ADAPTERS)}")
     factor = config.lokr_factor
     if isinstance(factor, bool) or not isinstance(factor, int) or not (factor == -1 or factor >= 1):
         bad("lokr_factor", "must be -1 (the most square split) or an integer >= 1")
-    if factor != -1 and config.adapter != "lokr":
-        bad("lokr_factor", f"applies to --adapter lokr only, not {config.adapter}")
-    if config.adapter == "lora":
-        return
-    lora_only = {"dora": "DoRA's magnitude is LoRA's",
-                 "loraplus_ratio": "LoRA+ sets the lr of LoRA's up matrices",
-                 "text_encoder_lr": "the text encoders' adapter is a LoRA; a file holds one adapter kind",
-                 "base_quantization": "LoKr/LoHa wrap float Linear and Conv2d layers"}
-    for name, why in lora_only.items():
-        if getattr(config, name) not in (None, False):
-            bad(name, f"applies to --adapter lora only, not {config.adapter} ({why})")
+    defaults = {f.name: f.default for f in fields(config)}
+    for name, (kind, why) in KIND_OPTIONS.items():
+        if getattr(config, name) != defaults[name] and config.adapter != kind:
+            bad(name, f"applies to --adapter {kind} only, not {config.adapter} ({why})")

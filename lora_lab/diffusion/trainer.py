@@ -51,8 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpointing import disable_checkpointing, enable_block_swap, enable_checkpointing
-from ..formats import save_lora
-from ..formats.lycoris import save_lycoris
+from ..formats import file_formats, save_lora
 from ..lora import lora_state_dict
 from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import OpenedBase, open_base
@@ -342,19 +341,18 @@ def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, 
 def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
     """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
     (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
-    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lycoris`), its
-    metadata holding the resolved config and the step."""
+    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lora` picks by the
+    layers), its metadata holding the resolved config and the step."""
     model = denoiser(pipe)
     layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-    metadata = train_config_metadata(config, step)
-    if config.adapter != "lora":  # LoKr / LoHa: LyCORIS' keys, whatever the format asked
-        return save_lycoris(path, model, kind.component, kind.name, unet=layout, metadata=metadata)
     text = config.text_encoder_lr is not None
     components = {kind.component: model,
                   **({c: getattr(pipe, c) for c in clip_encoders(kind)} if text else {})}
-    # fp32 host copies, each module named by its pipeline path
+    # fp32 host copies, each module named by its pipeline path (LoKr/LoHa: their LyCORIS keys, which
+    # save_lora writes as such)
     tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
-    return save_lora(path, tensors, format=format, base=kind.name, unet=layout, metadata=metadata)
+    return save_lora(path, tensors, format=format, base=kind.name, unet=layout,
+                     metadata=train_config_metadata(config, step))
 
 
 def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
@@ -377,11 +375,10 @@ def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str,
     a LoKr/LoHa as lora{suffix}.safetensors only (LyCORIS' keys: no PEFT file diffusers would load)."""
     out = run.output
     names = {"lora_kohya": ("lora", "kohya"), "lora_diffusers": ("pytorch_lora_weights", "peft")}
-    if run.config.adapter != "lora":
-        del names["lora_diffusers"]
+    formats = file_formats(denoiser(pipe))  # LoKr/LoHa: kohya's naming only
     return {f"{key}{suffix}": write_lora(kind, pipe, out / f"{stem}{suffix}.safetensors", format, run.config,
                                          run.step)
-            for key, (stem, format) in names.items()}
+            for key, (stem, format) in names.items() if format in formats}
 
 
 def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,

@@ -3,7 +3,9 @@
     lora_file.py  LoraWeights (one module's tensors on file), LoraFile, their checks   (in memory)
     names.py      pipeline paths <-> kohya names per model family, SDXL's LDM names, Flux's BFL names
     reading.py    load_lora: a file read and checked
-    writing.py    save_lora, convert_lora: a file written with its metadata
+    writing.py    save_lora, convert_lora, file_formats: a file written with its metadata (LoKr/LoHa
+                  adapters with LyCORIS' keys, through lycoris.py)
+    lycoris.py    LoKr/LoHa files: LyCORIS' (ComfyUI's) keys, LycorisWeights
     matching.py   match_modules: which LoRA module adapts which weight of a model
 
 On disk (safetensors only, never pickle):
@@ -40,7 +42,7 @@ from .names import (
     unet_layout,
 )
 from .reading import load_lora
-from .writing import convert_lora, guess_component_and_base, save_lora
+from .writing import convert_lora, file_formats, guess_component_and_base, save_lora
 
 __all__ = [
     "COMPONENTS",
@@ -55,6 +57,7 @@ __all__ = [
     "canonical_name",
     "convert_lora",
     "diffusers_name",
+    "file_formats",
     "guess_component_and_base",
     "kohya_name",
     "load_lora",

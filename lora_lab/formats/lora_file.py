@@ -10,7 +10,8 @@ In memory a LoRA is a set of modules, each named by its path in a diffusers pipe
 
 and meaning  W -> W + (alpha / r) * up @ down  (conv: up.flatten(1) @ down.flatten(1), reshaped as W),
 or with DoRA  W -> m * V / ||V||_row  with  V = W + (alpha / r) * up @ down  (the norm per output row).
-(`LoraWeights` is a module's tensors as a file holds them; lora.LoRAModule is the live adapter layer.)
+(`LoraWeights` is a module's tensors as a file holds them; `adapter` makes the live layer, a lora.LoRAModule.
+formats/lycoris.py's `LycorisWeights` is LoKr/LoHa's, with the same `change` and `adapter`.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 from ..errors import LoraFormatError
 from ..fileio import WEIGHT_DTYPES
-from ..functional import lowrank_delta
+from ..functional import dora, lowrank_delta
+from ..lora import LoRAConv2d, LoRALinear, LoRAModule
 from ..models.kinds import REGISTRY
 
 FORMATS = ("kohya", "peft")
@@ -58,6 +60,24 @@ class LoraWeights:
 
     def weight_shape(self) -> tuple[int, ...]:
         return (self.up.shape[0], *self.down.shape[1:])
+
+    def change(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        """D, the change this module makes to `weight` at `strength`, fp32 on weight's device: t (alpha / r)
+        up @ down (a linear LoRA fits a 1x1 conv: both flattened); DoRA: t (m V / ||V|| - W) (merge.py)."""
+        down, up = self.down.to(weight.device), self.up.to(weight.device)
+        if self.dora_scale is None:
+            return strength * lowrank_delta(down, up, self.scale).reshape(weight.shape)
+        return dora.weight_change(weight, down, up, self.dora_scale.to(weight.device).float(), self.scale,
+                                  strength)
+
+    def adapter(self, base: torch.nn.Module, shape: tuple[int, ...]) -> LoRAModule:
+        """The live adapter around `base` (its weight of `shape`: a quantized base's without dequantizing
+        it): a LoRAConv2d around a Conv2d, else a LoRALinear (a linear LoRA fits a 1x1 conv)."""
+        cls = LoRAConv2d if isinstance(base, torch.nn.Conv2d) else LoRALinear
+        r = self.rank
+        down = self.down.float().reshape(r, *shape[1:])  # (r, in[, kh, kw])
+        up = self.up.float().reshape(shape[0], r, *[1] * (len(shape) - 2))
+        return cls.from_weights(base, down, up, self.alpha, magnitude=self.dora_scale)
 
     def check(self, where: str, values: bool = True) -> None:
         """LoraFormatError unless the dtypes, shapes and alpha make a LoRA (`values`: also `check_finite`)."""

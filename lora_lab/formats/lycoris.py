@@ -6,7 +6,10 @@
 the kohya name of each module as `names.kohya_name` gives it (`lora_unet_..._to_q`). Conv factors are 2-D
 (r, in kh kw), as LyCORIS writes them without its Tucker core.
 
-    save_lycoris(path, model, component, base, unet=, metadata=)   the model's LycorisLayers written
+    save_lycoris(path, model, component, base, unet=, metadata=)   the model's LoKr/LoHa layers written
+                                                        (`save_lora` does it too, picking by the layers)
+    write_lycoris(path, modules, base, layout, metadata) {pipeline path: LycorisWeights} written
+    lycoris_from_state(state, component)                 `lora_state_dict`'s LoKr/LoHa keys -> LycorisWeights
     load_lycoris(path, base)                            -> {pipeline path: ({role: tensor}, alpha)}
     load_lycoris_file(path)                             -> a LoraFile of LycorisWeights (what `load_lora`
                                                            returns for such a file: inspect, merge, apply)
@@ -30,11 +33,11 @@ from torch import nn
 from .._version import __version__
 from ..errors import LoraFormatError
 from ..fileio import WEIGHT_DTYPES, atomic_save_safetensors, read_header, read_safetensors
-from ..lora import LoRAConfigError, LycorisLayer
+from ..lora import LoRAConfigError, LycorisLayer, lora_state_dict
 from ..lora.lycoris import factors_delta
 from ..modules import swap_module
 from .lora_file import LoraFile, _base_from_metadata
-from .names import UNET_LAYOUT_KEY, UnetLayout, diffusers_name, kohya_name, unet_layout
+from .names import UNET_LAYOUT_KEY, UnetLayout, diffusers_name, kohya_name, pipeline_name, unet_layout
 
 ROLE_SETS = ({"lokr_w1", "lokr_w2"}, {"lokr_w1", "lokr_w2_a", "lokr_w2_b"},
              {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"})
@@ -52,6 +55,14 @@ class LycorisWeights:
 
     def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
         return factors_delta(self.factors, self.alpha, tuple(shape))
+
+    def change(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        """D = t dW for `weight`, fp32 on its device (as `LoraWeights.change`)."""
+        return strength * self.delta(weight.shape).to(weight.device)
+
+    def adapter(self, base: nn.Module, shape: tuple[int, ...]) -> LycorisLayer:
+        """The live LoKr/LoHa layer around `base` (as `LoraWeights.adapter`)."""
+        return LycorisLayer.from_factors(base, self.factors, self.alpha)
 
     @property
     def kind(self) -> str:
@@ -117,19 +128,51 @@ def is_lycoris_file(path) -> bool:
     return any(k.rpartition(".")[2] in ROLES for k in keys)
 
 
+def is_lycoris_state(state) -> bool:
+    """Whether a state dict's keys are LoKr/LoHa roles (`lora_state_dict` of LoKr/LoHa layers)."""
+    return any(k.rpartition(".")[2] in ROLES for k in state)
+
+
 def save_lycoris(path: str | os.PathLike, model: nn.Module, component: str, base: str | None = None, *,
                  unet: nn.Module | UnetLayout | None = None, metadata: dict[str, str] | None = None) -> Path:
-    """Write every LycorisLayer of `model` (the pipeline's `component`) with ComfyUI's keys, atomically;
-    `unet`: an SDXL UNet's structure for sd-scripts' LDM names (as `save_lora`); `metadata` added."""
+    """Write the LoKr/LoHa layers of `model` (the pipeline's `component`; its `lora_state_dict`) with
+    ComfyUI's keys, atomically; `unet`: an SDXL UNet's structure for sd-scripts' LDM names (as `save_lora`);
+    `metadata` added."""
     layout = unet if isinstance(unet, UnetLayout) or unet is None else unet_layout(unet)
+    return write_lycoris(path, lycoris_from_state(lora_state_dict(model), component), base, layout, metadata)
+
+
+def lycoris_from_state(state, component: str | None) -> dict[str, LycorisWeights]:
+    """{pipeline path: checked LycorisWeights} of a state dict with LoKr/LoHa keys (`{name}.lokr_w1`, ...,
+    `{name}.alpha`); names as `names.pipeline_name` makes them."""
+    modules: dict[str, LycorisWeights] = {}
+    for key, t in state.items():
+        name, _, role = key.rpartition(".")
+        if role not in (*ROLES, "alpha"):
+            raise LoraFormatError(f"state dict key {key!r} is not a LoKr or LoHa tensor (roles: "
+                                  f"{', '.join(ROLES)}, alpha): a file holds one adapter kind")
+        m = modules.setdefault(pipeline_name(name, component), LycorisWeights({}, None, key=name))
+        if role == "alpha":
+            m.alpha = float(t)
+        else:
+            m.factors[role] = t.detach().float()
+    for name, m in modules.items():
+        m.check(f"state dict module {name!r}")
+    return modules
+
+
+def write_lycoris(path: str | os.PathLike, modules: dict[str, LycorisWeights], base: str | None,
+                  layout: UnetLayout | None, metadata: dict[str, str] | None = None) -> Path:
+    """Write LoKr/LoHa modules (by pipeline path) with ComfyUI's keys (kohya names, `layout`: an SDXL UNet's
+    for sd-scripts' LDM names, kept in the metadata), atomically; `metadata` added."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, LycorisLayer):
-            key = kohya_name(f"{component}.{name}", base, layout)
-            tensors.update({f"{key}.{role}": t.float().contiguous().cpu() for role, t in m.factors().items()})
-            tensors[f"{key}.alpha"] = torch.tensor(m.alpha)
+    for name, m in modules.items():
+        key = kohya_name(name, base, layout)
+        tensors.update({f"{key}.{role}": t.float().contiguous().cpu() for role, t in m.factors.items()})
+        if m.alpha is not None:
+            tensors[f"{key}.alpha"] = torch.tensor(float(m.alpha))
     if not tensors:
-        raise LoraFormatError("save_lycoris: the model holds no LoKr or LoHa layer")
+        raise LoraFormatError(f"{path}: nothing to save: no LoKr or LoHa module")
     meta = {"format": "pt", "lora_lab_adapter": "lycoris", "lora_lab.version": __version__,
             "lora_lab.base_model": base or ""}
     if layout is not None:
@@ -198,7 +241,7 @@ def apply_lycoris(model: nn.Module, path: str | os.PathLike, component: str, bas
             layer = LycorisLayer.from_factors(model.get_submodule(name), factors, alpha)
         except (AttributeError, LoRAConfigError) as e:
             raise LoraFormatError(f"{path}: {module}: {e}") from None
-        layer.set_strength(strength)
+        layer.strength = strength
         layers[name] = layer
     for name, layer in layers.items():
         swap_module(model, name, layer)

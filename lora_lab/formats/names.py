@@ -113,6 +113,17 @@ def canonical_name(module: str) -> str:
     return module
 
 
+def pipeline_name(name: str, component: str | None) -> str:
+    """A state dict's module name as a canonical pipeline path: `component.` put in front where the name does
+    not start with a component (LoraFormatError without one), then `canonical_name`."""
+    if name.split(".", 1)[0] not in COMPONENTS:
+        if component is None:
+            raise LoraFormatError(f"state dict module {name!r} does not start with a component {COMPONENTS}: "
+                                  "pass component=")
+        name = f"{component}.{name}"
+    return canonical_name(name)
+
+
 def _live_paths(path: str) -> tuple[str, ...]:
     """The paths a canonical module path (component removed) may have in a live model: as is, and for a CLIP
     text encoder also without `text_model.` (transformers 5's CLIPTextModel)."""

@@ -1,6 +1,8 @@
 """Writing a LoRA file (kohya/ComfyUI or PEFT/diffusers safetensors, with metadata) atomically; converting.
 
-What is written comes from a LoraFile, models with lora_lab adapters, or a state dict.
+What is written comes from a LoraFile, models with lora_lab adapters, or a state dict; LoKr/LoHa adapters
+(their `lora_state_dict` keys) are written with LyCORIS' keys (formats/lycoris.py), `file_formats` says
+which formats a model's adapters can be written in.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ from torch import nn
 from .._version import __version__
 from ..errors import LoraFormatError
 from ..fileio import atomic_save_safetensors
-from ..lora import lora_state_dict
+from ..lora import LycorisLayer, lora_modules, lora_state_dict
 from ..models.kinds import KINDS, REGISTRY
 from .lora_file import FORMATS, METADATA_KEY, LoraFile, _checked_module
+from .lycoris import is_lycoris_state, lycoris_from_state, write_lycoris
 from .names import (
     COMPONENTS,
     UNET_LAYOUT_KEY,
     UnetLayout,
     _live_paths,
-    canonical_name,
     kohya_name,
+    pipeline_name,
     unet_layout,
 )
 from .reading import _KOHYA_SUFFIXES, _group_by_suffix, _layout_from_metadata, load_lora
@@ -47,7 +50,9 @@ def save_lora(
     """Write a LoRA as a kohya/ComfyUI or PEFT/diffusers safetensors file, atomically.
 
     `lora` is a LoraFile, a model with lora_lab adapters, a {component: model} dict, or a canonical
-    state dict (`lora_state_dict`'s keys; give `component=` when its names do not start with one).
+    state dict (`lora_state_dict`'s keys; give `component=` when its names do not start with one). LoKr/LoHa
+    adapters (or a LyCORIS LoraFile) are written with LyCORIS' keys (`formats.lycoris.write_lycoris`), in
+    format "kohya" only (`file_formats`).
     For a single model, `component` defaults to "unet" for a UNet2DConditionModel and "transformer" for
     the SD3/Flux transformers. `base` ("sd15", "sdxl", "sd3", "flux") is guessed from the model when not
     given; it chooses `lora_te_` vs `lora_te1_` and goes into the metadata.
@@ -81,6 +86,32 @@ def save_lora(
                       "diffusers names (ComfyUI and diffusers read them, kohya sd-scripts' SDXL tools do "
                       "not): pass unet= (the UNet or its UnetLayout) for sd-scripts' LDM/sgm names",
                       stacklevel=2)
+    if lf.format == "lycoris":
+        if format != "kohya":
+            raise LoraFormatError(f"{path}: format={format!r}: LoKr/LoHa adapters have LyCORIS' keys only, "
+                                  "in kohya's naming (diffusers loads no LoKr/LoHa): save them with 'kohya'")
+        return write_lycoris(path, lf.modules, base, layout, metadata)
+    tensors = _lora_tensors(path, lf, format, base, layout)
+    alphas = sorted({m.alpha for m in lf.modules.values()})
+    if format == "kohya" and len(alphas) > 1:
+        warnings.warn(
+            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' "
+            "kohya reader (0.42) gives attention projections the most common alpha: save format='peft' "
+            "for diffusers",
+            stacklevel=2,
+        )
+    meta = _metadata(lf, format, base)
+    if layout is not None:  # so that lora_lab reads the LDM names back (and converts them) without the UNet
+        meta[UNET_LAYOUT_KEY] = layout.to_json()
+    meta.update(metadata or {})
+    path = Path(path)
+    atomic_save_safetensors(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
+    return path
+
+
+def _lora_tensors(path, lf: LoraFile, format: str, base: str | None, layout: UnetLayout | None
+                  ) -> dict[str, torch.Tensor]:
+    """The LoRA/DoRA modules' tensors under `format`'s keys (each module checked first)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, m in lf.modules.items():
         _checked_module(f"{path}: module {name!r}", m.down, m.up, m.alpha, m.dora_scale, name)
@@ -97,21 +128,13 @@ def save_lora(
             if m.dora_scale is not None:
                 shape = (-1,) if m.down.dim() == 2 else (1, -1, 1, 1)
                 tensors[f"{name}.lora_magnitude_vector"] = m.dora_scale.reshape(shape)
-    alphas = sorted({m.alpha for m in lf.modules.values()})
-    if format == "kohya" and len(alphas) > 1:
-        warnings.warn(
-            f"{path}: modules have different alphas {alphas}; ComfyUI reads each one, but diffusers' "
-            "kohya reader (0.42) gives attention projections the most common alpha: save format='peft' "
-            "for diffusers",
-            stacklevel=2,
-        )
-    meta = _metadata(lf, format, base)
-    if layout is not None:  # so that lora_lab reads the LDM names back (and converts them) without the UNet
-        meta[UNET_LAYOUT_KEY] = layout.to_json()
-    meta.update(metadata or {})
-    path = Path(path)
-    atomic_save_safetensors(path, {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, meta)
-    return path
+    return tensors
+
+
+def file_formats(model: nn.Module) -> tuple[str, ...]:
+    """The formats `save_lora` writes the adapters of `model` in: kohya and PEFT for LoRA/DoRA, kohya alone
+    (LyCORIS' keys) where a layer is a LoKr/LoHa."""
+    return ("kohya",) if any(isinstance(m, LycorisLayer) for _, m in lora_modules(model)) else FORMATS
 
 
 def convert_lora(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, base: str | None = None,
@@ -194,7 +217,7 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None, Un
     if isinstance(lora, nn.Module):
         lora = {component: lora} if component else {None: lora}
     if isinstance(lora, Mapping) and lora and all(isinstance(v, nn.Module) for v in lora.values()):
-        modules, base, layout = {}, None, None
+        modules, base, layout, kinds = {}, None, None, set()
         for comp, model in lora.items():
             g_comp, g_base = guess_component_and_base(model)
             comp = comp or g_comp
@@ -206,10 +229,15 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None, Un
             base = base or g_base
             if comp == "unet":
                 layout = unet_layout(model)
-            modules.update(_modules_from_state(lora_state_dict(model), comp).modules)
+            part = _modules_from_state(lora_state_dict(model), comp)
+            modules.update(part.modules)
+            kinds.add(part.format)
+        if len(kinds) > 1:
+            raise LoraFormatError(f"the models hold LoRA and LoKr/LoHa adapters ({sorted(kinds)}): a file "
+                                  "holds one adapter kind, save each on its own")
         if "text_encoder_2" in {n.split(".")[0] for n in modules} and base is None:
             base = "sdxl"
-        return LoraFile(modules=modules), base, layout
+        return LoraFile(modules=modules, format=kinds.pop() if kinds else "kohya"), base, layout
     if isinstance(lora, Mapping):
         return _modules_from_state(lora, component), None, None
     raise TypeError("save_lora needs a LoraFile, a model, a dict of models or a state dict, "
@@ -218,25 +246,20 @@ def _as_lora_file(lora, component: str | None) -> tuple[LoraFile, str | None, Un
 
 def _modules_from_state(state: Mapping[str, torch.Tensor], component: str | None) -> LoraFile:
     """A canonical state dict (`{name}.lora_down.weight`, `.lora_up.weight`, `.alpha`, `.dora_scale`) ->
-    LoraFile."""
+    LoraFile; a LoKr/LoHa one (`{name}.lokr_w1`, ...: `lora_state_dict` of LoKr/LoHa layers) -> a LoraFile of
+    format "lycoris"."""
+    if is_lycoris_state(state):
+        return LoraFile(modules=lycoris_from_state(state, component), format="lycoris")
     parts, bad = _group_by_suffix(state, _KOHYA_SUFFIXES)
     if bad is not None:
         raise LoraFormatError(f"state dict key {bad!r} is not one of lora_state_dict's "
                               f"({list(_KOHYA_SUFFIXES)})")
     modules = {}
     for key, p in parts.items():
-        name = key
-        if name.split(".", 1)[0] not in COMPONENTS:
-            if component is None:
-                raise LoraFormatError(
-                    f"state dict module {name!r} does not start with a component {COMPONENTS}: "
-                    "pass component="
-                )
-            name = f"{component}.{name}"
+        name = pipeline_name(key, component)
         if "down" not in p or "up" not in p:
             raise LoraFormatError(f"state dict module {name!r}: needs both lora_down and lora_up")
         alpha = float(p["alpha"].item()) if "alpha" in p else float(p["down"].shape[0])
-        name = canonical_name(name)
         if name in modules:
             raise LoraFormatError(f"state dict modules {modules[name].key!r} and {key!r} are both "
                                   f"module {name!r}")

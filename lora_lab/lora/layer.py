@@ -4,7 +4,8 @@
     DoRA (functional/dora.py): y = (1 + t (g - 1)) W x + t g s B A x + b
 
 The base stays frozen; A (`down`), B (`up`) and DoRA's magnitude train in fp32 even over a bf16/fp16 or
-quantized base. The formulas are in model.py's and functional/dora.py's docstrings.
+quantized base. The formulas are in model.py's and functional/dora.py's docstrings; the interface every
+adapter kind shares (strength, merge, enabled, state) is base.py's `AdapterLayer`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from torch import nn
 from ..functional import dora, lowrank_delta
 from ..kernels import resolve_backend
 from ..layers import Linear
-from ..modules import replace_weight
 from ..quant import QuantLinear
-from .config import LoRAConfig, LoRAConfigError, LoRAStateError, LoRATargetError, is_real_number
+from .base import AdapterLayer, keep
+from .config import LoRAConfig, LoRAConfigError, LoRATargetError
 
 
-class LoRAModule(nn.Module):
-    """What LoRALinear and LoRAConv2d share: the adapter weights, the scale, merge/unmerge and forward.
+class LoRAModule(AdapterLayer):
+    """What LoRALinear and LoRAConv2d share: the adapter weights, the scale, DoRA's merge and forward
+    (the rest of the adapter interface is `AdapterLayer`'s).
 
     Subclasses say how the base is applied (`_base_product`) and how A and B are applied (`_down`, `_up`).
     """
@@ -32,18 +34,13 @@ class LoRAModule(nn.Module):
     base_types: tuple[type, ...] = ()
 
     def __init__(self, base: nn.Module, config: LoRAConfig):
-        super().__init__()
         self.check_base(base, config)
-        base.requires_grad_(False)
-        self.base = base
+        super().__init__(base)
         self.rank = config.rank
         self.alpha = float(config.alpha)
         self.use_rslora = config.use_rslora
         self.backend = config.backend  # see `uses_kernels`
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
-        self._strength = 1.0
-        self.enabled = True
-        self.merged = False
         self._merge_norm: torch.Tensor | None = None  # DoRA: the norm the merge used; unmerge needs it
         w = base.weight
         self.down = nn.Parameter(torch.empty(self._down_shape(), device=w.device, dtype=torch.float32))
@@ -137,26 +134,18 @@ class LoRAModule(nn.Module):
         """lora_scale * strength: the factor on B A in the output."""
         return self.lora_scale * self._strength
 
-    @property
-    def strength(self) -> float:
-        """Runtime multiplier t: W + t s B A (DoRA: W + t (W' - W)); 0 gives the base, 1 the adapter as
-        trained."""
-        return self._strength
-
-    @strength.setter
-    def strength(self, value: float) -> None:
-        if self.merged:
-            raise LoRAStateError("cannot change the strength of a merged adapter; unmerge it first")
-        if not is_real_number(value) or not math.isfinite(value):
-            raise LoRAConfigError(f"strength must be a finite number, got {value!r}")
-        self._strength = float(value)
-
     # -- weights
 
+    @property
+    def kind(self) -> str:
+        return "lora" if self.magnitude is None else "dora"
+
     def delta_weight(self) -> torch.Tensor:
-        """scale * B A in the base weight's shape, fp32 (the plain LoRA part; DoRA's W' is
-        `merged_weight`)."""
-        return lowrank_delta(self.down, self.up, self.scale).reshape(self.base.weight.shape)
+        """W' - W at the strength, fp32, the base weight's shape: t s B A (DoRA: t (W_dora - W))."""
+        if self.magnitude is None:
+            return lowrank_delta(self.down, self.up, self.scale).reshape(self.base.weight.shape)
+        w = self.base.weight.float()
+        return w - self._weight_to_unmerge() if self.merged else self._dora_weight(self._norm()) - w
 
     def _norm(self) -> torch.Tensor:
         """DoRA's ||W + s B A|| per output unit, (out,) fp32, detached."""
@@ -167,65 +156,30 @@ class LoRAModule(nn.Module):
         return dora.merged_weight(self.base.weight, self.down, self.up, self.magnitude, self.lora_scale,
                                   self.strength, norm)
 
-    def merged_weight(self) -> torch.Tensor:
-        """The effective weight W' in fp32 (DoRA included); when merged, the base's weight, which is W'."""
-        w = self.base.weight.float()
-        if self.merged:
-            return w
+    def _weight_to_merge(self) -> torch.Tensor:
         if self.magnitude is None:
-            return w + self.delta_weight()
+            return super()._weight_to_merge()
         return self._dora_weight(self._norm())
 
-    def _set_base_weight(self, w: torch.Tensor) -> None:
-        if isinstance(self.base, QuantLinear):
-            self.base.requantize(w)
-        else:
-            replace_weight(self.base, w)
+    def _weight_to_unmerge(self) -> torch.Tensor:
+        if self.magnitude is None:
+            return super()._weight_to_unmerge()
+        return dora.unmerged_weight(self.base.weight.float(), self.down, self.up, self.magnitude,
+                                    self.lora_scale, self.strength, self._merge_norm)
 
-    @torch.no_grad()
     def merge(self, requantize: bool = False) -> None:
-        """Write W' into the base weight (in the base's dtype); the forward is then the base's alone.
+        # DoRA: unmerge needs the norm of the unmerged weight, which the merged one no longer gives
+        norm = self._norm() if self.magnitude is not None and not self.merged else None
+        super().merge(requantize)
+        self._merge_norm = norm
 
-        A quantized base (QuantLinear) takes W' only with requantize=True: W' is rounded to the format's
-        grid, so the merged layer is only close to base + adapter, and unmerging cannot give back the base.
-        """
-        if self.merged:
-            raise LoRAStateError(f"{type(self).__name__} is already merged")
-        if isinstance(self.base, QuantLinear) and not requantize:
-            raise LoRAStateError(
-                f"the base is quantized ({self.base.fmt}): merging rounds W + s B A to its grid and loses "
-                "precision (the adapter's change is often smaller than a quantization step); pass "
-                "requantize=True to merge anyway, or keep the adapter at runtime / "
-                "remove_lora(model, merge=False)"
-            )
-        if self.magnitude is None:
-            w = self.base.weight.float() + self.delta_weight()
-        else:  # unmerge needs the norm of the unmerged weight, which the merged one no longer gives
-            self._merge_norm = self._norm()
-            w = self._dora_weight(self._merge_norm)
-        self._set_base_weight(w.to(self.base.weight.dtype))
-        self.merged = True
-
-    @torch.no_grad()
     def unmerge(self) -> None:
-        """Take the adapter back out of the base weight (exact up to rounding in the base's dtype)."""
-        if not self.merged:
-            raise LoRAStateError(f"{type(self).__name__} is not merged")
-        merged = self.base.weight.float()
-        if self.magnitude is None:
-            w = merged - self.delta_weight()
-        else:
-            w = dora.unmerged_weight(merged, self.down, self.up, self.magnitude, self.lora_scale,
-                                     self.strength, self._merge_norm)
-        self._set_base_weight(w.to(self.base.weight.dtype))
-        self.merged = False
+        super().unmerge()
         self._merge_norm = None
 
     # -- forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged or not self.enabled:
-            return self.base(x.to(self.base_dtype)).to(x.dtype)
+    def adapted_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernels(x):
             return self.kernel_forward(x).to(x.dtype)
         y = self.lora_forward(x) if self.magnitude is None else self.dora_forward(x)
@@ -268,18 +222,28 @@ class LoRAModule(nn.Module):
         # One product with W: (1 + t (g - 1)) W x + t g s B A x + b; its gradient to x is one matmul too.
         return torch.addcmul(lora, self._base_product(x.to(w.dtype)), 1 + c)
 
-    @property
-    def base_dtype(self) -> torch.dtype:
-        """The dtype the base computes in (a quantized base's dequantized dtype, without dequantizing)."""
-        return self.base.dtype if isinstance(self.base, QuantLinear) else self.base.weight.dtype
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """lora_down.weight (A), lora_up.weight (B), alpha, DoRA's dora_scale (out, 1[, 1, 1]): kohya's
+        suffixes. alpha / rank is the scale, so rsLoRA's alpha is stored as alpha * sqrt(rank), as
+        kohya-style readers compute it."""
+        alpha = self.alpha * math.sqrt(self.rank) if self.use_rslora else self.alpha
+        out = {"lora_down.weight": keep(self.down), "lora_up.weight": keep(self.up),
+               "alpha": torch.tensor(alpha, dtype=torch.float32)}
+        if self.magnitude is not None:
+            out["dora_scale"] = keep(self.magnitude).reshape(-1, *[1] * (self.up.dim() - 1))
+        return out
 
-    def adapter_parameters(self) -> list[nn.Parameter]:
-        return [p for p in (self.down, self.up, self.magnitude) if p is not None]
+    def _load_state(self, state):
+        self.down.copy_(state["lora_down.weight"])
+        self.up.copy_(state["lora_up.weight"])
+        alpha = float(state["alpha"])
+        self.alpha = alpha / math.sqrt(self.rank) if self.use_rslora else alpha
+        if self.magnitude is not None:
+            self.magnitude.copy_(state["dora_scale"].reshape(-1))
 
     def extra_repr(self) -> str:
-        kind = "dora" if self.magnitude is not None else "lora"
         return (
-            f"{kind}, rank={self.rank}, alpha={self.alpha:g}, rslora={self.use_rslora}, "
+            f"{self.kind}, rank={self.rank}, alpha={self.alpha:g}, rslora={self.use_rslora}, "
             f"strength={self._strength:g}, enabled={self.enabled}, merged={self.merged}"
         )
 

@@ -7,8 +7,9 @@ product of two low-rank matrices).
     LoHa  dW = (alpha / r) (W1a W1b) * (W2a W2b)    (* elementwise; W?a (out, r), W?b (r, in kh kw))
     y = base(x) + t dW x      (conv: dW reshaped to the base's (out, in, kh, kw); t: the strength)
 
-At the start dW = 0 (LoKr: W1 = 0; LoHa: W2b = 0). merge / unmerge / strength as LoRA's layers. Saved with
-ComfyUI's key names by `formats/lycoris.py`.
+At the start dW = 0 (LoKr: W1 = 0; LoHa: W2b = 0). Strength, merge / unmerge, enabled and the saved state are
+`AdapterLayer`'s (base.py), as LoRA's layers; `adapter_state` gives the factors by the role names ComfyUI's
+files use, which `formats/lycoris.py` writes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch import nn
 
 from ..layers import Linear
 from ..modules import matches_targets, swap_module
-from .config import LoRAConfigError, LoRAStateError, LoRATargetError
+from .base import AdapterLayer, keep, refuse_adapted
+from .config import LoRAConfigError, LoRATargetError
 
 KINDS = ("lokr", "loha")
 
@@ -63,20 +65,19 @@ def factors_delta(factors: dict[str, torch.Tensor], alpha: float | None, shape: 
     return lokr_delta(f["lokr_w1"], w2, 1.0 if alpha is None else alpha / r, shape)
 
 
-class LycorisLayer(nn.Module):
+class LycorisLayer(AdapterLayer):
     """A LoKr or LoHa adapter around a frozen nn.Linear, lora_lab Linear or nn.Conv2d."""
 
     def __init__(self, base: nn.Module, kind: str, rank: int | None = 8, alpha: float | None = None,
                  factor: int = -1):
-        super().__init__()
         if not isinstance(base, (nn.Linear, Linear, nn.Conv2d)):
             raise LoRATargetError(f"LycorisLayer wraps a Linear or Conv2d, got {type(base).__name__}")
         if kind not in KINDS:
             raise LoRAConfigError(f"LycorisLayer kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if rank is not None and rank < 1 or alpha is not None and not alpha > 0:
             raise LoRAConfigError(f"LycorisLayer: rank must be >= 1 and alpha > 0, got {rank}, {alpha}")
-        base.requires_grad_(False)
-        self.base, self.kind, self.strength, self.merged, self.enabled = base, kind, 1.0, False, True
+        super().__init__(base)
+        self._kind = kind
         w = base.weight
         self.shape = tuple(w.shape)
         out, inner = w.shape[0], w[0].numel()
@@ -117,61 +118,51 @@ class LycorisLayer(nn.Module):
         for n, t in names.items():
             setattr(layer, n, nn.Parameter(t.detach().float().flatten(1).to(base.weight.device).clone()))
         try:
-            layer.delta()
+            layer.delta_weight()
         except RuntimeError as e:
             raise LoRAConfigError(f"LyCORIS factors {sorted(factors)} do not make the weight "
                                   f"{layer.shape}: {str(e).splitlines()[0]}") from None
         return layer
 
     @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
     def scale(self) -> float:
-        """alpha / r, or 1 for a LoKr whose factors are both whole."""
+        """alpha / r, or 1 for a LoKr whose factors are both whole (the strength not included)."""
         return 1.0 if self.kind == "lokr" and self.rank is None else self.alpha / self.rank
 
-    def delta(self) -> torch.Tensor:
-        """dW (fp32, the base weight's shape) at strength 1."""
+    def delta_weight(self) -> torch.Tensor:
+        """t dW (fp32, the base weight's shape)."""
         if self.kind == "loha":
-            return loha_delta(self.w1_a, self.w1_b, self.w2_a, self.w2_b, self.scale, self.shape)
+            return loha_delta(self.w1_a, self.w1_b, self.w2_a, self.w2_b, self.strength * self.scale,
+                              self.shape)
         w2 = self.w2 if self.rank is None else self.w2_a @ self.w2_b
-        return lokr_delta(self.w1, w2, self.scale, self.shape)
+        return lokr_delta(self.w1, w2, self.strength * self.scale, self.shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def adapted_forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.merged or self.strength == 0 or not self.enabled:
-            return y
-        d = (self.strength * self.delta()).to(x.dtype)
+        d = self.delta_weight().to(x.dtype)
         if isinstance(self.base, nn.Conv2d):
             b = self.base
             return y + F.conv2d(x, d, None, b.stride, b.padding, b.dilation, b.groups)
         return y + F.linear(x, d)
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        """W <- W + t dW (the base weight changed in place, the adapter then skipped)."""
-        if self.merged:
-            raise LoRAStateError("LycorisLayer.merge: already merged")
-        w = self.base.weight
-        w.copy_((w.float() + self.strength * self.delta()).to(w.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """W <- W - t dW: the base weight as before `merge` (to rounding in a low-precision base)."""
-        if not self.merged:
-            raise LoRAStateError("LycorisLayer.unmerge: not merged")
-        w = self.base.weight
-        w.copy_((w.float() - self.strength * self.delta()).to(w.dtype))
-        self.merged = False
-
-    def set_strength(self, strength: float) -> None:
-        if self.merged:
-            raise LoRAStateError("LycorisLayer.set_strength: unmerge first (the merged weight holds t)")
-        self.strength = float(strength)
-
-    def factors(self) -> dict[str, torch.Tensor]:
-        """The trained tensors by ComfyUI's role names (lokr_w1, lokr_w2 | lokr_w2_a/b; hada_w1_a ...)."""
+    def _roles(self) -> dict[str, nn.Parameter]:
+        """The factors by ComfyUI's role names (lokr_w1, lokr_w2 | lokr_w2_a/b; hada_w1_a ...)."""
         prefix = "hada_" if self.kind == "loha" else "lokr_"
-        return {prefix + n: p.detach() for n, p in self.named_parameters(recurse=False)}
+        return {prefix + n: p for n, p in self.named_parameters(recurse=False)}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The factors by their role names, and alpha."""
+        return {**{role: keep(p) for role, p in self._roles().items()},
+                "alpha": torch.tensor(self.alpha, dtype=torch.float32)}
+
+    def _load_state(self, state):
+        for role, p in self._roles().items():
+            p.copy_(state[role])
+        self.alpha = float(state["alpha"])
 
 
 def lycoris_targets(model: nn.Module, targets) -> list[tuple[str, nn.Module]]:
@@ -185,7 +176,8 @@ def add_lycoris(model: nn.Module, kind: str, targets, rank: int | None = 8, alph
                 factor: int = -1) -> list[str]:
     """Wrap every Linear / Conv2d of `model` whose name matches `targets` in a LoKr or LoHa adapter (the
     model frozen first); returns the wrapped names. LoRAConfigError (before any wrap) where a LoKr factor
-    does not divide a matched layer's dimensions."""
+    does not divide a matched layer's dimensions, LoRATargetError where one already has an adapter."""
+    refuse_adapted(model, targets)
     model.requires_grad_(False)
     names = [n for n, _ in lycoris_targets(model, targets)]
     if not names:

@@ -14,14 +14,16 @@ and B is a 1 x 1 convolution, so B A is again a k x k kernel and W + s B A merge
     merge_lora(model); unmerge_lora(model); remove_lora(model, merge=True)
     losses = train_adapters(model, lambda: F.mse_loss(model(x), y), steps=30, lr=1e-2)   # a small fit
 
-Here: the whole-model operations. The config and errors are in config.py, the layers in layer.py; the
-package `lora_lab.lora` exports all three.
+Here: the whole-model operations, on every adapter kind alike (LoRA, DoRA, LoCon; LoKr and LoHa from
+`add_lycoris`, or `add_adapters` for any kind): each works through `AdapterLayer`'s interface (base.py).
+The config and errors are in config.py, the layers in layer.py and lycoris.py; the package `lora_lab.lora`
+exports them all.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -29,14 +31,19 @@ from torch import nn
 
 from ..errors import LoraLabError
 from ..layers import Linear
-from ..modules import matches_targets, parent_name, swap_module
+from ..modules import matches_targets, swap_module
 from ..quant import QuantLinear
+from .base import AdapterLayer, refuse_adapted
 from .config import LoRAConfig, LoRAConfigError, LoRAStateError, LoRATargetError
-from .layer import LoRAConv2d, LoRALinear, LoRAModule
-from .lycoris import LycorisLayer
+from .layer import LoRAConv2d, LoRALinear
+from .lycoris import KINDS as LYCORIS_KINDS
+from .lycoris import add_lycoris
 
-__all__ = ["add_lora", "lora_disabled", "lora_modules", "lora_state_dict", "merge_lora", "remove_lora",
-           "set_lora_strength", "train_adapters", "unmerge_lora"]
+__all__ = ["ADAPTER_KINDS", "add_adapters", "add_lora", "load_lora_state_dict", "lora_disabled",
+           "lora_modules", "lora_state_dict", "merge_lora", "remove_lora", "set_lora_strength",
+           "train_adapters", "unmerge_lora"]
+
+ADAPTER_KINDS = ("lora", *LYCORIS_KINDS)  # what `add_adapters` wraps in (DoRA: "lora" with use_dora=True)
 
 
 def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
@@ -46,21 +53,11 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     `LoRATargetError` if nothing matches, or if a matching module already has an adapter.
     """
     kinds: tuple[type, ...] = (nn.Linear, Linear, QuantLinear) + ((nn.Conv2d,) if config.conv else ())
+    refuse_adapted(model, config.targets)
     modules = dict(model.named_modules())
-    found: list[str] = []
-    twice: list[str] = []
-    for name, module in modules.items():
-        if not name or not matches_targets(name, config.targets):
-            # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
-            continue
-        parent = modules[parent_name(name)]
-        if isinstance(module, LoRAModule) or (isinstance(parent, LoRAModule) and module is parent.base):
-            twice.append(name)
-        elif isinstance(module, kinds):
-            found.append(name)
-    if twice:
-        raise LoRATargetError(f"targets {config.targets!r} match module(s) that already have an adapter: "
-                              f"{twice[:8]}")
+    # the root cannot be replaced in place: wrap a single layer with LoRALinear(layer, config)
+    found = [name for name, module in modules.items()
+             if name and matches_targets(name, config.targets) and isinstance(module, kinds)]
     if not found:
         shown = [f"{n} ({type(m).__name__})" for n, m in modules.items() if n][:20]
         raise LoRATargetError(
@@ -84,16 +81,30 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     return found
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAModule]]:
-    """(name, adapter) for every LoRALinear / LoRAConv2d in `model` (the model itself is named '')."""
+def add_adapters(model: nn.Module, kind: str, targets: str | Sequence[str], rank: int = 8,
+                 alpha: float | None = None, *, use_dora: bool = False, conv: bool = True, factor: int = -1
+                 ) -> list[str]:
+    """Wrap the layers of `model` that `targets` name in adapters of `kind` (one of ADAPTER_KINDS): "lora"
+    as `add_lora` (with `use_dora`, `conv`), "lokr" / "loha" as `add_lycoris` (LoKr's `factor`); the rest of
+    the model frozen. Returns the wrapped names."""
+    if kind not in ADAPTER_KINDS:
+        raise LoRAConfigError(f"adapter kind must be one of {', '.join(ADAPTER_KINDS)}, got {kind!r}")
+    if kind in LYCORIS_KINDS:
+        return add_lycoris(model, kind, targets, rank=rank, alpha=alpha, factor=factor)
+    return add_lora(model, LoRAConfig(rank=rank, alpha=rank if alpha is None else alpha, targets=targets,
+                                      use_dora=use_dora, conv=conv))
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, AdapterLayer]]:
+    """(name, adapter) for every adapter layer in `model`, of any kind (the model itself is named '')."""
     for name, m in model.named_modules():
-        if isinstance(m, LoRAModule):
+        if isinstance(m, AdapterLayer):
             yield name, m
 
 
 def merge_lora(model: nn.Module, requantize: bool = False) -> None:
     """Merge every adapter that is not merged yet into its base weight (quantized bases: see
-    LoRAModule.merge)."""
+    AdapterLayer.merge)."""
     if not requantize:
         _refuse_quantized_merge(model)
     for _, m in lora_modules(model):
@@ -102,7 +113,7 @@ def merge_lora(model: nn.Module, requantize: bool = False) -> None:
 
 
 def _refuse_quantized_merge(model: nn.Module) -> None:
-    """Raise before any adapter is merged if one of them sits on a quantized base (see LoRAModule.merge)."""
+    """Raise before any adapter is merged if one of them sits on a quantized base (see AdapterLayer.merge)."""
     for _, m in lora_modules(model):
         if not m.merged and isinstance(m.base, QuantLinear):
             m.merge(requantize=False)  # raises the explanation
@@ -137,9 +148,9 @@ def remove_lora(model: nn.Module, merge: bool = True, requantize: bool = False) 
 
 @contextmanager
 def lora_disabled(model: nn.Module):
-    """Inside the block every adapter is off (the base model): LoRA/DoRA/LoCon and LoKr/LoHa alike; each is
-    restored afterwards, also on an exception."""
-    named = [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRAModule, LycorisLayer))]
+    """Inside the block every adapter is off (the base model); each is restored afterwards, also on an
+    exception."""
+    named = list(lora_modules(model))
     mods = [m for _, m in named]
     merged = [n for n, m in named if m.merged]
     if merged:
@@ -166,26 +177,32 @@ def set_lora_strength(model: nn.Module, strength: float) -> None:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors, keyed by the wrapped module's path: lora_down/lora_up weights, alpha,
-    dora_scale.
+    """Only the adapter tensors, `{module path}.{suffix}` for every adapter layer and each suffix of its
+    `adapter_state()` (fp32 CPU copies): LoRA/DoRA's lora_down.weight, lora_up.weight, alpha, dora_scale;
+    LoKr's lokr_w1, lokr_w2 | lokr_w2_a, lokr_w2_b, alpha; LoHa's hada_w1_a, ..., alpha: the keys a file
+    holds, with the module's path in front (`formats.save_lora` writes it)."""
+    return {(f"{name}.{key}" if name else key): t
+            for name, m in lora_modules(model) for key, t in m.adapter_state().items()}
 
-    fp32 CPU copies. The rank is lora_down's first dimension; `alpha` is stored so that alpha / rank is the
-    adapter's scale (for rsLoRA that is alpha * sqrt(rank)), as kohya-style readers compute it.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, m in lora_modules(model):
-        p = f"{name}." if name else ""
 
-        def keep(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to("cpu", torch.float32, copy=True).contiguous()
-
-        out[p + "lora_down.weight"] = keep(m.down)
-        out[p + "lora_up.weight"] = keep(m.up)
-        alpha = m.alpha * math.sqrt(m.rank) if m.use_rslora else m.alpha
-        out[p + "alpha"] = torch.tensor(alpha, dtype=torch.float32)
-        if m.magnitude is not None:
-            out[p + "dora_scale"] = keep(m.magnitude).reshape(-1, *[1] * (m.up.dim() - 1))
-    return out
+def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a `lora_state_dict` into the adapters of `model` (wrapped as the model it came from):
+    LoRAStateError for a missing, extra or misshapen tensor, nothing copied then."""
+    named = dict(lora_modules(model))
+    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in named}
+    for key, t in state.items():
+        # the longest adapter path that is the key's prefix: a suffix may hold dots (lora_down.weight)
+        name = max((n for n in named if not n or key.startswith(n + ".")), key=len, default=None)
+        if name is None:
+            raise LoRAStateError(f"state key {key!r}: {type(model).__name__} has no adapter of that name")
+        parts[name][key[len(name) + 1:] if name else key] = t
+    for name, m in named.items():  # every layer checked before any is changed
+        try:
+            m.check_adapter_state(parts[name])
+        except LoRAStateError as e:
+            raise LoRAStateError(f"adapter {name!r}: {e}") from None
+    for name, m in named.items():
+        m.load_adapter_state(parts[name])
 
 
 def train_adapters(model: nn.Module, loss: Callable[[], torch.Tensor], steps: int, lr: float) -> list[float]:
