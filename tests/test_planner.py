@@ -347,9 +347,6 @@ def test_keeping_the_encoders_on_the_device_costs_exactly_their_bytes():
     assert released.parts["resident (VAE, text encoders)"] == 0
     resident = kept.parts["resident (VAE, text encoders)"]
     assert resident > 0 and kept.step_peak - released.step_peak == resident
-    with pytest.warns(DeprecationWarning, match="keep_encoders"):
-        old = plan_memory("sdxl", resident="all", **kw)
-    assert old.options["keep_encoders"] is True and old.step_peak == kept.step_peak
 
 
 def test_dora_locon_and_fp16_are_planned():

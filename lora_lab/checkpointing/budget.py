@@ -19,7 +19,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._moved import old_name
 from .ops import (
     _SOFTMAX,
     CheckpointingError,
@@ -393,7 +392,3 @@ def plan_budget(prof: _Profile, budget: float) -> CheckpointingPlan:
 def _unpack_nothing(_):
     """The profiling forward's unpack hook: it never runs backward."""
     raise CheckpointingError("the profiling forward of a checkpoint budget cannot run backward")
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"CheckpointPlan": "lora_lab.checkpointing.budget:CheckpointingPlan"})

@@ -18,7 +18,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .._moved import old_name
 from ..errors import LoraLabError
 from .tape import TapeWriter, _storage, _Tape, is_metadata, reads_and_writes
 
@@ -367,7 +366,3 @@ class _Replay(TorchDispatchMode):
             )
         entry.check_unchanged()
         return entry.output()
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"CheckpointError": "lora_lab.checkpointing.ops:CheckpointingError"})

@@ -31,7 +31,6 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_leaves
 
-from .._moved import old_name
 from .ops import CheckpointingError, _Layout, _Plan, _Record, _Replay, _same_view
 from .tape import _PLAIN, TapeWriter, module_stamp, owned_tensors
 
@@ -370,7 +369,3 @@ def checkpointed(fn: Callable[..., Any], *args, **kwargs) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return _Segment().run(fn, args, kwargs)
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"checkpoint": "lora_lab.checkpointing.segment:checkpointed"})

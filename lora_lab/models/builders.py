@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from .._moved import old_name
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -305,6 +304,3 @@ def predict(kind: str | ModelKind, model: torch.nn.Module, latents: torch.Tensor
     x = latents.to(dtype)
     ctx = embeds["prompt_embeds"].to(x.device, dtype)
     return spec.predict(model, x, t, ctx, embeds, guidance, vae_scale_factor)
-
-
-__getattr__ = old_name(__name__, {"build_pipeline": "lora_lab.models.bases:build_pipeline"})  # moved in 0.2
