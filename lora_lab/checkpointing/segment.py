@@ -35,7 +35,7 @@ from .ops import CheckpointingError, _Layout, _Plan, _Record, _Replay, _same_vie
 from .tape import _PLAIN, TapeWriter, module_stamp, owned_tensors
 
 
-def _freeze(a, opaque: list) -> object:
+def argument_key(a, opaque: list) -> object:
     """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by
     entry, tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no
     tape)."""
@@ -44,9 +44,9 @@ def _freeze(a, opaque: list) -> object:
     if isinstance(a, torch.Tensor):
         return (torch.Tensor, tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
     if isinstance(a, (list, tuple)):
-        return (type(a), tuple(_freeze(x, opaque) for x in a))
+        return (type(a), tuple(argument_key(x, opaque) for x in a))
     if isinstance(a, dict):
-        return (type(a), tuple((_freeze(k, opaque), _freeze(v, opaque)) for k, v in a.items()))
+        return (type(a), tuple((argument_key(k, opaque), argument_key(v, opaque)) for k, v in a.items()))
     opaque.append(type(a))
     return type(a)
 
@@ -117,7 +117,7 @@ class _Call:
         # the same tensor passed twice: a tape names each input by its position, so the pattern is part of
         # the key
         self.opaque: list = []  # arguments the key knows only by type: their calls get no tape
-        self.values = tuple(_freeze(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
+        self.values = tuple(argument_key(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
         self.alias = tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors)
         self.requires_grad = [t.requires_grad for t in tensors]
         # a tensor input that is an unchanged output of an earlier call of the segment is recomputed, not kept

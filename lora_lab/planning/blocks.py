@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpointing.segment import _freeze
+from ..checkpointing.segment import argument_key
 from ..memory import LiveBytes, Window
 
 BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")  # diffusers' names, every denoiser here
@@ -199,7 +199,7 @@ class _Run:
         arguments (not in containers), none was the previous block's too (an input every block takes, as
         text embeddings with a text-encoder LoRA, gathers every block's gradient), every argument plain."""
         opaque: list = []
-        frozen = _freeze((args, kwargs), opaque)
+        frozen = argument_key((args, kwargs), opaque)
         grads = _grad_inputs(args, kwargs)
         before, self.previous = self.previous, [weakref.ref(t) for _, t in grads]
         if opaque or not grads or any(ref() is t for ref in before for _, t in grads):

@@ -44,7 +44,7 @@ from ..diffusion.trainer import (
     open_run_base,
 )
 from ..lora import lora_state_dict
-from ..memory import LiveBytes, _tensors
+from ..memory import LiveBytes, plain_tensors
 from ..models import decode_latents, default_resolution, denoiser, model_kind, predict
 from ..optim import Adam8bit
 from .blocks import Unreplayable, one_of_identical_blocks, replayed_blocks
@@ -224,7 +224,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
     _first_step_state(learner, device)
     out = {"adapters": storage_bytes(params),
            "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
-           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
+           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))}
     accum = min(config.grad_accum, 2)
     config = replace(config, grad_accum=accum)
     enough = EncodedExamples(*(_repeat(data, config.batch_size * accum)))
