@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .errors import LoraLabError
+from .torch_private import TorchDispatchMode, tree_leaves
 
 
 class MemoryMeasurementUnavailable(LoraLabError, RuntimeError):
