@@ -413,7 +413,7 @@ class _Block(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.block, name)
+            return getattr(super().__getattr__("block"), name)
 
 
 @contextlib.contextmanager
