@@ -45,7 +45,7 @@ import torch
 
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
 from lora_lab.models import builders as M
-from lora_lab.models.kinds import t5_length
+from lora_lab.models.kinds import model_kind, t5_length
 from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
 
 SEED = 0
@@ -97,7 +97,7 @@ def build(kind: str):
     parts["transformer"] = diffusers.SD3Transformer2DModel(**SD3_TRANSFORMER).eval()
     parts["vae"] = diffusers.AutoencoderKL.from_pretrained(HERE / "base" / "sdxl" / "vae",
                                                            local_files_only=True)
-    pipe = M.pipeline_class("sd3")(**parts)
+    pipe = M.pipeline_class(model_kind("sd3"))(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

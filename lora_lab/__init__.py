@@ -8,7 +8,6 @@ The names a notebook or a user types; everything else is in its subpackage (docs
     kernels/     Triton kernels
 """
 
-from . import _moved
 from ._version import __version__ as __version__
 from .checkpointing import checkpointed, checkpointing_plan, disable_checkpointing, enable_checkpointing
 from .diffusion import TrainConfig, sample, train
@@ -50,34 +49,4 @@ __all__ = [
     "train", "unmerge_lora", "var_from_tensor",
 ]
 
-# lora_lab 0.1's top-level names that were renamed or now live only in their subpackage: still importable from
-# here for this release, with a DeprecationWarning naming the new spelling.
-_OLD_NAMES = {
-    "LoraModule": "lora_lab.formats:LoraWeights",
-    "fit": "lora_lab.planning:fit_vram",
-    "FitResult": "lora_lab.planning:FitResult",
-    "checkpoint": "lora_lab.checkpointing:checkpointed",
-    "checkpoint_plan": "lora_lab.checkpointing:checkpointing_plan",
-    "CheckpointError": "lora_lab.checkpointing:CheckpointingError",
-    "CheckpointPlan": "lora_lab.checkpointing:CheckpointingPlan",
-    "TensorKindError": "lora_lab.errors:TensorTypeError",
-    **{name: f"lora_lab.{where}:{name}" for where, names in {
-        "errors": ("LoraFormatError", "WeightFileError", "OptimizerError"),
-        "functional": ("dequantize_blockwise", "dynamic_map", "quantize_blockwise"),
-        "diffusion": ("DatasetError", "ImageCaptionDataset", "ObjectiveError", "objective_for",
-                      "NonFiniteLossError", "TrainConfigError"),
-        "models": ("ModelLoadError", "encode_prompts"),
-        "formats": ("UnetLayout", "diffusers_name", "kohya_name", "unet_layout"),
-        "kernels": ("KernelBackendError", "KernelInputError", "resolve_backend"),
-        "lora": ("LoRAConfigError", "LoRAStateError", "LoRATargetError"),
-        "memory": ("MemoryMeasurementUnavailable",),
-        "merge": ("AppliedLoras", "LoRAStack"),
-        "planning": ("PlanError", "parse_bytes"),
-        "precision": ("PrecisionError",),
-        "quant": ("QuantizationError", "QuantReport", "dequantize_weight", "quantize_weight"),
-    }.items() for name in names},
-}
-__getattr__ = _moved.old_name(__name__, _OLD_NAMES)
-
-_moved.install()  # `import lora_lab.digits` and the other 0.1 module paths still work, with a warning
 _install_log_filters()  # the few third-party import-time log lines that say nothing here (see quiet.py)

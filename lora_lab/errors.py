@@ -2,11 +2,8 @@
 block-wise quantized optimizer state).
 
 Each domain module defines its own subclasses of `LoraLabError` (`QuantizationError` in quant/weights.py,
-...); this module imports nothing of lora_lab but `_moved` (the 0.1 spellings, stdlib only), so every
-module can look down at it.
+...); this module imports nothing of lora_lab, so every module can look down at it.
 """
-
-from ._moved import old_name
 
 
 class LoraLabError(Exception):
@@ -28,7 +25,3 @@ class LoraFormatError(LoraLabError, ValueError):
 class OptimizerError(LoraLabError, ValueError):
     """An optimizer misused (a frozen or sparse tensor, a bad hyper-parameter), or 8-bit state given values
     its map cannot hold (negative values for the unsigned map)."""
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"TensorKindError": "lora_lab.errors:TensorTypeError"})

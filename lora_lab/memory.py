@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .errors import LoraLabError
+from .torch_private import TorchDispatchMode, tree_leaves
 
 
 class MemoryMeasurementUnavailable(LoraLabError, RuntimeError):
@@ -104,7 +103,7 @@ def peak_memory(fn: Callable[..., Any], *args, device: torch.device | str | None
     return peak - before
 
 
-def _tensors(value: Any):
+def plain_tensors(value: Any):
     """Every plain tensor inside `value`, looking into dicts/lists and tensor subclasses
     (torchao's quantized state is a subclass whose real storage is its inner tensors)."""
     if isinstance(value, torch.Tensor):
@@ -113,22 +112,22 @@ def _tensors(value: Any):
         ):
             names, _ = value.__tensor_flatten__()
             for name in names:
-                yield from _tensors(getattr(value, name))
+                yield from plain_tensors(getattr(value, name))
         else:
             yield value
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from plain_tensors(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
+            yield from plain_tensors(v)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in `opt.state` (each storage once: a shared quantization map counts once)."""
     seen: dict[tuple[str, int], int] = {}
     for state in opt.state.values():
-        for t in _tensors(state):
+        for t in plain_tensors(state):
             key = _storage_key(t)
             if key is not None:
                 seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_leaves
 
 from .errors import LoraLabError
+from .torch_private import FakeTensor, tree_leaves
 
 MODES = ("no", "bf16", "fp16")  # mixed precision: none (fp32 throughout), or autocast to this dtype
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

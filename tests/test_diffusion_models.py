@@ -172,3 +172,24 @@ def test_shipped_sdxl_base_draws_recognisable_digits():
         z = M.encode_images(pipe, x, generator=torch.Generator().manual_seed(SEED))
         assert z.shape == (16, 4, 8, 8) and 0.5 < z.std() < 2  # scaling_factor makes latents ~unit scale
         assert ((M.decode_latents(pipe, z) - x) ** 2).mean() < 0.03
+
+
+def test_a_kind_name_is_resolved_once_at_the_entry_point(monkeypatch):
+    """`build_pipeline("flux")` looks the name up once; below it, models/ passes the ModelKind itself (no
+    second lookup by name), and `kind_of` gives that same object back."""
+    from lora_lab.models import bases, builders, single_file
+
+    looked_up = []
+
+    def counting(name):
+        if isinstance(name, str):
+            looked_up.append(name)
+        return M.model_kind(name)
+
+    for module in (bases, builders, single_file):
+        monkeypatch.setattr(module, "model_kind", counting, raising=False)
+    pipe = M.build_pipeline("flux", seed=SEED)
+    assert looked_up == ["flux"]
+    assert M.kind_of(pipe) is M.model_kind("flux")
+    opened = M.open_base(M.model_kind("sd15"), None, torch.float32)
+    assert looked_up == ["flux"] and M.kind_of(opened.pipe).name == "sd15"

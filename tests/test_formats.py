@@ -697,6 +697,7 @@ SGM = {
 def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
     from diffusers import UNet2DConditionModel
 
+    from lora_lab.models import model_kind
     from lora_lab.models.builders import CONFIGS, pipeline_class
 
     def unet():
@@ -717,7 +718,7 @@ def test_sdxl_kohya_file_in_sgm_layout_loads_as_diffusers_loads_it(tmp_path):
 
     comps = build_components("sdxl")
     comps["unet"] = unet()
-    pipe = pipeline_class("sdxl")(**comps)
+    pipe = pipeline_class(model_kind("sdxl"))(**comps)
     args, kw = unet_inputs(pipe, "sdxl")
     before = unet_out(pipe.unet, args, kw)
     pipe.load_lora_weights(str(path))  # diffusers maps sgm blocks with the UNet's config

@@ -9,7 +9,7 @@ import torch
 from lora_lab.diffusion import TrainConfig, train
 from lora_lab.diffusion.trainer import PHASES
 from lora_lab.memory import LiveBytes, model_bytes
-from lora_lab.models import build_pipeline, denoiser, shipped_base
+from lora_lab.models import build_pipeline, denoiser, model_kind, shipped_base
 from lora_lab.models.bases import open_base
 from lora_lab.models.kinds import ModelLoadError
 from lora_lab.models.loading import FolderWeights, RandomWeights, fill, skeleton
@@ -21,7 +21,7 @@ FAST = {"rank": 4, "steps": 2, "sample_steps": 0, "progress": False}
 @pytest.mark.parametrize("kind", ["sd15", "sdxl", "sd3", "flux"])
 def test_a_filled_skeleton_equals_the_pipeline_diffusers_loads(kind):
     base = shipped_base(kind)
-    opened = open_base(kind, base, torch.float32)
+    opened = open_base(model_kind(kind), base, torch.float32)
     assert all(p.is_meta for p in denoiser(opened.pipe).parameters())  # nothing loaded yet
     fill(denoiser(opened.pipe), opened.source, dtype=torch.float32, device="cpu")
     ref, got = denoiser(build_pipeline(kind, base)).state_dict(), denoiser(opened.pipe).state_dict()
@@ -29,7 +29,7 @@ def test_a_filled_skeleton_equals_the_pipeline_diffusers_loads(kind):
 
 
 def test_fill_casts_to_the_base_dtype_and_quantizes_every_linear():
-    opened = open_base("sdxl", shipped_base("sdxl"), torch.bfloat16)
+    opened = open_base(model_kind("sdxl"), shipped_base("sdxl"), torch.bfloat16)
     model = fill(denoiser(opened.pipe), opened.source, dtype=torch.bfloat16, device="cpu", quantization="nf4")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert any(isinstance(m, QuantLinear) for m in model.modules())
@@ -41,7 +41,7 @@ def test_quantized_loading_never_holds_the_full_precision_denoiser():
     """Peak bytes while loading NF4: at most the quantized model plus the largest layer in the base dtype (and
     one chunk's quantization temporaries); the whole denoiser in that dtype never exists."""
     kind, base = "sdxl", shipped_base("sdxl")
-    opened = open_base(kind, base, torch.float32)
+    opened = open_base(model_kind(kind), base, torch.float32)
     sizes = [m.weight.numel() * 4 for m in denoiser(opened.pipe).modules() if type(m) is torch.nn.Linear]
     full = sum(p.numel() * 4 for p in denoiser(opened.pipe).parameters())
     tracker = LiveBytes()

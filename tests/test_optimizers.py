@@ -10,7 +10,7 @@ from lora_lab.diffusion import TrainConfig, TrainConfigError
 from lora_lab.diffusion.optimizers import make_optimizer, param_groups, set_lr
 from lora_lab.diffusion.state import Learner
 from lora_lab.lora import LoRAConfig, add_lora
-from lora_lab.memory import LiveBytes, _tensors, optimizer_state_bytes
+from lora_lab.memory import LiveBytes, optimizer_state_bytes, plain_tensors
 from lora_lab.planning.fakedevice import fake_device
 from lora_lab.planning.run import _first_step_state, storage_bytes
 from lora_lab.precision import MixedPrecision
@@ -58,7 +58,7 @@ def test_planned_optimizer_state_is_the_state_after_a_step(optimizer, package):
         fake = _adapted(dora=True)
         learner = Learner(fake, make_optimizer(param_groups(fake, config), config), MixedPrecision("no"))
         _first_step_state(learner)
-        planned = storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))
+        planned = storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))
     assert planned == optimizer_state_bytes(real) > 0
 
 
@@ -88,7 +88,7 @@ def test_planned_adamw_step_holds_what_torch_holds_on_the_planned_device(device,
             p.grad = torch.zeros_like(p)
         tracker = LiveBytes()
         with tracker:
-            tracker.track(t for s in optimizer.state.values() for t in _tensors(s))
+            tracker.track(t for s in optimizer.state.values() for t in plain_tensors(s))
             tracker.track(t for _, p in named for t in (p, p.grad))
             tracker.reset_peak()
             optimizer.step()

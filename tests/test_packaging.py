@@ -48,3 +48,14 @@ def test_cli_help_starts():
     out = subprocess.run([sys.executable, "-m", "lora_lab.cli", "--help"], capture_output=True, text=True,
                          check=True)
     assert "lora-lab" in out.stdout
+
+
+def test_the_version_is_written_once_in_version_py():
+    """pyproject.toml reads the version from lora_lab/_version.py (setuptools' dynamic attr), so the two
+    cannot disagree; the package's own `__version__` is that one."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lora_lab._version.__version__"}
+    import lora_lab
+    from lora_lab._version import __version__
+    assert lora_lab.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+", __version__)

@@ -33,7 +33,7 @@ def write_single_file(kind: str, pipe, folder: Path) -> tuple[Path, dict[str, st
     for comp, prefix, layout, part in [(spec.component, DENOISER_PREFIX, DENOISER_LAYOUT[kind], None),
                                        *[(c, pre, lay, p) for p, (c, pre, lay) in _PARTS[kind].items()]]:
         separate = kind == "flux"
-        rules = component_rules(kind, comp, getattr(pipe, comp), layout, "" if separate else prefix)
+        rules = component_rules(getattr(pipe, comp), layout, "" if separate else prefix)
         tensors = to_single_file(rules, getattr(pipe, comp).state_dict())
         if separate and part is not None:
             parts[part] = str(folder / f"{part}.safetensors")
@@ -60,7 +60,7 @@ def test_single_file_loads_the_same_tensors(tiny_files, kind):
     if kind == "flux":
         assert not any(k.startswith("model.") for k in json.loads(path.read_bytes()[8:8 + int.from_bytes(
             path.read_bytes()[:8], "little")]))  # BFL's names, as flux1-dev.safetensors
-    opened = open_base(kind, path, torch.float32, parts=parts)
+    opened = open_base(model_kind(kind), path, torch.float32, parts=parts)
     fill(denoiser(opened.pipe), opened.source, dtype=torch.float32, device="cpu")
     for comp in [model_kind(kind).component, "vae", *[e.component for e in model_kind(kind).text_encoders]]:
         want, got = getattr(pipe, comp).state_dict(), getattr(opened.pipe, comp).state_dict()
@@ -68,7 +68,7 @@ def test_single_file_loads_the_same_tensors(tiny_files, kind):
         assert all(torch.equal(want[k], got[k]) for k in want), comp
     if kind == "flux":  # the transformer-only file needs its parts: the error names the flag
         with pytest.raises(ModelLoadError, match="--t5xxl"):
-            open_base(kind, path, torch.float32, parts={**parts, "t5xxl": None})
+            open_base(model_kind(kind), path, torch.float32, parts={**parts, "t5xxl": None})
 
 
 def test_ldm_and_sd3_layouts_agree_with_diffusers_converters(tiny_files):
@@ -112,7 +112,7 @@ def test_flux_layout_agrees_with_diffusers_at_real_size():
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**FLUX_DEV)
-    rules = component_rules("flux", "transformer", model, "flux", "")
+    rules = component_rules(model, "flux", "")
     bfl = to_single_file(rules, {k: v for k, v in model.state_dict().items()})
     converted = su.convert_flux_transformer_checkpoint_to_diffusers(dict(bfl))
     assert {k: tuple(v.shape) for k, v in converted.items()} == {
@@ -131,7 +131,7 @@ def test_family_detected_from_real_headers():
         header = FileHeader.__new__(FileHeader)
         header.path, header.shapes = Path(name), {k: tuple(s) for k, s in headers[name].items()}
         found = detect(header)
-        assert (found.kind, found.variant) == (kind, variant), name
+        assert (found.kind, found.variant) == (model_kind(kind), variant), name
     header.shapes = {k: tuple(s) for k, s in headers["flux1-schnell"].items()}
     with pytest.raises(ModelLoadError, match="schnell"):
         detect(header)

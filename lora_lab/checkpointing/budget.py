@@ -16,10 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from .._moved import old_name
+from ..torch_private import CPU_FLASH_ATTENTION, TorchDispatchMode, op_schema, storage_key, tree_leaves
 from .ops import (
     _SOFTMAX,
     CheckpointingError,
@@ -102,7 +100,7 @@ class CheckpointingPlan:
 
 def _cost(func, args, kwargs, out) -> float:
     """Counted cost of one op: FLOPs where torch counts them (matmul, conv, attention), else bytes moved."""
-    if any(r.alias_info is not None for r in func._schema.returns):  # a view (or in place): moves nothing new
+    if any(r.alias_info is not None for r in op_schema(func).returns):  # a view (or in place): nothing new
         return _OP_COST
     tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
     moved = _OP_COST + _FLOPS_PER_BYTE * sum(t.numel() * t.element_size() for t in tensors)
@@ -113,7 +111,7 @@ def _cost(func, args, kwargs, out) -> float:
 
     if packet in flop_registry:
         return moved + flop_registry[packet](*args, **kwargs, out_val=out)
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+    if packet is CPU_FLASH_ATTENTION:
         q, k = args[0], args[1]  # (B, H, L, D), (B, H, S, D): two matmuls
         return moved + 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
     return moved
@@ -137,7 +135,7 @@ class _Profile(TorchDispatchMode):
         self.call: int | None = None
 
     def origin_of(self, t: torch.Tensor) -> int | None:
-        return self.origin.get(t.untyped_storage()._cdata)
+        return self.origin.get(storage_key(t.untyped_storage()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -154,8 +152,8 @@ class _Profile(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
-                if s._cdata not in ins and s.nbytes() > 0:
-                    self.origin[s._cdata] = len(self.nbytes)
+                if storage_key(s) not in ins and s.nbytes() > 0:
+                    self.origin[storage_key(s)] = len(self.nbytes)
                     made.append(len(self.nbytes))
                     self.nbytes.append(s.nbytes())
         if self.call is not None:
@@ -393,7 +391,3 @@ def plan_budget(prof: _Profile, budget: float) -> CheckpointingPlan:
 def _unpack_nothing(_):
     """The profiling forward's unpack hook: it never runs backward."""
     raise CheckpointingError("the profiling forward of a checkpoint budget cannot run backward")
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"CheckpointPlan": "lora_lab.checkpointing.budget:CheckpointingPlan"})

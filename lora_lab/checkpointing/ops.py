@@ -15,24 +15,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .._moved import old_name
 from ..errors import LoraLabError
+from ..torch_private import (
+    ATTENTION_KERNELS,
+    CONVOLUTION_KERNEL,
+    SOFTMAX_KERNELS,
+    TorchDispatchMode,
+    op_schema,
+    storage_key,
+    tensor_version,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+)
 from .tape import TapeWriter, _storage, _Tape, is_metadata, reads_and_writes
 
 aten = torch.ops.aten
 
 # ops whose outputs "selective" keeps: costly to recompute, few bytes per FLOP
 _COSTLY = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution,
-    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
-    aten._flash_attention_forward, aten._efficient_attention_forward,
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, CONVOLUTION_KERNEL, *ATTENTION_KERNELS,
 }
 # what an attention core computes its probabilities with, from the scores matmul (unfused attention)
-_SOFTMAX = {aten._softmax, aten._safe_softmax, aten.softmax}
+_SOFTMAX = {*SOFTMAX_KERNELS, aten.softmax}
 
 
 class CheckpointingError(LoraLabError, RuntimeError):
@@ -43,10 +49,10 @@ class CheckpointingError(LoraLabError, RuntimeError):
 def _is_costly(func, args, kwargs) -> bool:
     """Worth keeping under "selective": a matmul/conv/attention whose outputs alias nothing and draw no
     RNG."""
-    if func.overloadpacket not in _COSTLY or any(r.alias_info is not None for r in func._schema.returns):
+    if func.overloadpacket not in _COSTLY or any(r.alias_info is not None for r in op_schema(func).returns):
         return False
     if torch.Tag.nondeterministic_seeded in func.tags:  # attention with dropout: keep only when p == 0
-        names = [a.name for a in func._schema.arguments]
+        names = [a.name for a in op_schema(func).arguments]
         p = kwargs.get("dropout_p",
                        args[names.index("dropout_p")] if "dropout_p" in names[: len(args)] else 0.0)
         return p == 0
@@ -99,7 +105,7 @@ def _counted(func) -> bool:
     Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
     view_as) during the recomputation cannot shift it; so are metadata questions (prim.device: a fake tensor
     may be asked its device in one run and not in the other)."""
-    s = func._schema
+    s = op_schema(func)
     return not (s.is_mutable or any(r.alias_info is not None for r in s.returns) or is_metadata(func))
 
 
@@ -115,7 +121,7 @@ def _shapes(args, kwargs) -> list:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    return (storage_key(a.untyped_storage()) == storage_key(b.untyped_storage())
             and a.storage_offset() == b.storage_offset()
             and a.shape == b.shape and a.stride() == b.stride())
 
@@ -132,7 +138,7 @@ class _Kept:
     versions: list[int]
 
     def check_unchanged(self) -> None:
-        if [t._version if isinstance(t, torch.Tensor) else 0 for t in self.leaves] != self.versions:
+        if [tensor_version(t) if isinstance(t, torch.Tensor) else 0 for t in self.leaves] != self.versions:
             raise CheckpointingError(f"a kept output of {self.func} was changed in place after the forward")
 
     def output(self):
@@ -183,7 +189,7 @@ class _Layout:
                 else:  # the op's output, or one seen through a view of it (its storage, with its own view)
                     t = saved[leaf[0]]
                     ts.append(t if leaf[1] is None else t.as_strided(*leaf[1]))
-                    versions.append(t._version)  # as saved: the replay checks that nothing changed it since
+                    versions.append(tensor_version(t))  # as saved: the replay checks nothing changed it since
             out[i] = _Kept(func, shapes, spec, ts, versions)
         return _Plan(out, self.dead, self.funcs, self.tape)
 
@@ -226,7 +232,7 @@ class _Record(TorchDispatchMode):
             leaves, spec = tree_flatten(out)
             leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
             self.ops[index] = _Kept(func, _shapes(args, kwargs), spec, leaves,
-                                    [t._version if isinstance(t, torch.Tensor) else 0 for t in leaves])
+                                    [tensor_version(t) if isinstance(t, torch.Tensor) else 0 for t in leaves])
             outs = {_storage(t) for t in leaves if isinstance(t, torch.Tensor)}
             # an op that draws random numbers is never kept, whatever the keep rule says (a budget's op
             # numbers, planned on one forward, can name a randn_like in another: replaying it would shift the
@@ -311,7 +317,7 @@ class _Record(TorchDispatchMode):
             for i, k in plan.kept.items():
                 for j, leaf in enumerate(k.leaves):
                     if (isinstance(leaf, torch.Tensor) and _storage(leaf) == _storage(t)
-                            and leaf.dtype == t.dtype and t._version == k.versions[j]
+                            and leaf.dtype == t.dtype and tensor_version(t) == k.versions[j]
                             and (_same_view(leaf, t) or not where.get((i, j), (0, False))[1])):
                         where[(i, j)] = (p, _same_view(leaf, t))
         ops = {}
@@ -367,7 +373,3 @@ class _Replay(TorchDispatchMode):
             )
         entry.check_unchanged()
         return entry.output()
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"CheckpointError": "lora_lab.checkpointing.ops:CheckpointingError"})

@@ -33,8 +33,8 @@ import math
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from ..torch_private import NormBase, tree_leaves
 from .budget import CheckpointingPlan, _Profile, _unpack_nothing
 from .ops import CheckpointingError, keep_costly
 from .segment import _Segment, checkpointed
@@ -123,7 +123,7 @@ class _Budget(_Full):
     def _plan(self, root, forward, args, kwargs) -> CheckpointingPlan:
         prof = _Profile()
         norms = [m for m in root.modules()
-                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+                 if isinstance(m, NormBase) and m.track_running_stats]
         stats = [(m, [b.clone() for b in m.buffers()]) for m in norms]
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.profile = prof

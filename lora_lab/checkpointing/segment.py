@@ -29,14 +29,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_leaves
 
-from .._moved import old_name
+from ..torch_private import (
+    DisableTorchFunction,
+    overrideable_sdp_enabled,
+    sdp_priority_order,
+    set_sdp_priority_order,
+    tensor_version,
+    tree_leaves,
+)
 from .ops import CheckpointingError, _Layout, _Plan, _Record, _Replay, _same_view
 from .tape import _PLAIN, TapeWriter, module_stamp, owned_tensors
 
 
-def _freeze(a, opaque: list) -> object:
+def argument_key(a, opaque: list) -> object:
     """A non-tensor argument as a key: plain values by type and value, lists / tuples / dicts of them entry by
     entry, tensors inside them by their metadata, anything else by its type (and then `opaque` is set: no
     tape)."""
@@ -45,9 +51,9 @@ def _freeze(a, opaque: list) -> object:
     if isinstance(a, torch.Tensor):
         return (torch.Tensor, tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
     if isinstance(a, (list, tuple)):
-        return (type(a), tuple(_freeze(x, opaque) for x in a))
+        return (type(a), tuple(argument_key(x, opaque) for x in a))
     if isinstance(a, dict):
-        return (type(a), tuple((_freeze(k, opaque), _freeze(v, opaque)) for k, v in a.items()))
+        return (type(a), tuple((argument_key(k, opaque), argument_key(v, opaque)) for k, v in a.items()))
     opaque.append(type(a))
     return type(a)
 
@@ -79,11 +85,11 @@ _SDPA = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
          SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
          SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
          SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
-         SDPBackend.OVERRIDEABLE: torch._C._get_overrideable_sdp_enabled}
+         SDPBackend.OVERRIDEABLE: overrideable_sdp_enabled}
 
 
 def _sdpa_backends() -> tuple[tuple[SDPBackend, ...], tuple[int, ...], bool]:
-    return (tuple(b for b, enabled in _SDPA.items() if enabled()), tuple(torch._C._get_sdp_priority_order()),
+    return (tuple(b for b, enabled in _SDPA.items() if enabled()), tuple(sdp_priority_order()),
             torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed())
 
 
@@ -96,12 +102,12 @@ def _sdpa_as(state: tuple[tuple[SDPBackend, ...], tuple[int, ...], bool]):
         return
     (backends, priority, reduced), (_, now_priority, now_reduced) = state, now
     with contextlib.nullcontext() if not backends or backends == now[0] else sdpa_kernel(list(backends)):
-        torch._C._set_sdp_priority_order(list(priority))
+        set_sdp_priority_order(list(priority))
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
         try:
             yield
         finally:
-            torch._C._set_sdp_priority_order(list(now_priority))
+            set_sdp_priority_order(list(now_priority))
             torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(now_reduced)
 
 
@@ -118,7 +124,7 @@ class _Call:
         # the same tensor passed twice: a tape names each input by its position, so the pattern is part of
         # the key
         self.opaque: list = []  # arguments the key knows only by type: their calls get no tape
-        self.values = tuple(_freeze(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
+        self.values = tuple(argument_key(a, self.opaque) for a, t in zip(flat, self.is_tensor) if not t)
         self.alias = tuple(next(j for j, u in enumerate(tensors) if u is t) for t in tensors)
         self.requires_grad = [t.requires_grad for t in tensors]
         # a tensor input that is an unchanged output of an earlier call of the segment is recomputed, not kept
@@ -204,7 +210,7 @@ class _Call:
         self.keeper = _KeepInputs.apply(torch.empty(0, requires_grad=True), *self.to_keep, *kept_out)
         self.n_keep = len(self.to_keep)
         del self.to_keep
-        self.outputs = [(weakref.ref(t), t._version, t.requires_grad) for t in _out_tensors(out)]
+        self.outputs = [(weakref.ref(t), tensor_version(t), t.requires_grad) for t in _out_tensors(out)]
 
     def rerun(self, produced: dict[tuple[int, int], torch.Tensor], stop: bool):
         """Run fn again; returns (the tensors it saves for backward, its output tensors or None if
@@ -234,7 +240,7 @@ class _Call:
             # (torch function modes and subclasses acted when the forward ran: the tape holds the aten ops
             # they gave, so they must not act again; dispatch modes, fake tensors' included, still see
             # every op)
-            with torch.no_grad(), _autocast(off), torch._C.DisableTorchFunction():
+            with torch.no_grad(), _autocast(off), DisableTorchFunction():
                 saved = self.plan.run_tape([t.detach() for t in tensors + self.nested()])
             self.check_saved(saved, " from its tape")
             return saved, None
@@ -296,7 +302,7 @@ class _Segment:
     def source_of(self, t: torch.Tensor) -> tuple[int, int] | None:
         for c in self.calls:
             for i, (ref, version, _) in enumerate(c.outputs):
-                if ref() is t and t._version == version:
+                if ref() is t and tensor_version(t) == version:
                     return (c.index, i)
         return None
 
@@ -370,7 +376,3 @@ def checkpointed(fn: Callable[..., Any], *args, **kwargs) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return _Segment().run(fn, args, kwargs)
-
-
-# lora_lab 0.1's names
-__getattr__ = old_name(__name__, {"checkpoint": "lora_lab.checkpointing.segment:checkpointed"})

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import LoraLabError
+from ..torch_private import buffers_of, in_backward, parameters_of
 
 
 class BlockSwapError(LoraLabError, ValueError):
@@ -44,7 +45,7 @@ class BlockSwap:
             for block in blocks:
                 tensors = {}
                 for path, m in block.named_modules():
-                    for kind, table in (("p", m._parameters), ("b", m._buffers)):
+                    for kind, table in (("p", parameters_of(m)), ("b", buffers_of(m))):
                         for name, t in table.items():
                             if t is None or (kind == "p" and t.requires_grad):
                                 continue
@@ -66,9 +67,9 @@ class BlockSwap:
         for (path, kind, name), t in tensors.items():
             m = block.get_submodule(path) if path else block
             if kind == "p":
-                m._parameters[name] = nn.Parameter(t, requires_grad=False)
+                parameters_of(m)[name] = nn.Parameter(t, requires_grad=False)
             else:
-                m._buffers[name] = t
+                buffers_of(m)[name] = t
 
     def _copy(self, i: int) -> tuple[dict, object]:
         """Block i's tensors on the device (on the side stream, with the event that says they are there)."""
@@ -93,7 +94,7 @@ class BlockSwap:
             for t in tensors.values():
                 t.record_stream(current)  # freed for reuse only after the compute stream is done with it
         self._put(i, tensors)
-        backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         self.prefetch(i - 1 if backward else i + 1)
 
     def release(self, i: int) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+
+from ..torch_private import op_schema, storage_key, tree_leaves
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -263,15 +264,15 @@ def _compile(s: _Step) -> tuple:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_key(t.untyped_storage())
 
 
 def reads_and_writes(func, args: tuple, kwargs: dict) -> tuple[set[int], set[int]]:
     """The storages of an op's tensor arguments, and of those it changes in place."""
     reads = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     writes = set()
-    if func._schema.is_mutable:
-        for i, a in enumerate(func._schema.arguments):
+    if op_schema(func).is_mutable:
+        for i, a in enumerate(op_schema(func).arguments):
             t = args[i] if i < len(args) else kwargs.get(a.name)
             if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
                 writes.add(_storage(t))

@@ -15,7 +15,6 @@
 The models themselves (kinds, builders, real configs) are `lora_lab.models`.
 """
 
-from .._moved import old_name
 from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
 from .objectives import DDPM, FlowMatching, ObjectiveError, diffusion_loss, objective_for
 from .sampling import image_grid, loras_applied, sample
@@ -28,8 +27,3 @@ __all__ = [
     "TrainConfig", "TrainConfigError", "TrainResult", "aspect_buckets", "collate", "diffusion_loss",
     "image_grid", "loras_applied", "objective_for", "sample", "train",
 ]
-
-# lora_lab 0.1 exported the model builders from here too; they are lora_lab.models' now.
-__getattr__ = old_name(__name__, {name: f"lora_lab.models:{name}" for name in (
-    "KINDS", "ModelLoadError", "kind_of", "build_components", "build_pipeline", "build_tokenizer",
-    "decode_latents", "denoiser", "encode_images", "encode_prompts", "predict", "shipped_base")})

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .._moved import warn
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
 from ..models import DATA_DIR, KINDS, ModelLoadError, model_kind
@@ -382,11 +381,6 @@ class TrainConfig:
         """The checkpointing policy for enable_checkpointing, or None for none."""
         value = self.gradient_checkpointing
         return None if value is False or value == "none" else "full" if value is True else value
-
-    def checkpoint_policy(self) -> str | None:
-        """lora_lab 0.1's name of `checkpointing_policy`, with a DeprecationWarning."""
-        warn("TrainConfig.checkpoint_policy()", "TrainConfig.checkpointing_policy()")
-        return self.checkpointing_policy()
 
     def adapter_alpha(self) -> float:
         """LoRA alpha: `alpha`, or the rank (scale 1)."""

@@ -23,13 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..models import model_kind
 from ..models.kinds import kind_of
 
 
 def component_names(pipe) -> list[str]:
     """The pipeline's components that only caching and sampling need: its text encoders and its VAE."""
-    return [e.component for e in model_kind(kind_of(pipe)).text_encoders] + ["vae"]
+    return [e.component for e in kind_of(pipe).text_encoders] + ["vae"]
 
 
 class Encoders:

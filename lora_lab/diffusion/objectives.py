@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LoraLabError
-from ..models import KINDS, kind_of, model_kind
+from ..models import KINDS, ModelKind, kind_of, model_kind
 from ..models.builders import CONFIGS
 from .weighting import exponential_shift, shift_sigmas, timestep_density
 
@@ -121,20 +121,21 @@ class FlowMatching:
 
 
 def objective_for(pipe_or_kind, prediction_type: str | None = None, **flow) -> DDPM | FlowMatching:
-    """The objective that matches a pipeline's scheduler (or a kind's tiny default scheduler).
+    """The objective that matches a pipeline's scheduler (or a kind's tiny default scheduler: a ModelKind or
+    its name).
 
     sd15/sdxl -> DDPM with the scheduler's betas and prediction type (overridable by `prediction_type`);
     sd3/flux -> FlowMatching with the scheduler's shift (SD3: 3.0), `flow` overriding its fields.
     """
-    if isinstance(pipe_or_kind, str):
-        kind = pipe_or_kind
-        if kind not in KINDS:
-            raise ObjectiveError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
-        cfg = CONFIGS[kind]["scheduler"]
+    if isinstance(pipe_or_kind, str):  # a user's name, resolved here once
+        if pipe_or_kind not in KINDS:
+            raise ObjectiveError(f"unknown model kind {pipe_or_kind!r}; choose one of {', '.join(KINDS)}")
+        pipe_or_kind = model_kind(pipe_or_kind)
+    if isinstance(pipe_or_kind, ModelKind):
+        kind, cfg = pipe_or_kind, CONFIGS[pipe_or_kind.name]["scheduler"]
     else:
-        kind = kind_of(pipe_or_kind)
-        cfg = dict(pipe_or_kind.scheduler.config)
-    if model_kind(kind).objective == "ddpm":
+        kind, cfg = kind_of(pipe_or_kind), dict(pipe_or_kind.scheduler.config)
+    if kind.objective == "ddpm":
         if cfg.get("beta_schedule", "scaled_linear") != "scaled_linear":
             raise ObjectiveError("only the scaled_linear beta schedule is supported, "
                                  f"got {cfg['beta_schedule']!r}")
@@ -142,8 +143,8 @@ def objective_for(pipe_or_kind, prediction_type: str | None = None, **flow) -> D
                     num_train_timesteps=cfg.get("num_train_timesteps", 1000),
                     beta_start=cfg.get("beta_start", 0.00085), beta_end=cfg.get("beta_end", 0.012))
     if prediction_type not in (None, "flow"):
-        raise ObjectiveError(f"{kind} is trained with flow matching; prediction_type {prediction_type!r} "
-                             "does not apply")
+        raise ObjectiveError(f"{kind.name} is trained with flow matching; prediction_type "
+                             f"{prediction_type!r} does not apply")
     return FlowMatching(**{"shift": float(cfg.get("shift", 1.0)), **flow})
 
 

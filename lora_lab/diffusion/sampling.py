@@ -27,7 +27,7 @@ from ..fileio import atomic_write_bytes
 from ..lora import lora_disabled
 from ..merge import apply_loras
 from ..models import build_pipeline, default_resolution, denoiser, encode_prompts, shipped_base
-from ..models.kinds import kind_of, model_kind, t5_length
+from ..models.kinds import kind_of, t5_length
 from ..modules import swap_module
 from .data import unconditional_embeds
 from .distributed import resolve_device
@@ -64,7 +64,7 @@ def prompt_inputs(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     fp32, on the host: encoded once (a training run does it while caching), sampled from without the text
     encoders."""
     embeds = encode_prompts(pipe, prompts)
-    if model_kind(kind_of(pipe)).name == "flux":  # guidance-distilled: no unconditional branch
+    if kind_of(pipe).name == "flux":  # guidance-distilled: no unconditional branch
         return embeds
     empty = unconditional_embeds(pipe)
     return {**embeds, **{f"negative_{k}": empty[k].expand_as(v) for k, v in embeds.items()}}
@@ -88,7 +88,7 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     the prompts' noises one after another.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    kind = model_kind(kind_of(pipe))
+    kind = kind_of(pipe)
     height = height or default_resolution(pipe)  # 16 for the tiny bases,
                                                  # the model's native size for real ones
     width = width or default_resolution(pipe)

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._moved import old_name
 from ..errors import LoraLabError
 from ..fileio import atomic_torch_save, atomic_write_bytes
 from ..precision import MixedPrecision
@@ -438,6 +437,3 @@ def real_path(table: Any) -> Any:
 def write_config(run: RunState) -> None:
     """<output>/config.json: the resolved config (TrainConfig.from_json reads it back)."""
     atomic_write_bytes(run.output / "config.json", (json.dumps(asdict(run.config), indent=2) + "\n").encode())
-
-
-__getattr__ = old_name(__name__, {"Trainable": "lora_lab.diffusion.state:Learner"})  # lora_lab 0.1's names

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import ModelKind, denoiser, kind_of, model_kind, predict
+from ..models import ModelKind, denoiser, kind_of, predict
 from ..precision import autocast
 
 # objectives.X is looked up at each call, so objectives.diffusion_loss can be swapped
@@ -91,7 +91,7 @@ def training_objective(config: TrainConfig, pipe, resolution: int):
     """The pipeline's objective with the config's timestep knobs: for sd3/flux the sampling, and the shift
     (`timestep_shift`; else Flux's resolution-dependent one where the scheduler uses it or `dynamic_shift`
     asks for it; else the scheduler's fixed shift)."""
-    kind = model_kind(kind_of(pipe))
+    kind = kind_of(pipe)
     if kind.objective == "ddpm":
         return objectives.objective_for(pipe)
     flow = {"sampling": config.timestep_sampling, "logit_mean": config.logit_mean,

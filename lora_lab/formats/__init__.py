@@ -27,7 +27,6 @@ On disk (safetensors only, never pickle):
 kohya files always get an `.alpha`: a missing alpha means scale 1 to ComfyUI and diffusers, whatever the rank.
 """
 
-from .._moved import old_name
 from ..errors import LoraFormatError
 from .lora_file import FORMATS, METADATA_KEY, LoraFile, LoraWeights
 from .matching import match_modules
@@ -65,6 +64,3 @@ __all__ = [
     "save_lora",
     "unet_layout",
 ]
-
-# 0.1's second name of LoraWeights
-__getattr__ = old_name(__name__, {"LoraModule": "lora_lab.formats:LoraWeights"})

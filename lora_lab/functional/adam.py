@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..torch_private import fused_adam
 from .blockwise import BLOCK_SIZE, dequantize_blocks_into, quantize_blocks
 
 CHUNK_BLOCKS = 1024  # blocks per vectorised pass of the 8-bit update: 262144 values, 1 MiB in fp32
@@ -102,7 +103,7 @@ def _fused_update(hp: AdamHyper, step: int, device: torch.device):
     (tests/test_optim.py)."""
     if device.type not in ("cpu", "cuda"):
         return lambda p, g, m, v: adam_math_(p, g, m, v, step, hp)
-    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
+    fused = fused_adam(hp.decoupled)
     steps = [torch.tensor(float(step), device=device)]
     kw = {"lr": hp.lr, "beta1": hp.beta1, "beta2": hp.beta2, "weight_decay": hp.weight_decay, "eps": hp.eps,
           "amsgrad": False, "maximize": False}

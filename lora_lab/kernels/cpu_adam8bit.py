@@ -37,11 +37,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes, cache_root, parse_json
 from ..functional.blockwise import dynamic_map, rounding_tables
+from ..torch_private import is_fake
 
 SOURCE = Path(__file__).with_name("cpu_adam8bit.c")
 CACHE_ENV = "LORA_LAB_NATIVE_CACHE"

@@ -1,6 +1,6 @@
 """Where a base model comes from, and its pipeline opened with the denoiser's weights still to load.
 
-    opened = open_base(kind, base, dtype)       # base: None | a diffusers folder | "real:NAME"
+    opened = open_base(kind, base, dtype)       # kind: a ModelKind; base: None | a folder | "real:NAME"
     opened.pipe                                 # the diffusers pipeline: text encoders and VAE on the host in
                                                 # `dtype`, the denoiser a skeleton (parameters on the meta
                                                 # device)
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
+from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
 from .builders import CONFIGS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
@@ -104,11 +104,10 @@ def _folder_kind(path: Path) -> ModelKind | None:
     return next((REGISTRY[k] for k in REGISTRY if REGISTRY[k].pipeline == name), None)
 
 
-def open_base(kind: str | ModelKind, base: str | Path | None, dtype: torch.dtype, seed: int = 0,
+def open_base(kind: ModelKind, base: str | Path | None, dtype: torch.dtype, seed: int = 0,
               shapes_only: bool = False, parts: dict[str, str | None] | None = None) -> OpenedBase:
     """The pipeline of `base` with its text encoders and VAE in `dtype` on the host and its denoiser a
     skeleton; see the module docstring."""
-    kind = model_kind(kind)
     check_base(base, kind, parts)
     if base is None:
         return _open_tiny(kind, dtype, seed, shapes_only)
@@ -138,12 +137,13 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     for path, m in module.named_modules():
         if keep and any(k in path.split(".") for k in keep):
             continue
-        for name, p in m._parameters.items():
+        params, buffers = parameters_of(m), buffers_of(m)
+        for name, p in params.items():
             if p is not None and p.is_floating_point() and p.dtype != dtype:
-                m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-        for name, b in m._buffers.items():
+                params[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+        for name, b in buffers.items():
             if b is not None and b.is_floating_point() and b.dtype != dtype:
-                m._buffers[name] = b.to(dtype)
+                buffers[name] = b.to(dtype)
     return module.eval()
 
 
@@ -152,7 +152,7 @@ def _assemble(kind: ModelKind, components: dict, dtype: torch.dtype):
     dtype."""
     for name in _encoder_names(kind):
         components[name] = _cast(components[name], dtype)
-    pipe = pipeline_class(kind.name)(**components)
+    pipe = pipeline_class(kind)(**components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -162,7 +162,7 @@ def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool
     so that every dtype starts from the same values. The denoiser is built when it is loaded."""
     def reload(names: list[str]) -> dict:
         with unset_fake_temporarily():
-            return {n: _cast(m, dtype) for n, m in build_components(kind.name, seed, only=names).items()
+            return {n: _cast(m, dtype) for n, m in build_components(kind, seed, only=names).items()
                     if n in names}
 
     config = dict(CONFIGS[kind.name][kind.component])
@@ -172,10 +172,10 @@ def _open_tiny(kind: ModelKind, dtype: torch.dtype, seed: int, shapes_only: bool
             return fill(skeleton(kind.denoiser_class(), config), FakeWeights(), dtype=torch.float32,
                         device="cpu")
         with unset_fake_temporarily():
-            return build_components(kind.name, seed, only=[kind.component])[kind.component]
+            return build_components(kind, seed, only=[kind.component])[kind.component]
 
     with unset_fake_temporarily():
-        components = build_components(kind.name, seed, only=_encoder_names(kind))
+        components = build_components(kind, seed, only=_encoder_names(kind))
         components[kind.component] = skeleton(kind.denoiser_class(), config)
         pipe = _assemble(kind, components, dtype)
     source = ModuleWeights(build_denoiser)
@@ -253,7 +253,7 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
 
     main = FileHeader(path)
     found = detect(main)
-    configs = component_configs(kind.name, found.variant)
+    configs = component_configs(kind, found.variant)
     scheduler = (CONFIGS[kind.name]["scheduler"] if found.variant == "tiny"
                  else REAL_SCHEDULERS[found.variant])
     tokenizers = {}
@@ -269,7 +269,7 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
             else:
                 model = skeleton(*_text_encoder_config(cls_name, cfg, tokenizers[enc.tokenizer]),
                                  meta_buffers=False)
-            source = part_source(kind.name, component, model, main, parts, found)
+            source = part_source(kind, component, model, main, parts, found)
             if component == kind.component:
                 out["source"] = source
             else:
@@ -352,7 +352,7 @@ def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
     return getattr(transformers, class_name)(config).eval()
 
 
-def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0,
+def build_pipeline(kind: str | ModelKind, base: str | Path | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None):
     """The real diffusers pipeline of `kind`, every component loaded, on the CPU, in `dtype` (default fp32).
 
@@ -362,6 +362,6 @@ def build_pipeline(kind: str, base: str | Path | None = None, seed: int = 0,
     way (`open_base`), and loads the denoiser onto its device itself.
     """
     dtype = dtype or torch.float32
-    opened = open_base(kind, base, dtype, seed)
+    opened = open_base(model_kind(kind), base, dtype, seed)  # a user's name resolved here, once
     fill(denoiser(opened.pipe), opened.source, dtype=dtype, device="cpu")
     return opened.pipe

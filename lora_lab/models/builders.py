@@ -17,9 +17,13 @@ API (stable; the trainer `diffusion/trainer.py` and the CLI build on it):
                                           (t: DDPM step index for sd15/sdxl, sigma in [0, 1] for sd3/flux)
 
 What differs between the kinds (classes, text encoders, how each encodes and predicts) is kinds.py's
-`ModelKind`; this module reads it. The tiny configs keep every structural feature of the real models
-(SDXL's second text encoder and text_time add-embedding; SD3's joint attention over CLIP+T5 text;
-Flux's 2x2 latent packing, rotary position ids and guidance embedding) at a size that trains on a CPU.
+`ModelKind`; this module reads it. `kind` is a resolved ModelKind (`model_kind(name)` at the caller's
+boundary: the CLI, TrainConfig, a notebook), except in the entry points a user types: `build_components`,
+`shipped_base` and `predict` (and bases.`build_pipeline`), which also take a name and resolve it once.
+
+The tiny configs keep every structural feature of the real models (SDXL's second text encoder and
+text_time add-embedding; SD3's joint attention over CLIP+T5 text; Flux's 2x2 latent packing, rotary position
+ids and guidance embedding) at a size that trains on a CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from .._moved import old_name
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -175,7 +178,7 @@ def _t5_model(cfg: dict, tokenizer):
 
 # ----------------------------------------------------------------------------- building
 
-def build_components(kind: str, seed: int = 0, only: Collection[str] | None = None) -> dict:
+def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str] | None = None) -> dict:
     """The keyword arguments of the kind's pipeline class: tiny modules, randomly initialised from `seed`.
 
     Every module is built after `torch.manual_seed(seed + i)` for its own fixed i, so one component's
@@ -184,8 +187,8 @@ def build_components(kind: str, seed: int = 0, only: Collection[str] | None = No
     """
     import diffusers
 
-    spec = model_kind(kind)
-    cfg = CONFIGS[kind]
+    spec = model_kind(kind)  # a user's name resolved here, once
+    cfg = CONFIGS[spec.name]
     clip_tok, t5_tok = build_tokenizer("clip"), build_tokenizer("t5")
 
     def seeded(i, make):
@@ -217,17 +220,16 @@ def build_components(kind: str, seed: int = 0, only: Collection[str] | None = No
     return out
 
 
-def pipeline_class(kind: str):
+def pipeline_class(kind: ModelKind):
     """The diffusers pipeline class of a kind."""
     import diffusers
 
-    return getattr(diffusers, model_kind(kind).pipeline)
+    return getattr(diffusers, kind.pipeline)
 
 
-def shipped_base(kind: str) -> Path | None:
+def shipped_base(kind: str | ModelKind) -> Path | None:
     """The pre-trained tiny base of a kind shipped in `data/base/<kind>`, or None where none ships."""
-    model_kind(kind)
-    path = DATA_DIR / "base" / kind
+    path = DATA_DIR / "base" / model_kind(kind).name
     return path if (path / "model_index.json").is_file() else None
 
 
@@ -265,7 +267,7 @@ def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
     flux: prompt_embeds (B, T, 64) (T5), pooled_prompt_embeds (B, 32) (CLIP). fp32, on the CPU.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    out = model_kind(kind_of(pipe)).encode(pipe, prompts, pipe.device)
+    out = kind_of(pipe).encode(pipe, prompts, pipe.device)
     return {k: v.float().cpu() for k, v in out.items()}
 
 
@@ -300,11 +302,7 @@ def predict(kind: str | ModelKind, model: torch.nn.Module, latents: torch.Tensor
     times `vae_scale_factor` (2 for the tiny VAE, 8 for real SDXL: `pipe.vae_scale_factor`), as the pipeline
     does.
     """
-    spec = model_kind(kind)
     dtype = next(model.parameters()).dtype
     x = latents.to(dtype)
     ctx = embeds["prompt_embeds"].to(x.device, dtype)
-    return spec.predict(model, x, t, ctx, embeds, guidance, vae_scale_factor)
-
-
-__getattr__ = old_name(__name__, {"build_pipeline": "lora_lab.models.bases:build_pipeline"})  # moved in 0.2
+    return model_kind(kind).predict(model, x, t, ctx, embeds, guidance, vae_scale_factor)

@@ -3,7 +3,7 @@
     KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
-    kind_of(pipe)          -> the name of a diffusers pipeline's kind, from its class
+    kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
     t5_length(pipe)        -> T5 tokens per prompt (sd3: min(256, tokenizer), flux: min(512, tokenizer))
 
 A ModelKind holds, as data, what builders.py builds (pipeline, denoiser, scheduler, text encoders),
@@ -191,20 +191,20 @@ def model_kind(name: str | ModelKind) -> ModelKind:
     return REGISTRY[name]
 
 
-def kind_of(pipe) -> str:
+def kind_of(pipe) -> ModelKind:
     """The kind of a pipeline object, from its class."""
     import diffusers
 
     for kind in _KINDS:
         if isinstance(pipe, getattr(diffusers, kind.pipeline)):
-            return kind.name
+            return kind
     raise ModelLoadError(f"not a pipeline lora_lab knows: {type(pipe).__name__}")
 
 
 def t5_length(pipe) -> int:
     """T5 tokens per prompt for sd3/flux: the pipeline's default (256 / 512) capped by its tokenizer's
     length (TEXT_LEN for the tiny tokenizer), so tiny and real pipelines both get their own."""
-    kind = model_kind(kind_of(pipe))
+    kind = kind_of(pipe)
     if kind.t5_encoder is None:
         raise ModelLoadError(f"a {kind.name} pipeline has no T5 text encoder")
     return min(kind.t5_tokens, getattr(pipe, kind.t5_encoder.tokenizer).model_max_length)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..quant import QuantLinear
+from ..torch_private import buffers_of, parameters_of
 from .kinds import ModelLoadError
 
 
@@ -218,21 +219,21 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
     swaps = []
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        for pname, p in list(module._parameters.items()):
+        for pname, p in list(parameters_of(module).items()):
             if p is not None:
                 value = load(prefix + pname, p)
-                module._parameters[pname] = value if isinstance(value, nn.Parameter) else nn.Parameter(
+                parameters_of(module)[pname] = value if isinstance(value, nn.Parameter) else nn.Parameter(
                     value, requires_grad=False)
                 if len(names_of.get(id(p), ())) > 1:  # a tie shares the Parameter itself (kept for the
-                    loaded[id(p)] = module._parameters[pname]  # other names only: others may be freed)
-        for bname, b in list(module._buffers.items()):
+                    loaded[id(p)] = parameters_of(module)[pname]  # other names only: others may be freed)
+        for bname, b in list(buffers_of(module).items()):
             if b is not None:
                 value = load(prefix + bname, b)
-                module._buffers[bname] = value if value is not None else b.to(
+                buffers_of(module)[bname] = value if value is not None else b.to(
                     device=device, dtype=dtype if b.is_floating_point() else b.dtype)
         if quantization is not None and type(module) is nn.Linear:
             swaps.append((mod_name, QuantLinear.from_linear(module, quantization, block_size)))
-            module._parameters["weight"] = None  # the dtype copy goes now: the device holds the codes only
+            parameters_of(module)["weight"] = None  # the dtype copy goes now: the device holds the codes only
     for name, q in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)

@@ -16,7 +16,6 @@ against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 
 
 from __future__ import annotations
 
-from .._moved import old_name
 from .kinds import ModelLoadError
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -158,6 +157,3 @@ def build_real(name: str, components: list[str] | tuple[str, ...] | None = None)
     if unknown:
         raise ModelLoadError(f"{name} has no component(s) {unknown}; it has {', '.join(cfgs)}")
     return {c: _build(*cfgs[c]).eval() for c in wanted}
-
-
-__getattr__ = old_name(__name__, {"family": "lora_lab.models.real:real_kind"})  # lora_lab 0.1's names

@@ -1,7 +1,7 @@
 """Single-file checkpoints, offline: the family read from the file's keys, the configs from lora_lab's own,
 the weights read tensor by tensor from the memory-mapped file.
 
-    detect_file(path)                    -> Detected(kind, variant, layout): "sdxl", "sdxl" (or "tiny"), ...
+    detect_file(path)                    -> Detected(kind: a ModelKind, variant: "sdxl" or "tiny", prefix)
     check_file(path, kind, parts)        -> ModelLoadError where the file is not a `kind` (before
                                             anything is built); parts: --clip-l, --clip-g, --t5xxl, --vae
     open_single_file(kind, path, dtype, parts, shapes_only) -> OpenedBase (as bases.open_base)
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .builders import CONFIGS, build_tokenizer
-from .kinds import ModelKind, ModelLoadError, model_kind
+from .kinds import REGISTRY, ModelKind, ModelLoadError
 from .layouts import (
     Rule,
     clip_rule,
@@ -53,7 +53,7 @@ _FAMILIES = (
 
 @dataclass(frozen=True)
 class Detected:
-    kind: str  # sd15 | sdxl | sd3 | flux
+    kind: ModelKind  # sd15 | sdxl | sd3 | flux
     variant: str  # a name of real.REAL_CONFIGS, or "tiny"
     prefix: str  # of the denoiser's keys: "model.diffusion_model." or ""
 
@@ -101,7 +101,7 @@ def detect(header: FileHeader) -> Detected:
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")
-            return Detected(kind, variant, prefix)
+            return Detected(REGISTRY[kind], variant, prefix)
     first = sorted(header.shapes)[:3]
     raise ModelLoadError(f"{header.path}: not an SD1.5, SDXL, SD3.5 or Flux checkpoint lora_lab knows "
                          f"(first keys: {first})")
@@ -115,9 +115,9 @@ def check_file(path: str | Path, kind: ModelKind, parts: dict[str, str | None] |
     """ModelLoadError where `path` is not a checkpoint of `kind`, or a part file is missing or given to a
     family that has no such part: one line, from the headers only."""
     found = detect_file(path)
-    if found.kind != kind.name:
-        raise ModelLoadError(f"{path} is a {found.kind} checkpoint ({found.variant}), not {kind.name}: "
-                             f"train it with --model {found.kind}")
+    if found.kind is not kind:
+        raise ModelLoadError(f"{path} is a {found.kind.name} checkpoint ({found.variant}), not {kind.name}: "
+                             f"train it with --model {found.kind.name}")
     for part, file in (parts or {}).items():
         if file is None:
             continue
@@ -147,7 +147,7 @@ _PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
 }
 
 
-def component_rules(kind: str, component: str, model: torch.nn.Module, layout: str, prefix: str,
+def component_rules(model: torch.nn.Module, layout: str, prefix: str,
                     header: FileHeader | None = None) -> dict[str, Rule]:
     """For each tensor of `model` (a skeleton: shapes only), where it is in a file of `layout` under
     `prefix`."""
@@ -209,22 +209,22 @@ class MappedWeights:
         self._file, self._last = None, None
 
 
-def part_source(kind: str, component: str, model, main: FileHeader, parts: dict[str, str | None],
+def part_source(kind: ModelKind, component: str, model, main: FileHeader, parts: dict[str, str | None],
                 detected: Detected) -> MappedWeights:
     """Where a component's weights are: its part file where one is given, else the checkpoint itself;
     ModelLoadError naming the flag where neither holds it."""
-    if component == model_kind(kind).component:
-        rules = component_rules(kind, component, model, DENOISER_LAYOUT[kind], detected.prefix)
+    if component == kind.component:
+        rules = component_rules(model, DENOISER_LAYOUT[kind.name], detected.prefix)
         return MappedWeights(main.path, main, rules, f"{main.path} ({component})")
-    part = next(p for p, (c, _, _) in _PARTS[kind].items() if c == component)
-    _, prefix, layout = _PARTS[kind][part]
+    part = next(p for p, (c, _, _) in _PARTS[kind.name].items() if c == component)
+    _, prefix, layout = _PARTS[kind.name][part]
     if parts.get(part):
         header = FileHeader(Path(parts[part]))
-        rules = component_rules(kind, component, model, layout, "", header)
+        rules = component_rules(model, layout, "", header)
         if not any(r.key in header for r in rules.values()):  # kohya's and ComfyUI's files, with a prefix
-            rules = component_rules(kind, component, model, layout, prefix, header)
+            rules = component_rules(model, layout, prefix, header)
         return MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
-    rules = component_rules(kind, component, model, layout, prefix, main)
+    rules = component_rules(model, layout, prefix, main)
     source = MappedWeights(main.path, main, rules, f"{main.path} ({component})")
     if not source.keys():
         raise ModelLoadError(f"{main.path} holds no {component} ({part}): give it as a file with "
@@ -232,19 +232,18 @@ def part_source(kind: str, component: str, model, main: FileHeader, parts: dict[
     return source
 
 
-def component_configs(kind: str, variant: str) -> dict[str, tuple[str, dict]]:
+def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dict]]:
     """(class name, config) of each model component: the real configs, or the tiny ones of builders.py."""
     from .real import REAL_CONFIGS
 
     if variant != "tiny":
         return dict(REAL_CONFIGS[variant])
-    spec = model_kind(kind)
-    out = {spec.component: (spec.denoiser, CONFIGS[kind][spec.component]), "vae": ("AutoencoderKL",
-                                                                                  CONFIGS[kind]["vae"])}
-    for enc in spec.text_encoders:
+    cfg = CONFIGS[kind.name]
+    out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": ("AutoencoderKL", cfg["vae"])}
+    for enc in kind.text_encoders:
         name = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
                 "t5": "T5EncoderModel"}[enc.arch]
-        out[enc.component] = (name, CONFIGS[kind][enc.component])
+        out[enc.component] = (name, cfg[enc.component])
     return out
 
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._moved import old_name
 from ..errors import LoraLabError
 
 
@@ -95,6 +94,3 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of `x` whose arg-max prediction equals `y`."""
     model.eval()
     return (model(x).argmax(-1) == y).float().mean().item()
-
-
-__getattr__ = old_name(__name__, {"fit": "lora_lab.notebook.digits:train_classifier"})  # lora_lab 0.1's names

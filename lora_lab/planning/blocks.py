@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpointing.segment import _freeze
+from ..checkpointing.segment import argument_key
 from ..memory import LiveBytes, Window
 
 BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks")  # diffusers' names, every denoiser here
@@ -53,7 +53,7 @@ def _identical_runs(model: nn.Module):
     of identical consecutive blocks (lists of blocks)."""
     for module in list(model.modules()):
         for name in BLOCK_STACKS:
-            stack = module._modules.get(name)
+            stack = getattr(module, name, None)
             if isinstance(stack, nn.ModuleList) and len(stack) > 1:
                 signatures = [_signature(b) for b in stack]
                 runs: list[list[nn.Module]] = []
@@ -79,12 +79,12 @@ def one_of_identical_blocks(model: nn.Module):
     for module, name, stack, runs in _identical_runs(model):
         if len(runs) < len(stack):
             swapped.append((module, name, stack))
-            module._modules[name] = nn.ModuleList([run[0] for run in runs])
+            setattr(module, name, nn.ModuleList([run[0] for run in runs]))
     try:
         yield
     finally:
         for module, name, stack in swapped:
-            module._modules[name] = stack
+            setattr(module, name, stack)
 
 
 @dataclass
@@ -199,7 +199,7 @@ class _Run:
         arguments (not in containers), none was the previous block's too (an input every block takes, as
         text embeddings with a text-encoder LoRA, gathers every block's gradient), every argument plain."""
         opaque: list = []
-        frozen = _freeze((args, kwargs), opaque)
+        frozen = argument_key((args, kwargs), opaque)
         grads = _grad_inputs(args, kwargs)
         before, self.previous = self.previous, [weakref.ref(t) for _, t in grads]
         if opaque or not grads or any(ref() is t for ref in before for _, t in grads):
@@ -413,7 +413,7 @@ class _Block(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["block"], name)
+            return getattr(super().__getattr__("block"), name)
 
 
 @contextlib.contextmanager
@@ -430,7 +430,7 @@ def replayed_blocks(model: nn.Module, tracker: LiveBytes, rules):
             for run in runs:
                 states.append(_Run(run, shared))
                 wrapped.extend(_Block(states[-1], i, block) for i, block in enumerate(run))
-            module._modules[name] = nn.ModuleList(wrapped)
+            setattr(module, name, nn.ModuleList(wrapped))
     clear = torch.clear_autocast_cache  # autocast's exit calls it: its cache of weight casts is dropped
 
     def clear_and_release() -> None:
@@ -443,7 +443,7 @@ def replayed_blocks(model: nn.Module, tracker: LiveBytes, rules):
     finally:
         torch.clear_autocast_cache = clear
         for module, name, stack in swapped:
-            module._modules[name] = stack
+            setattr(module, name, stack)
     if any(key not in state.checked for state in states for key in state.replayed):
         shared.failure = shared.failure or "a run's replays were not checked by a block run after them"
     if shared.failure:

@@ -24,12 +24,19 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
 from ..functional.blockwise import dynamic_map, quantize_blocks, zero_code
 from ..models import model_kind
+from ..torch_private import (
+    FakeTensorMode,
+    buffers_of,
+    efficient_attention,
+    engine_run_backward,
+    flash_attention,
+    math_attention,
+    parameters_of,
+)
 
 ATTENTION = ("auto", "flash", "efficient", "math", "native")
 
@@ -81,7 +88,7 @@ class DeviceRules(TorchFunctionMode):
             # gradient checkpointing recomputes the forward (loss.backward() in the trainer's own step)
             loss, gradient = args[0], (args[1] if len(args) > 1 else kwargs.get("gradient"))
             with self:
-                _engine_run_backward((loss,), (torch.ones_like(loss) if gradient is None else gradient,),
+                engine_run_backward((loss,), (torch.ones_like(loss) if gradient is None else gradient,),
                                      False, False, (), allow_unreachable=True, accumulate_grad=True)
             return None
         if (self.cuda_autocast and getattr(func, "__name__", "") in CUDA_FP32_OPS
@@ -103,13 +110,11 @@ class DeviceRules(TorchFunctionMode):
         if choice == "native":
             return func(*args, **kwargs)
         if choice == "flash":
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, p, causal, False, scale=scale)[0]
+            return flash_attention(q, k, v, p, causal, scale)
         if choice == "efficient":
             need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, mask, need_lse, p, causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, scale=scale)[0]
+            return efficient_attention(q, k, v, mask, need_lse, p, causal, scale)
+        return math_attention(q, k, v, mask, p, causal, scale)
 
 
 def _up(x):
@@ -147,9 +152,10 @@ def to_fake(module: torch.nn.Module) -> None:
     """Replace a meta module's weights and buffers by fake CPU tensors of the same shapes and dtypes
     (in place)."""
     for m in module.modules():
-        for name, p in list(m._parameters.items()):
+        params, buffers = parameters_of(m), buffers_of(m)
+        for name, p in list(params.items()):
             if p is not None:
-                m._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
-        for name, b in list(m._buffers.items()):
+                params[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+        for name, b in list(buffers.items()):
             if b is not None:
-                m._buffers[name] = torch.empty_like(b, device="cpu")
+                buffers[name] = torch.empty_like(b, device="cpu")

@@ -25,6 +25,7 @@ from ..diffusion import trainer
 from ..diffusion.data import ImageCaptionDataset
 from ..diffusion.trainer import PHASES, train
 from ..memory import LiveBytes, optimizer_state_bytes
+from ..torch_private import frozen_aware_mem_tracker, restart_peak
 from .fakedevice import warm_caches
 
 
@@ -50,32 +51,13 @@ class CudaPhases:
 class TorchPhases:
     """Each phase's peak by PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` (a second counter
     beside LiveBytes, any device). MemTracker keeps one peak for its whole context: each phase starts it again
-    from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for).
-    MemTracker hooks every parameter's gradient, which a frozen one refuses: on a module with frozen
-    parameters it is told not to (the adapter's gradients are still counted, as the tensors they are); and it
-    refuses a model called a second time: its per-module statistics (not used here) start again then (a
-    module that ran without gradients before is still told of the next backward's end, which is skipped)."""
+    from the current total (`torch_private.restart_peak`). MemTracker hooks every parameter's gradient, which
+    a frozen one refuses, and refuses a model called a second time: `torch_private.frozen_aware_mem_tracker`
+    is told not to hook frozen parameters (the adapter's gradients are still counted, as the tensors they
+    are) and starts its per-module statistics (not used here) again."""
 
     def __init__(self):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        class FrozenAware(MemTracker):
-            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-                hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
-                return super()._track_module_params_and_buffers(module, hooks)
-
-            def _pre_fw_hook(self, module, inputs):  # a model called again (the next step) starts afresh
-                try:
-                    super()._pre_fw_hook(module, inputs)
-                except NotImplementedError:
-                    self.reset_mod_stats()
-                    super()._pre_fw_hook(module, inputs)
-
-            def _post_bw_hook(self, module, args):  # a module run without grad before the restart (the
-                if module is not None and module in self.memory_tracking:  # VAE while caching) is told
-                    super()._post_bw_hook(module, args)  # of the next backward's end: skipped
-
-        self.tracker = FrozenAware()
+        self.tracker = frozen_aware_mem_tracker()
         self.phase_peaks: dict[str, int] = {}
 
     def __enter__(self):
@@ -94,9 +76,7 @@ class TorchPhases:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        now = self.tracker.get_tracker_snapshot()
-        self.tracker._peak_mem_snap = now
-        self.tracker._peak_mem = {dev: snap["Total"] for dev, snap in now.items()}
+        restart_peak(self.tracker)
         try:
             yield
         finally:

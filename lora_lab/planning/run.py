@@ -25,7 +25,6 @@ import gc
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
 from ..diffusion.adapters import clip_encoders
@@ -44,9 +43,10 @@ from ..diffusion.trainer import (
     open_run_base,
 )
 from ..lora import lora_state_dict
-from ..memory import LiveBytes, _tensors
+from ..memory import LiveBytes, plain_tensors
 from ..models import decode_latents, default_resolution, denoiser, model_kind, predict
 from ..optim import Adam8bit
+from ..torch_private import init_adam_state, unset_fake_temporarily
 from .blocks import Unreplayable, one_of_identical_blocks, replayed_blocks
 from .fakedevice import DeviceRules, fake_device
 
@@ -232,7 +232,7 @@ def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker:
     _first_step_state(learner, device)
     out = {"adapters": storage_bytes(params),
            "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
-           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in _tensors(s))}
+           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))}
     accum = min(config.grad_accum, 2)
     config = replace(config, grad_accum=accum)
     enough = EncodedExamples(*(_repeat(data, config.batch_size * accum)))
@@ -314,7 +314,7 @@ def _first_step_state(learner, device: str = "cpu") -> None:
         # torch's own lazy state initialization, without the first step's arithmetic (a dozen ops a
         # parameter, a few seconds at real size): the same tensors (step, exp_avg, exp_avg_sq, ...)
         for group in optimizer.param_groups:
-            optimizer._init_group(group, [], [], [], [], [], [])
+            init_adam_state(optimizer, group)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

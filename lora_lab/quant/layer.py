@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels import BACKENDS, resolve_backend
 from ..layers import Linear
 from ..memory import model_bytes
 from ..modules import matches_targets, parent_name, swap_module
+from ..torch_private import ConvertsItself, buffers_of, is_fake
 from .weights import (
     QuantizationError,
     _nf4_tables,
@@ -98,7 +98,7 @@ class _DequantLinear(torch.autograd.Function):
         return dx.to(dy.dtype).view(*dy.shape[:-1], layer.in_features), None
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(ConvertsItself):
     """A frozen Linear whose weight is stored quantized (`fmt`, see the module docstring); never trainable.
 
     `weight` dequantizes (a fresh tensor in `dtype`, the dtype the float weight had); the forward
@@ -144,14 +144,14 @@ class QuantLinear(nn.Module):
     def device(self) -> torch.device:
         return self.qweight.device
 
-    def _apply(self, fn, recurse=True):
+    def convert(self, fn):
         """`.to(device)` moves the stored tensors; `.to(dtype)` / `.half()` change the compute dtype (and the
         bias) but never the stored codes and scales, which a float cast would ruin."""
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         for name in self.stored():
-            self._buffers[name] = self._buffers[name].to(probe.device)
+            buffers_of(self)[name] = buffers_of(self)[name].to(probe.device)
         if self.bias is not None:
-            self._buffers["bias"] = fn(self.bias)
+            buffers_of(self)["bias"] = fn(self.bias)
         self.dtype = probe.dtype
         return self
 

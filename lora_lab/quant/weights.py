@@ -37,10 +37,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import LoraLabError
 from ..functional.blockwise import as_blocks, dequantize_blockwise, quantize_blockwise
+from ..torch_private import FakeTensor
 
 FORMATS = ("int8", "int8-block", "nf4", "fp8", "fp8-row")
 DEFAULT_BLOCK = {"int8-block": 256, "nf4": 64}  # formats with a block size, and its default
