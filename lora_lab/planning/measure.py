@@ -21,9 +21,8 @@ from dataclasses import replace
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..diffusion import trainer
 from ..diffusion.data import ImageCaptionDataset
-from ..diffusion.trainer import PHASES, train
+from ..diffusion.trainer import PHASES, TrainingRun, train
 from ..memory import LiveBytes, optimizer_state_bytes
 from .fakedevice import warm_caches
 
@@ -98,6 +97,24 @@ class TorchPhases:
             self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self._total("peak"))
 
 
+class MeasuredRun(TrainingRun):
+    """The trainer's run, its base's tensors counted from the moment it is opened (also those no op reads,
+    the VAE's decoder) by each of `counters`."""
+
+    def __init__(self, config, phase, counters):
+        super().__init__(config, phase)
+        self.counters = counters
+
+    def open_base(self) -> None:
+        super().open_base()
+        modules = [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        for counter in self.counters:
+            if isinstance(counter, TorchPhases):
+                counter.track(modules)
+            elif isinstance(counter, LiveBytes):
+                counter.track(t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
+
+
 def measure_run(config, tracker: str = "live") -> dict[str, int]:
     """Run `train(config)` and return each phase's peak of device memory: "live" (LiveBytes, any device; a CPU
     run counts the host), "torch" (PyTorch's MemTracker, likewise) or "cuda" (max_memory_allocated). Phases
@@ -112,17 +129,6 @@ def measure_phases(config, trackers=("live", "torch")) -> dict[str, dict[str, in
     make = {"live": LiveBytes, "torch": TorchPhases,
             "cuda": lambda: CudaPhases(config.device if config.device != "auto" else "cuda")}
     counters = {name: make[name]() for name in trackers}
-    opened_base = trainer.open_run_base
-
-    def counted_from_the_start(*args, **kwargs):  # the base's tensors are in memory once it is opened,
-        opened, resolution = opened_base(*args, **kwargs)  # also those no op reads (the VAE's decoder)
-        modules = [m for m in opened.pipe.components.values() if isinstance(m, torch.nn.Module)]
-        for counter in counters.values():
-            if isinstance(counter, TorchPhases):
-                counter.track(modules)
-            elif isinstance(counter, LiveBytes):
-                counter.track(t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
-        return opened, resolution
 
     @contextlib.contextmanager
     def phase(name: str):
@@ -131,15 +137,11 @@ def measure_phases(config, trackers=("live", "torch")) -> dict[str, dict[str, in
                 stack.enter_context(counter.phase(name))
             yield
 
-    trainer.open_run_base = counted_from_the_start
-    try:
-        with contextlib.ExitStack() as stack:
-            for counter in counters.values():
-                if not isinstance(counter, CudaPhases):
-                    stack.enter_context(counter)
-            train(config, phase=phase)
-    finally:
-        trainer.open_run_base = opened_base
+    with contextlib.ExitStack() as stack:
+        for counter in counters.values():
+            if not isinstance(counter, CudaPhases):
+                stack.enter_context(counter)
+        MeasuredRun(config, phase, counters=list(counters.values())).run()
     return {name: {p: c.phase_peaks.get(p, 0) for p in PHASES} for name, c in counters.items()}
 
 
