@@ -52,7 +52,9 @@ class TorchPhases:
     from the current total (its `_peak_mem` and `_peak_mem_snap`, which it has no public reset for).
     MemTracker hooks every parameter's gradient, which a frozen one refuses: on a module with frozen
     parameters it is told not to (the adapter's gradients are still counted, as the tensors they are); and it
-    refuses a model called a second time: its per-module statistics (not used here) start again then."""
+    refuses a model called a second time: its per-module statistics (not used here) start again then, and the
+    backward of a module whose statistics went with them is not followed (with a text-encoder LoRA a step's
+    backward reaches such modules)."""
 
     def __init__(self):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -61,6 +63,14 @@ class TorchPhases:
             def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
                 hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
                 return super()._track_module_params_and_buffers(module, hooks)
+
+            def _pre_bw_hook(self, module, args):  # a module whose statistics a reset cleared (below)
+                if module in self.memory_tracking:
+                    super()._pre_bw_hook(module, args)
+
+            def _post_bw_hook(self, module, args):
+                if module in self.memory_tracking:
+                    super()._post_bw_hook(module, args)
 
             def _pre_fw_hook(self, module, inputs):  # a model called again (the next step) starts afresh
                 try:

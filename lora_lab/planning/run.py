@@ -113,23 +113,19 @@ class PlannedRun(TrainingRun):
 
     def __init__(self, config: TrainConfig, *, device: str, attention: str, dataset_size: int | None,
                  distinct_captions: int | None, checkpoint_options: dict | None, replay: bool):
-        super().__init__(config, self.planned_phase)
+        super().__init__(config)
         self.planned_device, self.checkpoint_options, self.replay = device, checkpoint_options, replay
         self.dataset_size, self.distinct = dataset_size, distinct_captions or dataset_size  # to be removed
         self.on_host = device != "cpu"  # where the dataset's cache and the released encoders go
         self.tracker = LiveBytes()
         self.rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
+        self.phase = self.tracker.phase
 
     def run(self) -> RunPeaks:
         with (fake_device(), self.rules, torch.random.fork_rng(devices=[]), _collect_young_only(),
               contextlib.ExitStack() as self.counting):
             super().run()
         return self.peaks()
-
-    def planned_phase(self, name: str) -> contextlib.AbstractContextManager:
-        if name == "sample" and not self.config.sample_steps:
-            return contextlib.nullcontext()  # a run without samples: nothing is planned there
-        return self.tracker.phase(name)
 
     def setup(self) -> None:
         self.device, self.env = CPU, DistEnv()
@@ -352,7 +348,6 @@ class PlannedRun(TrainingRun):
     def peaks(self) -> RunPeaks:
         """Each phase's peak, and the training step's in parts."""
         tracker, step, pipe = self.tracker, self.step_parts, self.pipe
-        tracker.phase_peaks.setdefault("sample", 0)
         swap = block_swap(denoiser(pipe))
         on_host = {id(t.untyped_storage()) for h in (swap.host if swap else ()) for t in h.values()}
         persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
