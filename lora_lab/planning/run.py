@@ -8,16 +8,20 @@
 same stages in the same order, and overrides only the hooks where a plan differs. The base is opened from its
 configs (no weight file is read: `shapes_only`); the cache phase encodes examples of the planned sizes
 (`encode_examples`); the denoiser is loaded from fake weights, the adapter added, by the trainer's own
-stages; the step is the trainer's (`draws`, `accumulate_grads`, `optimizer_step`), run once; saving holds the
-host copy of the adapter that `save_outputs` writes, and the sample phase the `sample` of `sample_outputs`.
+stages; the step is the trainer's (`draws`, `accumulate_grads`, `optimizer_step`: with `reg_dataset` the
+regularization batch's forward too), run once, and after it what the watch does where due (the validation
+loss's batch, the samples of `sample_every`: counted in the "train step" phase, as the trainer enters it);
+saving holds the host copy of the adapter that `save_outputs` writes, and the sample phase the `sample` of
+`sample_outputs` (a run without samples: what it holds then).
 They run under `fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned
 GPU's attention kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
 
 What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBytes.exclude`), the text
 encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
-host copies made while saving. On the CPU the host is the device, and all of it counts. The plan encodes
-one group of examples (what one VAE call takes, `diffusion.data.ENCODE_PIXELS`) and counts the cache of
-the others; it runs two micro-batches at most (a third has the same memory as the second).
+host copies made while saving. On the CPU the host is the device, and all of it counts. The examples are
+the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
+`diffusion.data.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
+micro-batches at most (a third has the same memory as the second).
 """
 
 from __future__ import annotations
@@ -208,15 +212,15 @@ class PlannedRun(TrainingRun):
 
     def train_loop(self) -> None:
         """One optimizer step of at most two micro-batches (the second with the first's gradients live), on
-        the cached examples repeated to fill them, measured in parts: the peak of the last micro-batch's
+        the cached examples (drawn as the trainer draws them, cyclically where they are fewer than a step
+        takes), measured in parts: the peak of the last micro-batch's
         forward (with prior preservation its two denoiser calls), of the backward, of the optimizer step. Then
         what the watch does after a step where due (`watched`); on the CPU a run that samples during training
         keeps the VAE from its first samples on (`Watch.sample_step`)."""
         tracker, model, learner = self.tracker, denoiser(self.pipe), self.learner
-        config, data = self.config, self.data
+        config = self.config
         accum = min(config.grad_accum, 2)
         self.config = replace(config, grad_accum=accum)
-        self.data = EncodedExamples(*(_repeat(data, config.batch_size * accum)))
         calls = 2 if self.reg is not None else 1  # denoiser calls per micro-batch
         forwards, peaks = [0], {}
         replay = replayed_blocks(model, tracker, self.rules) if self.replay else contextlib.nullcontext()
@@ -253,8 +257,8 @@ class PlannedRun(TrainingRun):
             phase = next(p for p in peaks if peaks[p][0] == tracker.peak)
             self.step_parts.update(phase=phase, saved_at_peak=peaks[phase][1], saved=tracker.saved_bytes)
             del draws
-            self.config, self.data = config, data  # the examples repeated for the step go, and as after the
-            del self.objective                      # trainer's loop, its objective
+            self.config = config
+            del self.objective  # as after the trainer's loop
             self.watched()
 
     def samples_while_training(self) -> bool:
@@ -278,8 +282,9 @@ class PlannedRun(TrainingRun):
                 self.encoders.on_device(["vae"])
             with on_device:
                 self.tracker.track(_encoder_tensors(self.encoders))
-                prompts = self.config.sample_prompts or list(dict.fromkeys(self.counts.train.captions))
-                self.sampling(min(self.config.batch_size, len(prompts), SAMPLE_PROMPTS))
+                prompts = self.config.sample_prompts or \
+                    list(dict.fromkeys(self.counts.train.captions))[:SAMPLE_PROMPTS]
+                self.sampling(min(self.config.batch_size, len(prompts)))
         model.train()
 
     def draws(self, step: int) -> StepDraws:
@@ -385,10 +390,3 @@ def _collect_young_only():
 def _encoder_tensors(encoders) -> list[torch.Tensor]:
     return [t for name in encoders.names for m in [getattr(encoders.pipe, name)] if m is not None
             for t in (*m.parameters(), *m.buffers())]
-
-
-def _repeat(data: EncodedExamples, n: int) -> tuple:
-    """The cached examples repeated to at least `n` (what one step draws)."""
-    k = -(-n // len(data.latents))
-    return (data.latents * k, {key: v.repeat(k, *[1] * (v.dim() - 1)) for key, v in data.embeds.items()},
-            data.captions * k, data.sizes * k)
