@@ -21,16 +21,23 @@ from pathlib import Path
 import torch
 
 from ..diffusion.config import TrainConfig
-from ..diffusion.data import IMAGE_EXTS, DatasetError, _nearest_bucket, aspect_buckets
+from ..diffusion.data import (
+    ENCODE_BATCH,
+    ENCODE_PIXELS,
+    IMAGE_EXTS,
+    DatasetError,
+    _nearest_bucket,
+    aspect_buckets,
+)
 from ..diffusion.datasets import DataSource, data_sources, held_out, kohya_sources
 
 
 class PlannedExamples:
-    """Examples of one size with `distinct` different captions, as `diffusion.data.encode_examples` reads a
-    dataset."""
+    """Examples of one size (h, w) with `distinct` different captions, as `diffusion.data.encode_examples`
+    reads a dataset."""
 
-    def __init__(self, n: int, resolution: int, distinct: int):
-        self.sizes = [(resolution, resolution)] * n
+    def __init__(self, n: int, size: tuple[int, int], distinct: int):
+        self.sizes = [size] * n
         self.captions = [f"a photo {i % distinct}" for i in range(n)]
 
     def __len__(self) -> int:
@@ -55,6 +62,21 @@ class Part:
 
     def pixels(self) -> int:
         return sum(h * w for h, w in self.sizes)
+
+    def largest_group(self) -> tuple[int, tuple[int, int]]:
+        """The largest VAE call (in pixels) `encode_examples` makes of these images: (images, their size).
+        Its groups are consecutive images of one size, at most ENCODE_BATCH of them and ENCODE_PIXELS."""
+        best, start = (0, (0, 0)), 0
+        while start < len(self.sizes):
+            h, w = self.sizes[start]
+            most = min(ENCODE_BATCH, max(1, ENCODE_PIXELS // (h * w)))
+            stop = start + 1
+            while stop < min(start + most, len(self.sizes)) and self.sizes[stop] == self.sizes[start]:
+                stop += 1
+            if (stop - start) * h * w > best[0] * best[1][0] * best[1][1]:
+                best = (stop - start, (h, w))
+            start = stop
+        return best
 
     def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool) -> None:
         for size, caption in _scan(source, resolution, buckets, skip_bad):
@@ -124,26 +146,32 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool) -> list[
 
 class CacheLedger:
     """The cache phase of a CPU run in bytes (the host is the device): `encode_run_data`'s steps replayed on
-    counts. From the planned group of g examples at `resolution`: `latent` bytes per resolution^2 pixels of
-    image, `embed` bytes per caption's embeddings, the VAE's working set `vae` (the group's latents in it) and
-    the text encoders' `text` (beyond the group's embeddings), each over what was live before; `start`: the
-    live bytes before encoding."""
+    counts, from what the planned group cost. `group`: its images and their size; `latent`: one image's
+    latent, `embed`: one caption's embeddings; `vae`: the VAE call's working set (its latents in it) over
+    what was live before, `text`: the text encoders' (beyond the group's embeddings), `after`: what encoding
+    the sample prompts and the empty caption adds; `start`: the live bytes before encoding. The VAE's working
+    set scales with a call's pixels; the text encoders' is the group's in every call (measured on tiny
+    bases, it does not grow in proportion to the captions of a call: 16 took less than 10 in the group)."""
 
-    def __init__(self, start: int, resolution: int, group: int, latent: int, embed: int, vae: int, text: int):
+    def __init__(self, start: int, group: tuple[int, tuple[int, int]], latent: int, embed: int, vae: int,
+                 text: int, after: int):
         self.current = self.peak = start
-        self.per_pixel = latent / resolution**2
-        self.group, self.latent, self.embed, self.vae, self.text = group, latent, embed, vae, text
+        n, (h, w) = group
+        self.per_pixel, self.vae_per_pixel = latent / (h * w), vae / (n * h * w)
+        self.latent, self.embed, self.text, self.after = latent, embed, text, after
 
     def _rise(self, n: int) -> None:
         self.current += n
         self.peak = max(self.peak, self.current)
 
     def encode(self, part: Part) -> None:
-        """`encode_examples`: the images through the VAE group by group (the last group's working set with
-        every earlier latent), then the captions' embeddings (all rows, with the text encoders' working
+        """`encode_examples`: the images through the VAE group by group (the largest call's working set with
+        every other latent), then the captions' embeddings (all rows, with the text encoders' working
         set)."""
+        n, (h, w) = part.largest_group()
         latents = round(part.pixels() * self.per_pixel)
-        self.peak = max(self.peak, self.current + latents - self.group * self.latent + self.vae)
+        group = round(n * h * w * self.per_pixel)
+        self.peak = max(self.peak, self.current + latents - group + round(n * h * w * self.vae_per_pixel))
         self.current += latents
         self.captions(len(part))
 
@@ -195,3 +223,4 @@ class CacheLedger:
                 self.free(len(counts.reg))
         if own:
             self.free(n)  # `encoded`'s rows
+        self.peak = max(self.peak, self.current + self.after)  # then the sample prompts, the empty caption

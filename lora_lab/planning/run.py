@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
 from ..diffusion.adapters import clip_encoders
 from ..diffusion.config import TrainConfig
-from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples, encode_examples
+from ..diffusion.data import EncodedExamples, encode_examples
 from ..diffusion.datasets import RunData
 from ..diffusion.distributed import DistEnv
 from ..diffusion.objectives import objective_for
@@ -151,8 +151,7 @@ class PlannedRun(TrainingRun):
         start = tracker.current
         self.cached = self.encode_data()
         self.data, self.reg, self.empty, self.samples, self.val, _ = self.cached
-        data, samples = self.data, self.samples
-        captions_peak = tracker.phase_peaks.pop("cache captions")
+        data, samples, (vae_peak, captions_peak, encoded) = self.data, self.samples, self.group_peaks
         if self.on_host:
             tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ()),
                              *(self.empty.values() if self.empty else ())])
@@ -161,9 +160,9 @@ class PlannedRun(TrainingRun):
         group = len(data.latents)
         latent = storage_bytes(data.latents) // group
         embed = storage_bytes(data.embeds.values()) // group
-        ledger = CacheLedger(start, self.resolution, group, latent, embed,
-                             vae=tracker.phase_peaks["cache"] - start,
-                             text=captions_peak - start - group * (latent + embed))
+        ledger = CacheLedger(start, (group, data.sizes[0]), latent, embed,
+                             vae=vae_peak - start, text=captions_peak - start - group * (latent + embed),
+                             after=tracker.peak - encoded)
         ledger.run_data(self.counts)
         tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"], ledger.peak)
         tracker.current += ledger.current - start - group * (latent + embed)
@@ -178,12 +177,22 @@ class PlannedRun(TrainingRun):
                                [f"a photo {i % self.distinct}" for i in range(n)], [1] * n))
 
     def encode_examples(self, pipe) -> RunData:
-        """One VAE call's group of the training examples, encoded; the held-out and regularization examples
-        are the same tensors (the ledger counts their bytes, the step and the watch their shapes)."""
-        counts, train = self.counts, self.counts.train
-        group = min(len(train), ENCODE_BATCH, max(1, ENCODE_PIXELS // self.resolution**2))
-        examples = PlannedExamples(group, self.resolution, min(len(set(train.captions)), group))
-        data = encode_examples(pipe, examples, self.config.seed, self.tracker.phase)
+        """As many training examples as the run's largest VAE call holds pixels, encoded (the peaks of its
+        images' and of its captions' part kept, `group_peaks`); the held-out and regularization examples are
+        the same tensors (the ledger counts their bytes, the step and the watch their shapes)."""
+        counts, tracker, r = self.counts, self.tracker, self.resolution
+        n, (h, w) = counts.train.largest_group()
+        group = max(1, round(n * h * w / r**2))  # of the square size: the step's (buckets are about r^2)
+        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group))
+        peaks = []
+
+        def phase(name: str) -> contextlib.AbstractContextManager:  # "cache captions": the images are done
+            peaks.append(tracker.phase_peaks["cache"])
+            return tracker.phase(name)
+
+        data = encode_examples(pipe, examples, self.config.seed, phase)
+        self.group_peaks = (peaks[0], tracker.phase_peaks.pop("cache captions"), tracker.current)
+        tracker.reset_peak()  # from here: the sample prompts and the empty caption
         same = EncodedExamples(data.latents, data.embeds, data.captions, data.sizes)
         return RunData(data, same if counts.reg is not None else None,
                        same if counts.held_out or counts.validation is not None else None)
@@ -255,7 +264,10 @@ class PlannedRun(TrainingRun):
             self.optimizer_step(0)
             peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
             phase = next(p for p in peaks if peaks[p][0] == tracker.peak)
-            self.step_parts.update(phase=phase, saved_at_peak=peaks[phase][1], saved=tracker.saved_bytes)
+            self.step_parts.update(phase=phase, saved_at_peak=peaks[phase][1], saved=tracker.saved_bytes,
+                                   resident=storage_bytes(  # kept encoders, the VAE kept to sample (their
+                                       t for t in _encoder_tensors(self.encoders)  # LoRA: adapter weights)
+                                       if id(t) not in {id(p) for p in learner.params}))
             del draws
             self.config = config
             del self.objective  # as after the trainer's loop
@@ -359,10 +371,7 @@ class PlannedRun(TrainingRun):
                                                                  *denoiser(pipe).buffers())
                                                       if not t.requires_grad and id(t.untyped_storage())
                                                       not in on_host),
-                      "resident (VAE, text encoders)": storage_bytes(  # their LoRA: in adapter weights
-                          t for t in _encoder_tensors(self.encoders)
-                          if id(t) not in {id(p) for p in self.learner.params})
-                      if self.config.keeps_encoders() else 0,
+                      "resident (VAE, text encoders)": step["resident"],
                       "adapter weights": step["adapters"], "optimizer state": step["state"],
                       "EMA of the adapter": step["ema"], "cached data": self.cached_bytes}
         gradients = step["grads"] if step["phase"] == "optimizer step" else 0
