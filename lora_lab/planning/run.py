@@ -222,10 +222,10 @@ class PlannedRun(TrainingRun):
     def train_loop(self) -> None:
         """One optimizer step of at most two micro-batches (the second with the first's gradients live), on
         the cached examples (drawn as the trainer draws them, cyclically where they are fewer than a step
-        takes), measured in parts: the peak of the last micro-batch's
-        forward (with prior preservation its two denoiser calls), of the backward, of the optimizer step. Then
-        what the watch does after a step where due (`watched`); on the CPU a run that samples during training
-        keeps the VAE from its first samples on (`Watch.sample_step`)."""
+        takes), measured in parts: the peak of the last micro-batch's forward (with prior preservation its
+        two denoiser calls), of the backward, of the optimizer step. Then what the watch does after a step
+        where due (`watched`); on the CPU a run that samples during training keeps the VAE from its first
+        samples on (`Watch.sample_step`)."""
         tracker, model, learner = self.tracker, denoiser(self.pipe), self.learner
         config = self.config
         accum = min(config.grad_accum, 2)
