@@ -164,9 +164,15 @@ def frozen_aware_mem_tracker():
                 self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
 
-        def _post_bw_hook(self, module, args):  # a module run without grad before the restart (the VAE
-            if module is not None and module in self.memory_tracking:  # while caching) is told of the
-                super()._post_bw_hook(module, args)  # next backward's end: skipped
+        # a module whose statistics a restart cleared (the VAE, run without gradients while caching; with a
+        # text-encoder LoRA, the encoders) is still told of a later backward: not followed
+        def _pre_bw_hook(self, module, args):
+            if module is not None and module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module, args):
+            if module is not None and module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
 
     return FrozenAware()
 

@@ -113,22 +113,22 @@ def test_encoders_leave_the_device_after_caching_and_only_the_vae_comes_back_to_
     """During the training steps, the text encoders and VAE are gone (a CPU run drops them: the host is its
     device); while sampling only the VAE is back (the sample prompts were encoded while caching); the pipeline
     returned is whole. --keep-encoders keeps them all."""
-    from lora_lab.diffusion import trainer
+    from lora_lab.diffusion import stages, trainer
 
     seen = {}
-    real_loop, real_grid = trainer.run_loop, trainer.sample_grid
+    real_loop, real_grid = trainer.TrainingRun.train_loop, stages.sample_grid
     names = ("text_encoder", "text_encoder_2", "vae")
 
-    def spy_loop(config, kind, pipe, *args, **kwargs):
-        seen["during steps"] = [getattr(pipe, n) for n in names]
-        return real_loop(config, kind, pipe, *args, **kwargs)
+    def spy_loop(run):
+        seen["during steps"] = [getattr(run.pipe, n) for n in names]
+        return real_loop(run)
 
     def spy_grid(pipe, *args, **kwargs):
         seen["sampling"] = [getattr(pipe, n) is not None for n in names]
         return real_grid(pipe, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "run_loop", spy_loop)
-    monkeypatch.setattr(trainer, "sample_grid", spy_grid)
+    monkeypatch.setattr(trainer.TrainingRun, "train_loop", spy_loop)
+    monkeypatch.setattr(stages, "sample_grid", spy_grid)
     sampled = {**FAST, "sample_steps": 1}
     result = train(TrainConfig(model="sdxl", output=str(tmp_path / "a"), **sampled))
     assert seen["during steps"] == [None, None, None]
@@ -157,22 +157,22 @@ def test_device_bytes_during_the_steps_are_the_denoiser_adapter_optimizer_and_ca
         return real_save(run, learner, main)
 
     train_pipe = []
-    real_encode = trainer.encode_data
+    real_encode = trainer.TrainingRun.encode_data
 
-    def spy_encode(config, encoders, resolution, examples=None):
-        out = real_encode(config, encoders, resolution, examples)
-        train_pipe.append(encoders.pipe)
+    def spy_encode(run):
+        out = real_encode(run)
+        train_pipe.append(run.encoders.pipe)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*out[0].latents, *out[0].embeds.values()]}  # a group's latents share one
         parts["cache"] = sum(storages.values())
         return out
 
-    trainer.save_checkpoint, trainer.encode_data = at_the_last_save, spy_encode
+    trainer.save_checkpoint, trainer.TrainingRun.encode_data = at_the_last_save, spy_encode
     try:
         with tracker:
             train(TrainConfig(model="sdxl", output=str(tmp_path), **FAST))
     finally:
-        trainer.save_checkpoint, trainer.encode_data = real_save, real_encode
+        trainer.save_checkpoint, trainer.TrainingRun.encode_data = real_save, real_encode
     expected = parts["denoiser"] + parts["optimizer"] + parts["cache"]
     assert expected <= parts["live"] <= expected * 1.02 + 64 * 1024
 

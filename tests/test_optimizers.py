@@ -12,7 +12,8 @@ from lora_lab.diffusion.state import Learner
 from lora_lab.lora import LoRAConfig, add_lora
 from lora_lab.memory import LiveBytes, optimizer_state_bytes, plain_tensors
 from lora_lab.planning.fakedevice import fake_device
-from lora_lab.planning.run import _first_step_state, storage_bytes
+from lora_lab.planning.optstate import first_step_state
+from lora_lab.planning.run import storage_bytes
 from lora_lab.precision import MixedPrecision
 
 
@@ -57,7 +58,7 @@ def test_planned_optimizer_state_is_the_state_after_a_step(optimizer, package):
     with fake_device():
         fake = _adapted(dora=True)
         learner = Learner(fake, make_optimizer(param_groups(fake, config), config), MixedPrecision("no"))
-        _first_step_state(learner)
+        first_step_state(learner)
         planned = storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))
     assert planned == optimizer_state_bytes(real) > 0
 
@@ -98,12 +99,12 @@ def test_planned_adamw_step_holds_what_torch_holds_on_the_planned_device(device,
     real = make_optimizer(param_groups(named, config), config)
     for group in real.param_groups:
         group["foreach"] = foreach
-    step_peak(named, real)  # the first step makes the state, as _first_step_state does
+    step_peak(named, real)  # the first step makes the state, as first_step_state does
     measured = step_peak(named, real)
     with fake_device():
         fake = _adapted()
         learner = Learner(fake, make_optimizer(param_groups(fake, config), config), MixedPrecision("no"))
-        _first_step_state(learner, device)
+        first_step_state(learner, device)
         planned = step_peak(fake, learner.optimizer)
     assert planned == measured
     if foreach:

@@ -7,8 +7,7 @@ from the plain run's by more than 5% in a phase, its plan differs from the plain
 
 Every case runs 2 steps (the second with the optimizer's state live, as the plan counts it) and samples with
 1 step (every phase goes through its work). One run and one plan per case, shared by the tests (~2 min on one
-core). A case the planner does not follow yet is marked xfail(strict) with the ratios measured: a fix makes it
-pass, and strict turns that into a failure that says to remove the marker.
+core).
 """
 
 from __future__ import annotations
@@ -48,28 +47,6 @@ CASES = {
     "optimizer_prodigy": {"optimizer": "prodigy", "lr": 1.0},
 }
 
-# what main's planner did (plan / MemTracker; LiveBytes measured the same to the byte) when these were marked
-NOT_PLANNED = {
-    "reg_dataset": "the regularization batch is not planned: train step 0.853",
-    "datasets": "plan_run's dataset_size counts the default dataset, not the tables' folders x repeats: "
-                "cache 1.422, load 1.127, train step 1.100, save 1.104, sample 1.069",
-    "caption_variants": "the captions' variants are not planned: load 0.928, train step 0.955, "
-                        "save 0.943, sample 0.962",
-    "sample_every": "the VAE kept on the device (the CPU) after the first sampling is not planned: "
-                    "train step 0.683, save 0.647",
-}
-NOT_FOLLOWED = {  # the plan does not change where the run does
-    "reg_dataset": "train step +16.9% measured, the plan the plain one's",
-    "caption_variants": "load +6.3%, save +5.1% measured, the plan the plain one's",
-    "sample_every": "train step +46.1%, save +53.2% measured, the plan the plain one's",
-}
-
-
-def _cases(names, xfails: dict) -> list:
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=xfails[n])) if n in xfails else n
-            for n in names]
-
-
 def _plan(config: TrainConfig) -> MemoryPlan:
     """What `lora-lab train --dry-run` plans of `config` (its device: the CPU)."""
     return plan_memory(config, cache=False)
@@ -100,7 +77,7 @@ def matrix(digits_folder, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("case", _cases(["plain", *CASES], NOT_PLANNED))
+@pytest.mark.parametrize("case", ["plain", *CASES])
 def test_every_phase_is_planned_within_the_tolerance(matrix, case):
     measured, planned = matrix(case)
     ratios = {t: {p: planned[p] / measured[t][p] for p in PHASES} for t in TRACKERS}
@@ -109,7 +86,7 @@ def test_every_phase_is_planned_within_the_tolerance(matrix, case):
             assert planned[phase] == pytest.approx(measured[tracker][phase], rel=TOLERANCE), (phase, ratios)
 
 
-@pytest.mark.parametrize("case", _cases(CASES, NOT_FOLLOWED))
+@pytest.mark.parametrize("case", CASES)
 def test_the_plan_changes_where_the_run_changes(matrix, case):
     """Each phase where the case's run differs from the plain run's by more than the tolerance (MemTracker's
     measurement): the case's plan differs from the plain plan there, in the same direction."""

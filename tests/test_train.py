@@ -204,7 +204,7 @@ def test_a_run_given_an_earlier_runs_cached_data_trains_exactly_as_if_it_encoded
 
     base = dict(model="sd3", dataset=str(dataset), steps=2, caption_dropout=0.5, **FAST)
     first = train(TrainConfig(output=str(tmp_path / "a"), **base))
-    monkeypatch.setattr(trainer, "encode_data", None)  # a run given the data must not encode
+    monkeypatch.setattr(trainer.TrainingRun, "encode_data", None)  # a run given the data must not encode
     again = train(TrainConfig(output=str(tmp_path / "b"), **base), cached=first.cached)
     assert again.losses == first.losses and again.cached is first.cached
     for key in ("lora_kohya", "lora_diffusers"):

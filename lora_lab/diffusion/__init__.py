@@ -1,7 +1,8 @@
 """LoRA training of diffusion models through diffusers: the trainer, its data, objectives and sampling.
 
-    trainer.py     train(TrainConfig(...)) -> TrainResult: the run as named stages
-    step.py        one optimizer step: its draws, micro-batches, loss and accumulated gradients
+    trainer.py     train(TrainConfig(...)) -> TrainResult: a TrainingRun through its stages
+    stages.py      the stages' plain functions: the cache's key, the LoRA files, the sample grid
+    step.py        one optimizer step: its draws, micro-batches and their loss
     config.py      TrainConfig, its validation (TrainConfigError), the adapter's targets, the lr schedule
     state.py       a run's state on disk: checkpoints (written, read, checked), resumption
     data.py        image+caption folders, aspect-ratio buckets, the dataset encoded once

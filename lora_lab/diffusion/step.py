@@ -6,12 +6,13 @@ With per-process batch b, accumulation a and world size w (global batch G = b*a*
     draws = draw_step(config, objective, data, reg, empty, step, rank, w)   # this process's b*a examples
     batch = micro_batch(config, data, reg, empty, draws, m, device)        # micro-batch m < a, on the device
     loss  = micro_batch_loss(config, kind, pipe, objective, batch)
-    accumulate_grads(...)   # the a micro-batches' grads, averaged over the ranks, and the step's loss
+
+`trainer.TrainingRun.accumulate_grads` sums the a micro-batches' grads and averages them over the ranks.
 
 The examples, noise, timesteps and caption dropout of a step are functions of (seed, step) alone, drawn for
 all G examples on the CPU and sliced per process: a resumed run continues exactly, and w processes with
-batch b compute the step one process with batch w*b does. The memory planner runs `accumulate_grads` on
-fake tensors (`lora_lab.planning.run`): the plan and the trainer share this code.
+batch b compute the step one process with batch w*b does. The memory planner runs the same step on fake
+tensors (`lora_lab.planning.run`): the plan and the trainer share this code.
 """
 
 from __future__ import annotations
@@ -186,27 +187,3 @@ def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
         loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise,
                                                                 r.t, live_cond(kind, pipe, r))
     return loss
-
-
-def accumulate_grads(config: TrainConfig, kind: ModelKind, pipe, objective, data: EncodedExamples,
-                     reg: EncodedExamples | None, empty: dict | None, learner, step: int, env,
-                     draws: StepDraws | None = None) -> torch.Tensor:
-    """Step `step`'s grads in the adapter's .grad, averaged over the ranks of `env` (still scaled under fp16),
-    and its loss (a float64 scalar on the CPU): this process's share of the global batch in grad_accum
-    micro-batches, then the all-reduce. `draws`: the step's draws made already (a memory plan makes them
-    outside its fake tensors, whose indices could not be read), else `draw_step`'s."""
-    device = learner.params[0].device
-    if draws is None:
-        draws = draw_step(config, objective, data, reg, empty, step, env.rank, env.world_size)
-    step_loss = torch.zeros((), dtype=torch.float64)
-    for m in range(config.grad_accum):
-        batch = micro_batch(config, data, reg, empty, draws, m, device)
-        loss = micro_batch_loss(config, kind, pipe, objective, batch)
-        learner.precision.backward(loss / config.grad_accum)
-        step_loss += loss.detach().double().cpu() / config.grad_accum
-    params = learner.params
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    env.all_reduce_mean(grads + [step_loss])
-    for p, gr in zip(params, grads):
-        p.grad = gr
-    return step_loss

@@ -15,25 +15,28 @@ Because the batch order, the noise and the timesteps are functions of (seed, epo
 resumed from a checkpoint (which also holds the optimizer, scaler and the torch/numpy/python RNG states)
 continues exactly, and w processes with batch b compute the same step as one process with batch w*b.
 
-The stages of `train`, each taking and returning plain values, and the memory phase each belongs to:
+The run is a `TrainingRun`: its state is its attributes, and `run()` goes through its stages in order,
+each in the memory phase it belongs to:
 
-    setup_device, resume_point, open_run_base     the base opened: text encoders and VAE on the host in the
-                                                  base dtype, the denoiser's shapes only (checked: rank,
-                                                  resolution)
-    "cache"       encode_data                     the text encoders and VAE on the device, the dataset encoded
-                                                  once, then they leave the device (`encoders.py`)
-    "load"        load_denoiser                   the denoiser's weights onto the device in the base dtype,
+    setup, open_base                              the device, the checkpoint resumed from; the base opened:
+                                                  text encoders and VAE on the host in the base dtype, the
+                                                  denoiser's shapes only (checked: rank, resolution)
+    "cache"       cache                           the text encoders and VAE on the device, the data encoded
+                                                  once (`encode_data`), then they leave the device
+    "load"        load                            the denoiser's weights onto the device in the base dtype,
                                                   one module at a time, quantized as they arrive
-                                                  (`models/loading.py`)
-    "train step"  add_trainable, open_run, run_loop
-    "save"        save_outputs                    the LoRA files (kohya/ComfyUI and diffusers/PEFT)
-    "sample"      sample_outputs                  the with/without grid, the VAE back for it (the prompts were
+    "train step"  add_adapter, start, train_loop  each step (`train_step`), and what the watch does after it
+                                                  (the validation loss, samples: `watch.py`); "save" around
+                                                  the checkpoints and per-step LoRA files it writes
+    "save"        save                            the LoRA files (kohya/ComfyUI and diffusers/PEFT)
+    "sample"      sample                          the with/without grid, the VAE back for it (the prompts were
                                                   encoded while caching)
 
 `train(config, phase=...)` enters `phase(name)` around each phase: how a run is measured
-(`memory.LiveBytes.phase`, `torch.cuda.max_memory_allocated`), and how `lora_lab.planning` plans the same
-stages on fake tensors. The config lives in config.py, checkpoints and resumption in state.py, one
-optimizer step in step.py.
+(`memory.LiveBytes.phase`, `torch.cuda.max_memory_allocated`). `lora_lab.planning` plans a run as a subclass
+of `TrainingRun` on fake tensors: the same stages in the same order, its own hooks where a plan differs
+(`encode_examples`, `host_copies`, `draws`, ...). The plain functions the stages call are in stages.py, the
+config in config.py, checkpoints and resumption in state.py, one micro-batch in step.py.
 """
 
 from __future__ import annotations
@@ -45,47 +48,50 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpointing import disable_checkpointing, enable_block_swap, enable_checkpointing
-from ..formats import file_formats, save_lora
-from ..lora import lora_state_dict
-from ..models import ModelKind, default_resolution, denoiser, model_kind, shipped_base
-from ..models.bases import OpenedBase, open_base
-from ..models.loading import fill
+from ..checkpointing import enable_block_swap, enable_checkpointing
+from ..models import default_resolution, denoiser, model_kind, shipped_base
+from ..models.bases import open_base
 from ..precision import MixedPrecision
-from .adapters import add_adapter, check_config_for_base, clip_encoders, text_encoder_adapters
+from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
 from .config import TrainConfig, TrainConfigError
-from .data import EncodedExamples, encode_examples, unconditional_embeds
-from .datasets import encode_run_data, sources_fingerprint
-from .distributed import DistEnv, resolve_device
+from .data import unconditional_embeds
+from .datasets import RunData, encode_run_data, sources_fingerprint
 from .ema import AdapterEMA
 from .encoders import Encoders
 from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
-from .sampling import prompt_inputs, sample_grid
+from .sampling import prompt_inputs
+from .stages import (
+    SAMPLE_PROMPTS,
+    Cached,
+    cache_key,
+    check_cached,
+    load_denoiser,
+    open_run,
+    sample_outputs,
+    save_outputs,
+    setup_device,
+    write_lora,
+)
 from .state import (
     Learner,
     NonFiniteLossError,
     ResumeError,
     RunState,
     load_checkpoint,
-    move_aside,
-    restore,
     resume_point,
     save_checkpoint,
-    truncate_log,
-    write_config,
 )
-from .step import accumulate_grads, training_objective
-from .watch import Watch, train_config_metadata
+from .step import StepDraws, draw_step, micro_batch, micro_batch_loss, training_objective
+from .watch import Watch
 
 __all__ = ["PHASES", "NonFiniteLossError", "ResumeError", "TrainConfig", "TrainConfigError", "TrainResult",
-           "load_checkpoint", "train"]
+           "TrainingRun", "load_checkpoint", "train"]
 
-SAMPLE_PROMPTS = 4  # default prompts of the sample grid: the first distinct captions of the dataset
 PHASES = ("cache", "load", "train step", "save", "sample")  # in the order a run goes through them
 
 
@@ -125,285 +131,236 @@ def train(config: TrainConfig, phase: Callable[[str], contextlib.AbstractContext
     knobs, the lr, the steps) share one encoding. Its run must agree on every field the encoding depends on
     (`cache_key`), else TrainConfigError; a run given it trains exactly as one that encodes for itself.
     """
-    t_start = time.perf_counter()
-    config.validate()
-    device, env = setup_device(config.device)
-    kind = model_kind(config.model)  # resolved once, passed to the stages
-    dtype = config.base_torch_dtype(device)
-    out = Path(config.output)
-    resume_from, state, bad_checkpoints = resume_point(config, out)
-    opened, resolution = open_run_base(config, kind, dtype)
-    # a text-encoder LoRA trains the encoders: they stay on the device
-    encoders = Encoders(opened.pipe, device, opened.reload, keep=config.keeps_encoders())
-    key = cache_key(config, resolution, dtype)
-    with phase("cache"):
-        if cached is None:
-            cached = encode_data(config, encoders, resolution)._replace(key=key)
+    return TrainingRun(config, phase, cached).run()
+
+
+class TrainingRun:
+    """One training run: `run()` goes through its stages in order (the module docstring), each a method that
+    reads and sets the run's attributes. A memory plan is a subclass that overrides the hooks where a plan
+    differs (`lora_lab.planning.run.PlannedRun`)."""
+
+    shapes_only = False  # the base opened without any weight file read (a plan's fake weights)
+
+    def __init__(self, config: TrainConfig,
+                 phase: Callable[[str], contextlib.AbstractContextManager] = no_phase,
+                 cached: Cached | None = None):
+        self.config, self.phase, self.cached = config, phase, cached
+        self.outputs: dict[str, Path] = {}
+
+    def run(self):
+        """The stages in order, each in its phase; what `finish` returns."""
+        self.setup()
+        self.open_base()
+        with self.phase("cache"):
+            self.cache()
+        with self.phase("load"):
+            self.load()
+        with self.phase("train step"):
+            self.add_adapter()
+            self.start()
+        self.train_loop()
+        with self.phase("save"):
+            self.save()
+        with self.phase("sample"):
+            self.sample()
+        return self.finish()
+
+    # ------------------------------------------------------------------------------------------- the stages
+
+    def setup(self) -> None:
+        """The config checked, the device, the kind and base dtype, the checkpoint to resume from."""
+        self.t_start = time.perf_counter()
+        config = self.config
+        config.validate()
+        self.device, self.env = setup_device(config.device)
+        self.kind = model_kind(config.model)
+        self.dtype = config.base_torch_dtype(self.device)
+        self.resume_from, self.state, self.bad_checkpoints = resume_point(config, Path(config.output))
+
+    def open_base(self) -> None:
+        """The base (`config.base`, else the tiny one shipped in data/base/, else built from the seed) opened:
+        its text encoders and VAE on the host in the base dtype, the denoiser's shapes only; and the training
+        resolution, checked against the denoiser (with the rank) before anything is loaded or encoded. A
+        text-encoder LoRA trains the encoders: they stay on the device."""
+        config, kind = self.config, self.kind
+        base = config.base if config.base is not None else shipped_base(kind.name)
+        self.opened = open_base(kind, base, self.dtype, shapes_only=self.shapes_only,
+                                parts=config.base_parts())
+        gc.collect()  # the loaders' garbage (reference cycles of diffusers' and transformers' loading) goes
+        self.pipe = self.opened.pipe
+        self.resolution = config.resolution or default_resolution(self.pipe)
+        check_config_for_base(config, kind, self.pipe, self.resolution)
+        self.encoders = Encoders(self.pipe, self.device, self.opened.reload, keep=config.keeps_encoders())
+
+    def cache(self) -> None:
+        """The data encoded (`encode_data`), or an earlier run's `cached` checked against this run's key."""
+        key = cache_key(self.config, self.resolution, self.dtype)
+        if self.cached is None:
+            self.cached = self.encode_data()._replace(key=key)
         else:
-            check_cached(cached, key)
-            encoders.release()  # as after encoding: the training phases see the same device
-        data, reg, empty, samples, val, _ = cached
-    with phase("load"):
-        load_denoiser(config, opened, device, dtype)
-    pipe = opened.pipe
-    run = RunState(out, config.resolved(opened.base, resolution, dtype), len(data.captions),
-                   sources_fingerprint(config))
-    with phase("train step"):
-        adapted, learner = add_trainable(config, kind, pipe, device)
-        open_run(run, learner, env, bad_checkpoints, resume_from, state)
-    watch = Watch(config, kind, pipe, run, env, encoders, samples, val)
-    run_loop(config, kind, pipe, data, reg, empty, learner, run, env, phase, watch=watch)
-    with phase("save"):
-        outputs = save_outputs(config, kind, pipe, run, env, learner)
-    with phase("sample"):
-        outputs.update(sample_outputs(config, encoders, run, env, samples, watch.first_samples,
-                                      watch.last_samples))
-        outputs.update(watch.close())
-    encoders.restore()  # the pipeline returned is whole again
-    return TrainResult(outputs=outputs, losses=run.losses, steps=run.step,
-                       seconds=time.perf_counter() - t_start, is_main=env.main, adapted=adapted, pipe=pipe,
-                       cached=cached)
+            check_cached(self.cached, key)
+            self.encoders.release()  # as after encoding: the training phases see the same device
+        self.data, self.reg, self.empty, self.samples, self.val, _ = self.cached
 
+    def encode_data(self) -> Cached:
+        """The examples (`encode_examples`) as cached latents and text embeddings, with the text encoders and
+        VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the VAE
+        back); then they leave the device (`--keep-encoders` keeps them)."""
+        config = self.config
+        with self.encoders.on_device() as pipe:
+            data, reg, val = self.encode_examples(pipe)
+            empty = unconditional_embeds(pipe) if config.caption_dropout else None
+            prompts = self.sample_prompts(data.captions)
+            samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
+        return Cached(data, reg, empty, samples, val)
 
-# ----------------------------------------------------------------------------- the stages of train()
+    def encode_examples(self, pipe) -> RunData:
+        """Every folder, the held-out examples, the caption variants (datasets.py)."""
+        return encode_run_data(pipe, self.config, self.resolution)
 
+    def sample_prompts(self, captions: list[str]) -> list[str]:
+        """The prompts of the samples: the config's, else the first distinct captions of the dataset."""
+        return self.config.sample_prompts or list(dict.fromkeys(captions))[:SAMPLE_PROMPTS]
 
-def setup_device(name: str) -> tuple[torch.device, DistEnv]:
-    """The device to train on and this process's place in a torchrun job (its own GPU under torchrun)."""
-    device = resolve_device(name)
-    env = DistEnv.from_environ(device.type)
-    if device.type == "cuda" and name in ("auto", "cuda"):
-        device = torch.device("cuda", env.local_rank)
-    return device, env
+    def load(self) -> None:
+        load_denoiser(self.config, self.opened, self.device, self.dtype)
 
-
-def open_run_base(config: TrainConfig, kind: ModelKind, dtype: torch.dtype,
-                  shapes_only: bool = False) -> tuple[OpenedBase, int]:
-    """The base (`config.base`, else the tiny one shipped in data/base/, else built from the seed) opened: its
-    text encoders and VAE on the host in `dtype`, the denoiser's shapes only; and the training resolution,
-    checked against the denoiser (with the rank) before anything is loaded or encoded."""
-    base = config.base if config.base is not None else shipped_base(kind.name)
-    opened = open_base(kind, base, dtype, shapes_only=shapes_only, parts=config.base_parts())
-    gc.collect()  # the loaders' garbage (reference cycles of diffusers' and transformers' loading) goes now
-    resolution = config.resolution or default_resolution(opened.pipe)
-    check_config_for_base(config, kind, opened.pipe, resolution)
-    return opened, resolution
-
-
-class Cached(NamedTuple):
-    """What the cache phase leaves on the host: the dataset's latents and embeddings, the regularization set's
-    (or None), what a dropped caption becomes (None without caption dropout), the sample prompts with
-    their `prompt_inputs` (None when the run samples nothing), and the held-out examples (or None)."""
-
-    data: EncodedExamples
-    reg: EncodedExamples | None
-    empty: dict | None
-    samples: tuple[list[str], dict] | None
-    val: EncodedExamples | None = None
-    key: dict | None = None  # `cache_key` of the run that encoded them
-
-
-# the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
-CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "vae", "device", "dataset", "datasets",
-                "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split", "validation_dataset",
-                "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts")
-
-
-def cache_key(config: TrainConfig, resolution: int, dtype: torch.dtype) -> dict:
-    """What a run's encoded data depend on: the CACHE_FIELDS, the resolution and dtype, whether captions are
-    dropped (the unconditional input is encoded) and whether it samples (the prompts are)."""
-    return {**{f: getattr(config, f) for f in CACHE_FIELDS}, "resolution": resolution, "dtype": str(dtype),
-            "caption_dropout": config.caption_dropout > 0, "sample_steps": config.sample_steps > 0}
-
-
-def check_cached(cached: Cached, key: dict) -> None:
-    """TrainConfigError naming the first field where `cached` was encoded for another run than `key`'s."""
-    for name, value in key.items():
-        theirs = (cached.key or {}).get(name, "(unknown)")
-        if theirs != value:
-            raise TrainConfigError(f"cached data: encoded for {name}={theirs!r}, this run has {value!r}; "
-                                   "train without `cached` to encode its own")
-
-
-def encode_data(config: TrainConfig, encoders: Encoders, resolution: int, examples=None,
-                phase=None) -> Cached:
-    """The examples (and the regularization examples) as cached latents and text embeddings, with the text
-    encoders and VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the
-    VAE back); then they leave the device (`--keep-encoders` keeps them). `examples` replaces the dataset
-    folder (a memory plan's examples of the right sizes, with `phase` around their captions' part)."""
-    with encoders.on_device() as pipe:
-        if examples is not None:
-            data, reg, val = encode_examples(pipe, examples, config.seed, phase), None, None
-        else:  # every folder, the held-out examples, the caption variants (datasets.py)
-            data, reg, val = encode_run_data(pipe, config, resolution)
-        empty = unconditional_embeds(pipe) if config.caption_dropout else None
-        prompts = config.sample_prompts or list(dict.fromkeys(data.captions))[:SAMPLE_PROMPTS]
-        samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
-    return Cached(data, reg, empty, samples, val)
-
-
-def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device, dtype: torch.dtype) -> None:
-    """The denoiser's weights onto the device in the base dtype, one module at a time; with
-    `base_quantization`, each frozen Linear quantized as it arrives (QLoRA: never the whole model in
-    `dtype`)."""
-    fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device,
-         quantization=config.base_quantization)
-
-
-def add_trainable(config: TrainConfig, kind: ModelKind, pipe, device: torch.device,
-                  host=contextlib.nullcontext) -> tuple[list[str], Learner]:
-    """The adapter on the frozen (optionally quantized) denoiser, every process building the same one from
-    the seed; block swapping (its host copies made in the context `host`: a plan's); gradient checkpointing
-    per the config's policy; the optimizer and the mixed precision."""
-    model = denoiser(pipe)
-    adapted = add_adapter(model, config, kind)  # on the device of the weights they adapt
-    if config.blocks_to_swap:
-        enable_block_swap(model, kind.checkpoint_blocks(), config.blocks_to_swap, device, host)
-    if config.checkpointing_policy():
-        enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
-    model.train()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = param_groups(named, config)
-    if config.text_encoder_lr is not None:  # their own group, at text_encoder_lr through every schedule
-        wrapped, text = text_encoder_adapters(config, kind, pipe)
-        adapted += wrapped
-        named += text
-        groups.append({"params": [p for _, p in text], "lr": config.text_encoder_lr,
-                       "lr_ratio": config.text_encoder_lr / config.lr})
-    optimizer = make_optimizer(groups, config)
-    ema = None if config.ema_decay is None else AdapterEMA(named, config.ema_decay, config.ema_warmup)
-    return adapted, Learner(named, optimizer, MixedPrecision(config.mixed_precision, device), ema)
-
-
-def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: list[Path],
-             resume_from: Path | None, state: dict | None) -> None:
-    """The output folder (only now, with base, dataset and rank checked: a failed start leaves none), the bad
-    newer checkpoints moved aside, the checkpoint resumed from, the loss log cut back to it, config.json."""
-    if env.main:
-        (run.output / "checkpoints").mkdir(parents=True, exist_ok=True)
-    env.barrier()
-    if env.main:  # every rank holds its resume state now: move the bad newer checkpoints out of the way
-        move_aside(bad_checkpoints)
-    if resume_from is not None:
-        restore(run, learner, state, resume_from)
-    if env.main:
-        truncate_log(run.output / "loss.jsonl", run.step)
-        write_config(run)
-
-
-def run_loop(config: TrainConfig, kind: ModelKind, pipe, data: EncodedExamples, reg: EncodedExamples | None,
-             empty: dict | None, learner: Learner, run: RunState, env: DistEnv,
-             phase: Callable[[str], contextlib.AbstractContextManager] = no_phase, watch: Watch | None = None
-             ) -> None:
-    """Optimizer steps from `run.step` to config.steps: lr, this process's share of the global batch, the
-    accumulated grads averaged over ranks, the step through the mixed precision; a loss log line per step
-    (with the validation loss and samples when due: `watch`), a checkpoint and its LoRA file every save_every
-    steps, a checkpoint at the end. NonFiniteLossError on a NaN/inf loss."""
-    objective = training_objective(config, pipe, run.config.resolution)
-    watch = watch or Watch(config, kind, pipe, run, env)
-    bar = tqdm(total=config.steps, initial=run.step, desc=f"train {kind.name}", unit="step",
-               disable=not (config.progress and env.main), dynamic_ncols=True)
-    try:
-        watch.start()
-        while run.step < config.steps:
-            t0 = time.perf_counter()
-            lr = config.lr * lr_factor(run.step, config)
-            set_lr(learner.optimizer, lr)
-            with phase("train step"):
-                loss = accumulate_grads(config, kind, pipe, objective, data, reg, empty, learner, run.step,
-                                        env).item()
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(f"loss is {loss} at step {run.step + 1} of {config.steps} "
-                                             f"(lr {lr:.3g}); training stopped: {run.stopped_advice()}")
-                learner.precision.step(learner.optimizer, config.max_grad_norm)
-                if learner.ema is not None:
-                    learner.ema.update(learner.named, run.step + 1)
-            run.step += 1
-            run.losses.append(loss)
-            norm = learner.precision.grad_norm
-            record = watch.after_step(loss, lr, time.perf_counter() - t0,
-                                      None if norm is None else norm.item())
-            bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{record['val_loss']:.4f}"}
-                                                    if "val_loss" in record else {}))
-            bar.update(1)
-            if (config.save_every and run.step % config.save_every == 0) or run.step == config.steps:
-                with phase("save"):
-                    save_checkpoint(run, learner, env.main)
-                    if config.save_every and run.step % config.save_every == 0:
-                        watch.saved(lambda path, step: write_lora(kind, pipe, path, "kohya", run.config,
-                                                                  step))
-                env.barrier()
-    finally:
-        bar.close()
-    env.check_identical(learner.params, "the adapter weights")
-
-
-def write_lora(kind: ModelKind, pipe, path: Path, format: str, config: TrainConfig, step: int) -> Path:
-    """The denoiser's adapter (and the CLIP text encoders' with a text-encoder LoRA) as a LoRA file
-    (kohya/ComfyUI: lora_unet_/lora_transformer_, lora_te_ or lora_te1_/lora_te2_; PEFT/diffusers: unet./
-    transformer., text_encoder./text_encoder_2.), or a LoKr/LoHa as a LyCORIS file (`save_lora` picks by the
-    layers), its metadata holding the resolved config and the step."""
-    model = denoiser(pipe)
-    layout = model if kind.ldm_names else None  # sd-scripts' LDM names need the UNet's structure
-    text = config.text_encoder_lr is not None
-    components = {kind.component: model,
-                  **({c: getattr(pipe, c) for c in clip_encoders(kind)} if text else {})}
-    # fp32 host copies, each module named by its pipeline path (LoKr/LoHa: their LyCORIS keys, which
-    # save_lora writes as such)
-    tensors = {f"{c}.{k}": v for c, m in components.items() for k, v in lora_state_dict(m).items()}
-    return save_lora(path, tensors, format=format, base=kind.name, unet=layout,
-                     metadata=train_config_metadata(config, step))
-
-
-def save_outputs(config: TrainConfig, kind: ModelKind, pipe, run: RunState, env: DistEnv,
-                 learner: Learner | None = None) -> dict[str, Path]:
-    """The LoRA files (kohya/ComfyUI and diffusers/PEFT keys) of the adapter (rank 0); with an EMA, its files
-    beside them (lora_ema.safetensors, pytorch_lora_weights_ema.safetensors)."""
-    out = run.output
-    outputs = {"config": out / "config.json", "loss_log": out / "loss.jsonl", "checkpoint": run.last_good}
-    if env.main:
-        outputs.update(save_adapter(kind, pipe, run, ""))
-        if learner is not None and learner.ema is not None:
-            with learner.ema.applied(learner.named):
-                outputs.update(save_adapter(kind, pipe, run, "_ema"))
-    env.barrier()
-    return outputs
-
-
-def save_adapter(kind: ModelKind, pipe, run: RunState, suffix: str) -> dict[str, Path]:
-    """The adapter as lora{suffix}.safetensors (kohya) and pytorch_lora_weights{suffix}.safetensors (PEFT);
-    a LoKr/LoHa as lora{suffix}.safetensors only (LyCORIS' keys: no PEFT file diffusers would load)."""
-    out = run.output
-    names = {"lora_kohya": ("lora", "kohya"), "lora_diffusers": ("pytorch_lora_weights", "peft")}
-    formats = file_formats(denoiser(pipe))  # LoKr/LoHa: kohya's naming only
-    return {f"{key}{suffix}": write_lora(kind, pipe, out / f"{stem}{suffix}.safetensors", format, run.config,
-                                         run.step)
-            for key, (stem, format) in names.items() if format in formats}
-
-
-def sample_outputs(config: TrainConfig, encoders: Encoders, run: RunState, env: DistEnv,
-                   samples: tuple[list[str], dict] | None, first: torch.Tensor | None = None,
-                   last: torch.Tensor | None = None) -> dict[str, Path]:
-    """The samples with and without the LoRA (rank 0) from the sample prompts encoded while caching: only the
-    VAE comes back to the device for them. `first` / `last`: the watch's samples of step 0 and of the last
-    step, the base row's and the LoRA row's images (the same prompts, seed and noise; at step 0 the adapter
-    as initialised adds nothing), used where the text encoders did not train."""
-    outputs = {}
-    if env.main and samples is not None:
-        model = denoiser(encoders.pipe)
+    def add_adapter(self) -> None:
+        """The adapter on the frozen (optionally quantized) denoiser, every process building the same one from
+        the seed; block swapping (its host copies made in `host_copies`); gradient checkpointing per the
+        config's policy; the optimizer and the mixed precision."""
+        config, kind = self.config, self.kind
+        model = denoiser(self.pipe)
+        self.adapted = add_adapter(model, config, kind)  # on the device of the weights they adapt
+        if config.blocks_to_swap:
+            enable_block_swap(model, kind.checkpoint_blocks(), config.blocks_to_swap, self.device,
+                              self.host_copies)
         if config.checkpointing_policy():
-            disable_checkpointing(model)
-        model.eval()
-        prompts, inputs = samples
-        with encoders.on_device(["vae"]) as pipe:
-            # a text-encoder LoRA: the LoRA row's prompts through the trained encoders, the base row's cached
-            with torch.no_grad():
-                trained = prompt_inputs(pipe, prompts) if config.text_encoder_lr is not None else inputs
-            reuse = config.text_encoder_lr is None  # the watch's prompts went through the encoders as cached
-            outputs["samples"] = sample_grid(pipe, prompts, config.seed, config.sample_steps,
-                                             run.output / "samples.png", tiled=config.vae_tiling,
-                                             inputs=trained, base_inputs=inputs,
-                                             without=first if reuse else None,
-                                             with_lora=last if reuse else None)
-    env.barrier()
-    return outputs
+            enable_checkpointing(model, kind.checkpoint_blocks(), config.checkpointing_policy())
+        model.train()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = param_groups(named, config)
+        if config.text_encoder_lr is not None:  # their own group, at text_encoder_lr through every schedule
+            wrapped, text = text_encoder_adapters(config, kind, self.pipe)
+            self.adapted += wrapped
+            named += text
+            groups.append({"params": [p for _, p in text], "lr": config.text_encoder_lr,
+                           "lr_ratio": config.text_encoder_lr / config.lr})
+        optimizer = make_optimizer(groups, config)
+        ema = None if config.ema_decay is None else AdapterEMA(named, config.ema_decay, config.ema_warmup)
+        self.learner = Learner(named, optimizer, MixedPrecision(config.mixed_precision, self.device), ema)
+
+    def host_copies(self) -> contextlib.AbstractContextManager:
+        """The context the swapped blocks' host copies are made in."""
+        return contextlib.nullcontext()
+
+    def start(self) -> None:
+        """The run's state (resumed where a checkpoint was), its output folder and config.json, the objective
+        with the config's timestep knobs, the watch."""
+        config = self.config
+        self.progress = RunState(Path(config.output), config.resolved(self.opened.base, self.resolution,
+                                                                         self.dtype),
+                                 len(self.data.captions), sources_fingerprint(config))
+        open_run(self.progress, self.learner, self.env, self.bad_checkpoints, self.resume_from, self.state)
+        self.objective = training_objective(config, self.pipe, self.resolution)
+        self.watch = Watch(config, self.kind, self.pipe, self.progress, self.env, self.encoders, self.samples,
+                           self.val)
+
+    def train_loop(self) -> None:
+        """Optimizer steps from the run's step to config.steps (`train_step`), a loss log line per step (with
+        the validation loss and samples when due: the watch, in the "train step" phase), a checkpoint and its
+        LoRA file every save_every steps, a checkpoint at the end."""
+        config, progress, watch = self.config, self.progress, self.watch
+        bar = tqdm(total=config.steps, initial=progress.step, desc=f"train {self.kind.name}", unit="step",
+                   disable=not (config.progress and self.env.main), dynamic_ncols=True)
+        try:
+            with self.phase("train step"):
+                watch.start()
+            while progress.step < config.steps:
+                t0 = time.perf_counter()
+                with self.phase("train step"):
+                    loss, lr = self.train_step()
+                    progress.step += 1
+                    progress.losses.append(loss)
+                    norm = self.learner.precision.grad_norm
+                    record = watch.after_step(loss, lr, time.perf_counter() - t0,
+                                              None if norm is None else norm.item())
+                bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{record['val_loss']:.4f}"}
+                                                        if "val_loss" in record else {}))
+                bar.update(1)
+                self.checkpoint()
+        finally:
+            bar.close()
+        del self.objective  # what the steps alone used goes with them
+        self.env.check_identical(self.learner.params, "the adapter weights")
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step: lr, this process's share of the global batch, the accumulated grads averaged
+        over ranks, the step through the mixed precision, the EMA. Its loss and lr; NonFiniteLossError on a
+        NaN/inf loss."""
+        config, step = self.config, self.progress.step
+        lr = config.lr * lr_factor(step, config)
+        set_lr(self.learner.optimizer, lr)
+        loss = self.accumulate_grads(self.draws(step)).item()
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(f"loss is {loss} at step {step + 1} of {config.steps} "
+                                     f"(lr {lr:.3g}); training stopped: {self.progress.stopped_advice()}")
+        self.optimizer_step(step)
+        return loss, lr
+
+    def draws(self, step: int) -> StepDraws:
+        """Step `step`'s draws, this process's share (`step.draw_step`)."""
+        return draw_step(self.config, self.objective, self.data, self.reg, self.empty, step, self.env.rank,
+                         self.env.world_size)
+
+    def accumulate_grads(self, draws: StepDraws) -> torch.Tensor:
+        """The step's grads in the adapter's .grad, averaged over the ranks (still scaled under fp16), and its
+        loss (a float64 scalar on the CPU): this process's share of the global batch in grad_accum
+        micro-batches, then the all-reduce."""
+        config, learner = self.config, self.learner
+        device = learner.params[0].device
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for m in range(config.grad_accum):
+            batch = micro_batch(config, self.data, self.reg, self.empty, draws, m, device)
+            loss = micro_batch_loss(config, self.kind, self.pipe, self.objective, batch)
+            learner.precision.backward(loss / config.grad_accum)
+            step_loss += loss.detach().double().cpu() / config.grad_accum
+        params = learner.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        self.env.all_reduce_mean(grads + [step_loss])
+        for p, gr in zip(params, grads):
+            p.grad = gr
+        return step_loss
+
+    def optimizer_step(self, step: int) -> None:
+        """The optimizer's step through the mixed precision (clipping, loss scale), then the EMA's."""
+        self.learner.precision.step(self.learner.optimizer, self.config.max_grad_norm)
+        if self.learner.ema is not None:
+            self.learner.ema.update(self.learner.named, step + 1)
+
+    def checkpoint(self) -> None:
+        """Every save_every steps and at the end: a checkpoint; every save_every steps its LoRA file beside
+        it (the watch's)."""
+        config, progress = self.config, self.progress
+        if (config.save_every and progress.step % config.save_every == 0) or progress.step == config.steps:
+            with self.phase("save"):
+                save_checkpoint(progress, self.learner, self.env.main)
+                if config.save_every and progress.step % config.save_every == 0:
+                    self.watch.saved(lambda path, step: write_lora(self.kind, self.pipe, path, "kohya",
+                                                                   progress.config, step))
+            self.env.barrier()
+
+    def save(self) -> None:
+        self.outputs = save_outputs(self.config, self.kind, self.pipe, self.progress, self.env, self.learner)
+
+    def sample(self) -> None:
+        """The sample grid (`sample_outputs`) and the watch's outputs (its strip of samples)."""
+        self.outputs.update(sample_outputs(self.config, self.encoders, self.progress, self.env, self.samples,
+                                           self.watch.first_samples, self.watch.last_samples))
+        self.outputs.update(self.watch.close())
+
+    def finish(self) -> TrainResult:
+        self.encoders.restore()  # the pipeline returned is whole again
+        return TrainResult(outputs=self.outputs, losses=self.progress.losses, steps=self.progress.step,
+                           seconds=time.perf_counter() - self.t_start, is_main=self.env.main,
+                           adapted=self.adapted, pipe=self.pipe, cached=self.cached)

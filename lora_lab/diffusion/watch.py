@@ -57,39 +57,45 @@ def validation_noise(i: int, k: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn((k, *shape), generator=g)
 
 
+def validation_batches(config: TrainConfig, val: EncodedExamples, objective, device):
+    """The held-out (example, timestep) rows as the denoiser takes them, batch_size at a time, examples of one
+    latent size together (buckets): (x0, noise, t, cond, rows) of each batch, on `device`."""
+    t = validation_timesteps(objective)
+    k = len(t)
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for i, latent in enumerate(val.latents):
+        by_size.setdefault(tuple(latent.shape), []).append(i)
+    for shape, examples in by_size.items():
+        noise = {i: validation_noise(i, k, shape) for i in examples}
+        rows = [(i, j) for i in examples for j in range(k)]
+        for start in range(0, len(rows), config.batch_size):
+            chunk = rows[start: start + config.batch_size]
+            x0 = torch.stack([val.latents[i] for i, _ in chunk]).to(device)
+            eps = torch.stack([noise[i][j] for i, j in chunk]).to(device)
+            cond = val.embeds_of([i for i, _ in chunk], None, None, device)
+            yield x0, eps, t[[j for _, j in chunk]].to(device), cond, len(chunk)
+
+
 @torch.no_grad()
 def validation_loss(config: TrainConfig, kind: ModelKind, pipe, val: EncodedExamples,
                     objective=None) -> float:
     """The mean over the held-out examples and the fixed timesteps of the unweighted denoising loss (module
     docstring), with the adapter as it is; no gradients. The (example, timestep) rows go through the denoiser
     batch_size at a time (a training micro-batch's rows, so validating never needs more memory than a training
-    step), examples of one latent size together (buckets)."""
+    step: `validation_batches`)."""
     objective = objective or objective_for(pipe)
     model = denoiser(pipe)
     device = next(p.device for p in model.parameters())
-    t = validation_timesteps(objective)
-    k = len(t)
-    by_size: dict[tuple[int, ...], list[int]] = {}
-    for i, latent in enumerate(val.latents):
-        by_size.setdefault(tuple(latent.shape), []).append(i)
     was_training = model.training
     model.eval()
     try:
         total = 0.0
-        for shape, examples in by_size.items():
-            noise = {i: validation_noise(i, k, shape) for i in examples}
-            rows = [(i, j) for i in examples for j in range(k)]
-            for start in range(0, len(rows), config.batch_size):
-                chunk = rows[start: start + config.batch_size]
-                x0 = torch.stack([val.latents[i] for i, _ in chunk]).to(device)
-                eps = torch.stack([noise[i][j] for i, j in chunk]).to(device)
-                cond = val.embeds_of([i for i, _ in chunk], None, None, device)
-                tj = t[[j for _, j in chunk]].to(device)
-                loss = denoising_loss(config, kind, pipe, objective, x0, eps, tj, cond, weighted=False)
-                total += loss.item() * len(chunk)
+        for x0, eps, t, cond, rows in validation_batches(config, val, objective, device):
+            loss = denoising_loss(config, kind, pipe, objective, x0, eps, t, cond, weighted=False)
+            total += loss.item() * rows
     finally:
         model.train(was_training)
-    return total / (k * len(val.latents))
+    return total / (VALIDATION_QUANTILES * len(val.latents))
 
 
 def step_lora_path(output: Path, step: int) -> Path:

@@ -2,7 +2,8 @@
 the run, and the fastest options that fit a card's memory.
 
     fakedevice.py  a device without memory: fake tensors, the GPU's attention kernel and autocast rules
-    run.py         plan_run: the trainer's own stages on fake tensors, each phase's peak of device memory
+    run.py         plan_run: the trainer's own run (a TrainingRun subclass) on fake tensors, each phase's peak
+    examples.py    the examples a run caches, read from its config's data; the cache phase in bytes
     measure.py     a real run measured phase by phase (what plans are checked against)
     planner.py     plan_memory(TrainConfig | model, ...) -> MemoryPlan (each phase's peak, the step's parts),
                    plan_config (the TrainConfig of a model's plan), parse_bytes

@@ -4,7 +4,7 @@
     measure_run(config, tracker="torch")     -> the same by PyTorch's MemTracker
     measure_run(config, tracker="cuda")      -> the same from torch.cuda.max_memory_allocated (a GPU run)
     measure_phases(config, ("live", "torch")) -> {tracker: {phase: peak bytes}} from one run
-    measure_training_step(TrainConfig(...))  -> {"peak", "optimizer_state", "dataset_size"}: the second step
+    measure_training_step(TrainConfig(...))  -> {"peak", "optimizer_state"}: the second step
 
 Before measuring, the process-wide lookup tables are made (`fakedevice.warm_caches`), as a plan makes them.
 On the CPU, `memory.LiveBytes` counts every tensor storage at the dispatch level from the first op that
@@ -21,9 +21,7 @@ from dataclasses import replace
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..diffusion import trainer
-from ..diffusion.data import ImageCaptionDataset
-from ..diffusion.trainer import PHASES, train
+from ..diffusion.trainer import PHASES, TrainingRun, train
 from ..memory import LiveBytes, optimizer_state_bytes
 from ..torch_private import frozen_aware_mem_tracker, restart_peak
 from .fakedevice import warm_caches
@@ -83,6 +81,24 @@ class TorchPhases:
             self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self._total("peak"))
 
 
+class MeasuredRun(TrainingRun):
+    """The trainer's run, its base's tensors counted from the moment it is opened (also those no op reads,
+    the VAE's decoder) by each of `counters`."""
+
+    def __init__(self, config, phase, counters):
+        super().__init__(config, phase)
+        self.counters = counters
+
+    def open_base(self) -> None:
+        super().open_base()
+        modules = [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        for counter in self.counters:
+            if isinstance(counter, TorchPhases):
+                counter.track(modules)
+            elif isinstance(counter, LiveBytes):
+                counter.track(t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
+
+
 def measure_run(config, tracker: str = "live") -> dict[str, int]:
     """Run `train(config)` and return each phase's peak of device memory: "live" (LiveBytes, any device; a CPU
     run counts the host), "torch" (PyTorch's MemTracker, likewise) or "cuda" (max_memory_allocated). Phases
@@ -97,17 +113,6 @@ def measure_phases(config, trackers=("live", "torch")) -> dict[str, dict[str, in
     make = {"live": LiveBytes, "torch": TorchPhases,
             "cuda": lambda: CudaPhases(config.device if config.device != "auto" else "cuda")}
     counters = {name: make[name]() for name in trackers}
-    opened_base = trainer.open_run_base
-
-    def counted_from_the_start(*args, **kwargs):  # the base's tensors are in memory once it is opened,
-        opened, resolution = opened_base(*args, **kwargs)  # also those no op reads (the VAE's decoder)
-        modules = [m for m in opened.pipe.components.values() if isinstance(m, torch.nn.Module)]
-        for counter in counters.values():
-            if isinstance(counter, TorchPhases):
-                counter.track(modules)
-            elif isinstance(counter, LiveBytes):
-                counter.track(t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta)
-        return opened, resolution
 
     @contextlib.contextmanager
     def phase(name: str):
@@ -116,15 +121,11 @@ def measure_phases(config, trackers=("live", "torch")) -> dict[str, dict[str, in
                 stack.enter_context(counter.phase(name))
             yield
 
-    trainer.open_run_base = counted_from_the_start
-    try:
-        with contextlib.ExitStack() as stack:
-            for counter in counters.values():
-                if not isinstance(counter, CudaPhases):
-                    stack.enter_context(counter)
-            train(config, phase=phase)
-    finally:
-        trainer.open_run_base = opened_base
+    with contextlib.ExitStack() as stack:
+        for counter in counters.values():
+            if not isinstance(counter, CudaPhases):
+                stack.enter_context(counter)
+        MeasuredRun(config, phase, counters=list(counters.values())).run()
     return {name: {p: c.phase_peaks.get(p, 0) for p in PHASES} for name, c in counters.items()}
 
 
@@ -133,7 +134,7 @@ def measure_training_step(config) -> dict[str, int]:
 
     Returns {"peak": live bytes at the peak between the end of optimizer step 1 and the end of step 2
     (everything live then: the denoiser, cached data, adapter, optimizer state, activations),
-    "optimizer_state": `optimizer_state_bytes` after step 2, "dataset_size": examples cached}. For checking
+    "optimizer_state": `optimizer_state_bytes` after step 2}. For checking
     plans (`device="cpu"`) against the trainer on tiny models.
     """
     config = replace(config, steps=2, sample_steps=0, progress=False, save_every=0, device="cpu")
@@ -156,21 +157,4 @@ def measure_training_step(config) -> dict[str, int]:
             train(config)
     finally:
         handle.remove()
-    result["dataset_size"] = dataset_len(config)
     return result
-
-
-def dataset_len(config, resolution: int | None = None) -> int:
-    """Examples the trainer caches for `config` (its dataset at `resolution`, default config.resolution or
-    16)."""
-    return len(_dataset(config, resolution))
-
-
-def distinct_captions(config, resolution: int | None = None) -> int:
-    """Different captions among the examples `dataset_len` counts."""
-    return len(set(_dataset(config, resolution).captions))
-
-
-def _dataset(config, resolution: int | None) -> ImageCaptionDataset:
-    size = resolution or config.resolution or 16
-    return ImageCaptionDataset(config.dataset_dir(), size, skip_bad=config.skip_bad_images)

@@ -1,21 +1,27 @@
-"""A training run planned on fake tensors: the trainer's own stages, and each phase's peak of device memory.
+"""A training run planned on fake tensors: the trainer's own run, and each phase's peak of device memory.
 
     planned = plan_run(TrainConfig(model="sdxl", base="real:sdxl", resolution=1024, ...), device="cuda")
     planned.phases    {"cache": bytes, "load": ..., "train step": ..., "save": ..., "sample": ...}
     planned.parts     the training step's peak in parts (frozen weights, adapter, optimizer state, ...)
 
-The stages are the trainer's (`lora_lab.diffusion.trainer`), in its order: `open_run_base` (configs only,
-no weight file is read), `encode_data` on examples of the planned size, `load_denoiser` from fake weights,
-`add_trainable`, the step (`diffusion.step.accumulate_grads`, then the mixed precision's `step`), the host
-copy of the adapter that `save_outputs` writes, and the `sample` of `sample_outputs`. They run under
-`fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned GPU's attention
-kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
+`PlannedRun` is the trainer's `TrainingRun` (`lora_lab.diffusion.trainer`): its `run()` goes through the
+same stages in the same order, and overrides only the hooks where a plan differs. The base is opened from its
+configs (no weight file is read: `shapes_only`); the cache phase encodes examples of the planned sizes
+(`encode_examples`); the denoiser is loaded from fake weights, the adapter added, by the trainer's own
+stages; the step is the trainer's (`draws`, `accumulate_grads`, `optimizer_step`: with `reg_dataset` the
+regularization batch's forward too), run once, and after it what the watch does where due (the validation
+loss's batch, the samples of `sample_every`: counted in the "train step" phase, as the trainer enters it);
+saving holds the host copy of the adapter that `save_outputs` writes, and the sample phase the `sample` of
+`sample_outputs` (a run without samples: what it holds then).
+They run under `fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned
+GPU's attention kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
 
 What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBytes.exclude`), the text
 encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
-host copies made while saving. On the CPU the host is the device, and all of it counts. The plan encodes
-one group of examples (what one VAE call takes, `diffusion.data.ENCODE_PIXELS`) and counts the cache of
-the others; it runs two micro-batches at most (a third has the same memory as the second).
+host copies made while saving. On the CPU the host is the device, and all of it counts. The examples are
+the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
+`diffusion.data.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
+micro-batches at most (a third has the same memory as the second).
 """
 
 from __future__ import annotations
@@ -29,26 +35,23 @@ import torch
 from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
 from ..diffusion.adapters import clip_encoders
 from ..diffusion.config import TrainConfig
-from ..diffusion.data import ENCODE_BATCH, ENCODE_PIXELS, EncodedExamples
+from ..diffusion.data import EncodedExamples, encode_examples
+from ..diffusion.datasets import RunData
 from ..diffusion.distributed import DistEnv
-from ..diffusion.encoders import Encoders
 from ..diffusion.objectives import objective_for
 from ..diffusion.sampling import vae_decoding
-from ..diffusion.step import accumulate_grads, draw_step
-from ..diffusion.trainer import (
-    PHASES,
-    add_trainable,
-    encode_data,
-    load_denoiser,
-    open_run_base,
-)
+from ..diffusion.stages import SAMPLE_PROMPTS
+from ..diffusion.step import StepDraws, denoising_loss, training_objective
+from ..diffusion.trainer import PHASES, TrainingRun
+from ..diffusion.watch import validation_batches
 from ..lora import lora_state_dict
 from ..memory import LiveBytes, plain_tensors
 from ..models import decode_latents, default_resolution, denoiser, model_kind, predict
-from ..optim import Adam8bit
-from ..torch_private import init_adam_state, unset_fake_temporarily
+from ..torch_private import unset_fake_temporarily
 from .blocks import Unreplayable, one_of_identical_blocks, replayed_blocks
+from .examples import CacheLedger, PlannedExamples, count_examples
 from .fakedevice import DeviceRules, fake_device
+from .optstate import first_step_state
 
 CPU = torch.device("cpu")  # the fake device every planned tensor is on
 
@@ -76,44 +79,20 @@ def storage_bytes(tensors) -> int:
     return sum(n for _, n in seen.values())
 
 
-class PlannedExamples:
-    """Examples of one size with `distinct` different captions, as `diffusion.data.encode_examples` reads a
-    dataset."""
-
-    def __init__(self, n: int, resolution: int, distinct: int):
-        self.sizes = [(resolution, resolution)] * n
-        self.captions = [f"a photo {i % distinct}" for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __getitem__(self, i: int) -> dict:
-        h, w = self.sizes[i]
-        return {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
-
-
 def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "auto",
-             dataset_size: int | None = None, distinct_captions: int | None = None,
              checkpoint_options: dict | None = None) -> RunPeaks:
     """Run the trainer's stages for `config` on fake tensors under the rules of `device` ("cuda": its
-    attention kernels and autocast; "cpu") and return each phase's peak of device memory. dataset_size: the
-    examples the run caches, distinct_captions among them (default: all); checkpoint_options: keywords for
-    `enable_checkpointing` beside the config's policy.
+    attention kernels and autocast; "cpu") and return each phase's peak of device memory. The examples the
+    run caches are read from the config's data as the trainer reads them (`examples.count_examples`);
+    checkpoint_options: keywords for `enable_checkpointing` beside the config's policy.
     Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...).
 
     Without checkpointing or block swapping, the training step replays the blocks between the first and the
     last of each run of identical transformer blocks (`blocks.replayed_blocks`, checked to the byte by every
     plan); where the check fails, the run is planned again with every block running."""
-    if dataset_size is None:  # TEMPORARY (vocab branch): the stages branch derives these in the plan
-        from .measure import dataset_len
-        from .measure import distinct_captions as distinct
-        real = str(config.base or "").startswith("real:")
-        dataset_size = 1 if real else dataset_len(config)
-        distinct_captions = None if real else distinct(config)
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
-    options = dict(device=device, attention=attention, dataset_size=dataset_size,
-                   distinct_captions=distinct_captions, checkpoint_options=checkpoint_options)
+    options = dict(device=device, attention=attention, checkpoint_options=checkpoint_options)
     if not (config.checkpointing_policy() or checkpoint_options or config.blocks_to_swap):
         try:
             return _plan_once(config, replay=True, **options)
@@ -122,50 +101,274 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     return _plan_once(config, replay=False, **options)
 
 
-def _plan_once(config: TrainConfig, *, device: str, attention: str, dataset_size: int,
-               distinct_captions: int | None, checkpoint_options: dict | None, replay: bool) -> RunPeaks:
-    kind = model_kind(config.model)
-    dtype = config.base_torch_dtype(torch.device(device))
-    on_host = device != "cpu"  # where the dataset's cache and the released encoders go
-    tracker = LiveBytes()
-    rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
-    with fake_device(), rules, torch.random.fork_rng(devices=[]), _collect_young_only():
-        opened, resolution = open_run_base(config, kind, dtype, shapes_only=True)
-        encoders = Encoders(opened.pipe, CPU, opened.reload, keep=config.keeps_encoders())
-        pipe = opened.pipe
-        with tracker:
-            with tracker.phase("cache"):
-                tracker.track(_encoder_tensors(encoders))  # on the device now, also the parts no op reads
-                data, cached, samples = _cache(config, encoders, resolution, dataset_size,
-                                               distinct_captions or dataset_size, tracker, on_host)
-            with tracker.phase("load"):
-                load_denoiser(config, opened, CPU, dtype)
-            with tracker.phase("train step"):
-                step, learner = _train_step(config, kind, pipe, data, tracker, checkpoint_options, device,
-                                            rules if replay else None)
-            with tracker.phase("save"):
-                _save(config, kind, pipe, learner, tracker, on_host)
-            if config.sample_steps:
-                with tracker.phase("sample"):
-                    _sample(config, encoders, samples, tracker)
-    tracker.phase_peaks.setdefault("sample", 0)
-    swap = block_swap(denoiser(pipe))
-    on_host = {id(t.untyped_storage()) for h in (swap.host if swap else ()) for t in h.values()}
-    persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
-                                                             *denoiser(pipe).buffers())
-                                                  if not t.requires_grad and id(t.untyped_storage())
-                                                  not in on_host),
-                  "resident (VAE, text encoders)": storage_bytes(  # their LoRA: in adapter weights
-                      t for t in _encoder_tensors(encoders) if id(t) not in {id(p) for p in learner.params})
-                  if config.keeps_encoders() else 0,
-                  "adapter weights": step["adapters"], "optimizer state": step["state"],
-                  "EMA of the adapter": step["ema"], "cached data": cached}
-    gradients = step["grads"] if step["phase"] == "optimizer step" else 0
-    peak = tracker.phase_peaks["train step"]
-    parts = {**persistent, "gradients": gradients, "saved activations (live at peak)": step["saved_at_peak"]}
-    parts["working set at peak"] = peak - sum(parts.values())
-    return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
-                    step["grads"], dict(rules.used), swap.bytes_per_step() if swap else 0, resolution)
+def _plan_once(config: TrainConfig, **options) -> RunPeaks:
+    return PlannedRun(config, **options).run()
+
+
+class PlannedRun(TrainingRun):
+    """The trainer's run on fake tensors (the module docstring): `run()` returns its `RunPeaks`. replay: the
+    training step replays identical blocks (`blocks.replayed_blocks`)."""
+
+    shapes_only = True
+
+    def __init__(self, config: TrainConfig, *, device: str, attention: str, checkpoint_options: dict | None,
+                 replay: bool):
+        super().__init__(config)
+        self.planned_device, self.checkpoint_options, self.replay = device, checkpoint_options, replay
+        self.on_host = device != "cpu"  # where the dataset's cache and the released encoders go
+        self.tracker = LiveBytes()
+        self.rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
+        self.phase = self.tracker.phase
+
+    def run(self) -> RunPeaks:
+        with (fake_device(), self.rules, torch.random.fork_rng(devices=[]), _collect_young_only(),
+              contextlib.ExitStack() as self.counting):
+            super().run()
+        return self.peaks()
+
+    def setup(self) -> None:
+        self.device, self.env = CPU, DistEnv()
+        self.kind = model_kind(self.config.model)
+        self.dtype = self.config.base_torch_dtype(torch.device(self.planned_device))
+
+    def open_base(self) -> None:
+        super().open_base()
+        self.counting.enter_context(self.tracker)  # from here on, every tensor counts
+
+    def cache(self) -> None:
+        """The trainer's caching of one VAE call's group of examples (`encode_examples`); on the CPU the cache
+        of all the run's examples counted as `encode_run_data` makes it (`examples.CacheLedger`: the other
+        examples' latents and embeddings where they are live, the copies its selections make); elsewhere the
+        cache is in host memory and only the encoders' working sets count."""
+        tracker = self.tracker
+        tracker.track(_encoder_tensors(self.encoders))  # on the device now, also the parts no op reads
+        self.counts = count_examples(self.config, self.resolution)
+        start = tracker.current
+        self.cached = self.encode_data()
+        self.data, self.reg, self.empty, self.samples, self.val, _ = self.cached
+        data, samples, (vae_peak, captions_peak, encoded) = self.data, self.samples, self.group_peaks
+        if self.on_host:
+            tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ()),
+                             *(self.empty.values() if self.empty else ())])
+            self.cached_bytes = 0
+            return
+        group = len(data.latents)
+        latent = storage_bytes(data.latents) // group
+        embed = storage_bytes(data.embeds.values()) // group
+        ledger = CacheLedger(start, (group, data.sizes[0]), latent, embed,
+                             vae=vae_peak - start, text=captions_peak - start - group * (latent + embed),
+                             after=tracker.peak - encoded)
+        ledger.run_data(self.counts)
+        tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"], ledger.peak)
+        tracker.current += ledger.current - start - group * (latent + embed)
+        self.cached_bytes = ledger.current - start
+
+    def encode_examples(self, pipe) -> RunData:
+        """As many training examples as the run's largest VAE call holds pixels, encoded (the peaks of its
+        images' and of its captions' part kept, `group_peaks`); the held-out and regularization examples are
+        the same tensors (the ledger counts their bytes, the step and the watch their shapes)."""
+        counts, tracker, r = self.counts, self.tracker, self.resolution
+        n, (h, w) = counts.train.largest_group()
+        group = max(1, round(n * h * w / r**2))  # of the square size: the step's (buckets are about r^2)
+        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group))
+        peaks = []
+
+        def phase(name: str) -> contextlib.AbstractContextManager:  # "cache captions": the images are done
+            peaks.append(tracker.phase_peaks["cache"])
+            return tracker.phase(name)
+
+        data = encode_examples(pipe, examples, self.config.seed, phase)
+        self.group_peaks = (peaks[0], tracker.phase_peaks.pop("cache captions"), tracker.current)
+        tracker.reset_peak()  # from here: the sample prompts and the empty caption
+        same = EncodedExamples(data.latents, data.embeds, data.captions, data.sizes)
+        return RunData(data, same if counts.reg is not None else None,
+                       same if counts.held_out or counts.validation is not None else None)
+
+    def sample_prompts(self, captions: list[str]) -> list[str]:
+        return (self.config.sample_prompts or ["a photo"])[:1]  # one: the others are the same sizes
+
+    def host_copies(self) -> contextlib.AbstractContextManager:
+        return self.tracker.elsewhere()  # the swapped blocks' host copies
+
+    def start(self) -> None:
+        """Checkpointing with the plan's options, the optimizer's state as after a first step, the objective;
+        the persistent parts of the step counted."""
+        model, learner = denoiser(self.pipe), self.learner
+        if self.checkpoint_options:
+            disable_checkpointing(model)
+            enable_checkpointing(model, self.kind.checkpoint_blocks(),
+                                 **{"policy": self.config.checkpointing_policy(), **self.checkpoint_options})
+            model.train()
+        first_step_state(learner, self.planned_device)
+        self.step_parts = {
+            "adapters": storage_bytes(learner.params),
+            "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
+            "state": storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))}
+        self.objective = training_objective(self.config, self.pipe, self.resolution)
+
+    def train_loop(self) -> None:
+        """One optimizer step of at most two micro-batches (the second with the first's gradients live), on
+        the cached examples (drawn as the trainer draws them, cyclically where they are fewer than a step
+        takes), measured in parts: the peak of the last micro-batch's forward (with prior preservation its
+        two denoiser calls), of the backward, of the optimizer step. Then what the watch does after a step
+        where due (`watched`); on the CPU a run that samples during training keeps the VAE from its first
+        samples on (`Watch.sample_step`)."""
+        tracker, model, learner = self.tracker, denoiser(self.pipe), self.learner
+        config = self.config
+        accum = min(config.grad_accum, 2)
+        self.config = replace(config, grad_accum=accum)
+        calls = 2 if self.reg is not None else 1  # denoiser calls per micro-batch
+        forwards, peaks = [0], {}
+        replay = replayed_blocks(model, tracker, self.rules) if self.replay else contextlib.nullcontext()
+
+        def before_forward(module, args):
+            forwards[0] += 1
+            if forwards[0] == (accum - 1) * calls + 1:  # the last micro-batch: all earlier is live in it
+                tracker.reset_peak()
+            tracker.in_forward = forwards[0] > (accum - 1) * calls
+
+        def after_forward(module, args, output):
+            if forwards[0] > (accum - 1) * calls:
+                tracker.in_forward = False
+                peaks["forward"] = (tracker.peak, tracker.saved_at_peak)
+
+        with self.phase("train step"):
+            if self.samples_while_training() and self.planned_device == "cpu":
+                self.encoders.restore(["vae"])
+                tracker.track(_encoder_tensors(self.encoders))
+            draws = self.draws(0)
+            hooks = [model.register_forward_pre_hook(before_forward),
+                     model.register_forward_hook(after_forward)]
+            try:
+                with (torch.autograd.graph.saved_tensors_hooks(tracker.mark_saved, lambda x: x),
+                      replay):
+                    self.accumulate_grads(draws)
+            finally:
+                for h in hooks:
+                    h.remove()
+            peaks["backward"] = (tracker.peak, tracker.saved_at_peak)
+            self.step_parts["grads"] = storage_bytes(p.grad for p in learner.params if p.grad is not None)
+            self.optimizer_step(0)
+            peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
+            phase = next(p for p in peaks if peaks[p][0] == tracker.peak)
+            self.step_parts.update(phase=phase, saved_at_peak=peaks[phase][1], saved=tracker.saved_bytes,
+                                   resident=storage_bytes(  # kept encoders, the VAE kept to sample (their
+                                       t for t in _encoder_tensors(self.encoders)  # LoRA: adapter weights)
+                                       if id(t) not in {id(p) for p in learner.params}))
+            del draws
+            self.config = config
+            del self.objective  # as after the trainer's loop
+            self.watched()
+
+    def samples_while_training(self) -> bool:
+        return bool(self.config.sample_every and self.samples)
+
+    def watched(self) -> None:
+        """What `Watch.watched` holds after a step where due: the validation loss's first batch of rows
+        through the denoiser without gradients (`watch.validation_batches`); the samples, batch_size prompts
+        in one sampler call (`sampling`)."""
+        model = denoiser(self.pipe)
+        model.eval()
+        if self.val is not None:
+            objective = objective_for(self.pipe)
+            with torch.no_grad(), unset_fake_temporarily():  # the fixed noise and timesteps: real tensors
+                batch = next(validation_batches(self.config, self.val, objective, CPU))
+            with torch.no_grad():
+                denoising_loss(self.config, self.kind, self.pipe, objective, *batch[:4], weighted=False)
+            del batch
+        if self.samples_while_training():
+            on_device = contextlib.nullcontext() if self.planned_device == "cpu" else \
+                self.encoders.on_device(["vae"])
+            with on_device:
+                self.tracker.track(_encoder_tensors(self.encoders))
+                prompts = self.config.sample_prompts or \
+                    list(dict.fromkeys(self.counts.train.captions))[:SAMPLE_PROMPTS]
+                self.sampling(min(self.config.batch_size, len(prompts)))
+        model.train()
+
+    def draws(self, step: int) -> StepDraws:
+        with unset_fake_temporarily():  # the indices of the examples drawn are read: real (and small) tensors
+            return super().draws(step)
+
+    def save(self) -> None:
+        """What `save_outputs` holds: the host copy of the adapter each file is written from (of the denoiser
+        and, with a text-encoder LoRA, the CLIP encoders), and with an EMA, the trained weights kept on the
+        device while the average is swapped in for its file."""
+        models = [denoiser(self.pipe), *(getattr(self.pipe, c) for c in clip_encoders(self.kind))
+                  ] if self.config.text_encoder_lr is not None else [denoiser(self.pipe)]
+        elsewhere = self.tracker.elsewhere if self.on_host else contextlib.nullcontext
+        with elsewhere():
+            copies = [lora_state_dict(m) for m in models]
+        del copies
+        if self.learner.ema is not None:
+            with self.learner.ema.applied(self.learner.named), elsewhere():
+                copies = [lora_state_dict(m) for m in models]
+            del copies
+
+    def sample(self) -> None:
+        """What the trainer's sample grid holds on the device: the VAE back, and one image sampled
+        (`sampling`); with samples during training (and no text-encoder LoRA) the grid's images are the
+        watch's of step 0 and the last step, and nothing is sampled again."""
+        if not self.config.sample_steps:
+            return
+        model = denoiser(self.pipe)
+        if self.config.checkpointing_policy():
+            disable_checkpointing(model)
+        model.eval()
+        with self.encoders.on_device(["vae"]):
+            self.tracker.track(_encoder_tensors(self.encoders))  # back on the device, also what no op reads
+            if not (self.samples_while_training() and self.config.text_encoder_lr is None):
+                self.sampling(1)
+
+    def sampling(self, prompts: int) -> None:
+        """One sampler call for `prompts` prompts with the VAE on the device: the prompts' inputs (encoded
+        while caching) on the device, one denoiser call on the guidance batch (every sampling step costs the
+        same) and the decode of one image (the VAE slices), each by the function `diffusion.sampling.sample`
+        uses. diffusers' sampling loop itself cannot run on fake tensors (its scheduler reads timestep
+        values), so this is what the plan models: `bench_planner.py --real-cpu` checks it against a measured
+        run."""
+        model, kind, pipe = denoiser(self.pipe), self.kind, self.encoders.pipe
+        _, inputs = self.samples
+        with torch.no_grad():
+            inputs = {k: v.to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
+            if prompts > 1:
+                inputs = {k: v.expand(prompts, *v.shape[1:]).contiguous() for k, v in inputs.items()}
+            embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}
+            if kind.name != "flux":  # classifier-free guidance: the unconditional input beside the prompt's
+                embeds = {k: torch.cat([inputs[f"negative_{k}"], v]) for k, v in embeds.items()}
+            size = default_resolution(pipe) // pipe.vae_scale_factor
+            channels = model.config.in_channels // kind.latent_packing**2
+            latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=model.dtype)
+            t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
+            with one_of_identical_blocks(model):
+                out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
+            del latents
+            with vae_decoding(pipe.vae, self.config.vae_tiling):
+                decode_latents(pipe, out[:1])
+
+    def finish(self) -> None:
+        pass  # the peaks are read after the fake tensors' contexts (`peaks`)
+
+    def peaks(self) -> RunPeaks:
+        """Each phase's peak, and the training step's in parts."""
+        tracker, step, pipe = self.tracker, self.step_parts, self.pipe
+        swap = block_swap(denoiser(pipe))
+        on_host = {id(t.untyped_storage()) for h in (swap.host if swap else ()) for t in h.values()}
+        persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
+                                                                 *denoiser(pipe).buffers())
+                                                      if not t.requires_grad and id(t.untyped_storage())
+                                                      not in on_host),
+                      "resident (VAE, text encoders)": step["resident"],
+                      "adapter weights": step["adapters"], "optimizer state": step["state"],
+                      "EMA of the adapter": step["ema"], "cached data": self.cached_bytes}
+        gradients = step["grads"] if step["phase"] == "optimizer step" else 0
+        peak = tracker.phase_peaks["train step"]
+        parts = {**persistent, "gradients": gradients,
+                 "saved activations (live at peak)": step["saved_at_peak"]}
+        parts["working set at peak"] = peak - sum(parts.values())
+        return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
+                        step["grads"], dict(self.rules.used), swap.bytes_per_step() if swap else 0,
+                        self.resolution)
 
 
 @contextlib.contextmanager
@@ -181,201 +384,6 @@ def _collect_young_only():
         gc.unfreeze()
 
 
-def _cache(config: TrainConfig, encoders: Encoders, resolution: int, dataset_size: int, distinct: int,
-           tracker: LiveBytes, on_host: bool) -> tuple[EncodedExamples, int, tuple | None]:
-    """The trainer's caching of one VAE call's group of examples; the cache of all `dataset_size` examples
-    counted on the device only on the CPU. Returns the cached examples, their bytes on the device, and the
-    sample prompt (one: the grid samples one at a time) with its inputs.
-
-    With more examples than a group, the others are counted where they are live: the latents of the groups
-    before the last while it goes through the VAE; every latent and the other examples' text embeddings while
-    the captions go through the text encoders (the peak of that part is its own sub-phase)."""
-    group = min(dataset_size, ENCODE_BATCH, max(1, ENCODE_PIXELS // resolution**2))
-    examples = PlannedExamples(group, resolution, min(distinct, group))
-    cached = encode_data(replace(config, caption_dropout=0.0, reg_dataset=None,
-                                 sample_prompts=(config.sample_prompts or ["a photo"])[:1]),
-                         encoders, resolution, examples=examples, phase=tracker.phase)
-    data, samples = cached.data, cached.samples
-    captions_peak = tracker.phase_peaks.pop("cache captions")
-    if on_host:
-        tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ())])
-        return data, 0, samples
-    latent = storage_bytes(data.latents) // group
-    embed = storage_bytes(data.embeds.values()) // group
-    rest = dataset_size - group
-    if rest:
-        tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"] + latent * rest,
-                                           captions_peak + (latent + embed) * rest)
-        tracker.current += (latent + embed) * rest
-    return data, (latent + embed) * dataset_size, samples
-
-
-def _encoder_tensors(encoders: Encoders) -> list[torch.Tensor]:
+def _encoder_tensors(encoders) -> list[torch.Tensor]:
     return [t for name in encoders.names for m in [getattr(encoders.pipe, name)] if m is not None
             for t in (*m.parameters(), *m.buffers())]
-
-
-def _train_step(config: TrainConfig, kind, pipe, data: EncodedExamples, tracker: LiveBytes,
-                checkpoint_options: dict | None, device: str,
-                replay: DeviceRules | None) -> tuple[dict, object]:
-    """The trainer's adapter, optimizer (its state as after a first step) and one optimizer step of at most
-    two micro-batches (the second with the first's gradients live), measured in parts. replay: the plan's
-    rules where identical blocks are replayed (`blocks.replayed_blocks`), else None."""
-    _, learner = add_trainable(config, kind, pipe, CPU, host=tracker.elsewhere)  # swapped blocks' host copies
-    model = denoiser(pipe)
-    if checkpoint_options:
-        disable_checkpointing(model)
-        enable_checkpointing(model, kind.checkpoint_blocks(),
-                             **{"policy": config.checkpointing_policy(), **checkpoint_options})
-        model.train()
-    params = learner.params
-    _first_step_state(learner, device)
-    out = {"adapters": storage_bytes(params),
-           "ema": storage_bytes(learner.ema.shadow.values()) if learner.ema is not None else 0,
-           "state": storage_bytes(t for s in learner.optimizer.state.values() for t in plain_tensors(s))}
-    accum = min(config.grad_accum, 2)
-    config = replace(config, grad_accum=accum)
-    enough = EncodedExamples(*(_repeat(data, config.batch_size * accum)))
-    forwards, peaks = [0], {}
-
-    def before_forward(module, args):
-        forwards[0] += 1
-        if forwards[0] == accum:  # the last micro-batch: everything earlier is live in it
-            tracker.reset_peak()
-            tracker.in_forward = True
-
-    def after_forward(module, args, output):
-        if forwards[0] == accum:
-            tracker.in_forward = False
-            peaks["forward"] = (tracker.peak, tracker.saved_at_peak)
-
-    objective = objective_for(pipe)
-    with unset_fake_temporarily():  # the indices of the examples drawn are read: real (and small) tensors
-        draws = draw_step(config, objective, enough, None, None, 0)
-    hooks = [model.register_forward_pre_hook(before_forward), model.register_forward_hook(after_forward)]
-    try:
-        with (torch.autograd.graph.saved_tensors_hooks(tracker.mark_saved, lambda x: x),
-              replayed_blocks(model, tracker, replay) if replay else contextlib.nullcontext()):
-            accumulate_grads(config, kind, pipe, objective, enough, None, None, learner, 0, DistEnv(), draws)
-    finally:
-        for h in hooks:
-            h.remove()
-    peaks["backward"] = (tracker.peak, tracker.saved_at_peak)
-    out["grads"] = storage_bytes(p.grad for p in params if p.grad is not None)
-    learner.precision.step(learner.optimizer, config.max_grad_norm)
-    if learner.ema is not None:
-        learner.ema.update(learner.named, 1)
-    peaks["optimizer step"] = (tracker.peak, tracker.saved_at_peak)
-    out["phase"] = next(p for p in peaks if peaks[p][0] == tracker.peak)
-    out["saved_at_peak"], out["saved"] = peaks[out["phase"]][1], tracker.saved_bytes
-    return out, learner  # the learner lives on through saving and sampling, as in the trainer
-
-
-def _save(config: TrainConfig, kind, pipe, learner, tracker: LiveBytes, on_host: bool) -> None:
-    """What `save_outputs` holds: the host copy of the adapter each file is written from (of the denoiser
-    and, with a text-encoder LoRA, the CLIP encoders), and with an EMA, the trained weights kept on the
-    device while the average is swapped in for its file."""
-    models = [denoiser(pipe), *(getattr(pipe, c) for c in clip_encoders(kind))
-              ] if config.text_encoder_lr is not None else [denoiser(pipe)]
-    with tracker.elsewhere() if on_host else contextlib.nullcontext():
-        copies = [lora_state_dict(m) for m in models]
-    del copies
-    if learner.ema is not None:
-        with learner.ema.applied(learner.named), tracker.elsewhere() if on_host else contextlib.nullcontext():
-            copies = [lora_state_dict(m) for m in models]
-        del copies
-
-
-def _first_step_state(learner, device: str = "cpu") -> None:
-    """The optimizer's state as after its first step (every later step runs with it live). lora_lab's 8-bit
-    AdamW gets its state's layout, and its steps are not run: on fake tensors its many small ops take minutes,
-    and its temporaries are a few MiB (`functional.adam.CHUNK_BLOCKS` blocks at a time). Prodigy too: its
-    step reads values (`.item()`), which fake tensors lack; its temporaries are one parameter's size.
-
-    torch's Adam and AdamW step as they would on `device`: on CUDA, torch's default is the foreach step
-    (`torch.optim.optimizer._default_to_fused_or_foreach`), which holds one temporary the size of every
-    exp_avg_sq at once; on the CPU, a loop over the parameters. Fake tensors are CPU tensors of a subclass,
-    for which torch would pick the loop, so the planned device's choice is set on the groups."""
-    optimizer = learner.optimizer
-    if isinstance(optimizer, Adam8bit) or type(optimizer).__name__ == "Prodigy":
-        zero_at_init = {id(p) for n, p in learner.named if n.endswith(".up")}  # LoRA's B starts at zero
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                optimizer.state[p] = (_adam8bit_state(optimizer, p) if isinstance(optimizer, Adam8bit)
-                                      else _prodigy_state(group, p, id(p) in zero_at_init))
-        optimizer.step = lambda closure=None: None
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        for group in optimizer.param_groups:
-            group["foreach"] = device == "cuda"
-        # torch's own lazy state initialization, without the first step's arithmetic (a dozen ops a
-        # parameter, a few seconds at real size): the same tensors (step, exp_avg, exp_avg_sq, ...)
-        for group in optimizer.param_groups:
-            init_adam_state(optimizer, group)
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _prodigy_state(group: dict, p: torch.Tensor, zero: bool) -> dict:
-    """Prodigy's state of `p` after a step (prodigyopt 1.1): s and the start p0 (a scalar where p starts at
-    zero) of every slice_p-th element, the moments."""
-    n = -(-p.numel() // group.get("slice_p", 1))
-    state: dict = {"step": 1, "s": torch.empty(n, dtype=p.dtype, device=p.device),
-                   "p0": torch.empty((), dtype=p.dtype, device=p.device) if zero
-                   else torch.empty(n, dtype=p.dtype, device=p.device)}
-    if group["betas"][0] > 0:
-        state["exp_avg"] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-    state["exp_avg_sq"] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-    return state
-
-
-def _adam8bit_state(optimizer, p: torch.Tensor) -> dict:
-    if p.numel() < optimizer.min_8bit_size:
-        return {"step": 1, "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
-                "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
-    n_blocks = -(-p.numel() // optimizer.block_size)
-    state: dict = {"step": 1}
-    for name in ("exp_avg", "exp_avg_sq"):
-        state[name] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
-        state[f"{name}_absmax"] = torch.empty(n_blocks, dtype=torch.float32, device=p.device)
-    return state
-
-
-def _repeat(data: EncodedExamples, n: int) -> tuple:
-    """The cached examples repeated to at least `n` (what one step draws)."""
-    k = -(-n // len(data.latents))
-    return (data.latents * k, {key: v.repeat(k, *[1] * (v.dim() - 1)) for key, v in data.embeds.items()},
-            data.captions * k, data.sizes * k)
-
-
-def _sample(config: TrainConfig, encoders: Encoders, samples: tuple, tracker: LiveBytes) -> None:
-    """What the trainer's sample grid holds on the device: the VAE back, the prompt's inputs (encoded while
-    caching) on the device, one denoiser call on the guidance batch (every sampling step costs the same) and
-    the decode, each by the function `diffusion.sampling.sample` uses. diffusers' sampling loop itself cannot
-    run on fake tensors (its scheduler reads timestep values), so this phase is the one the plan models:
-    `bench_planner.py --real-cpu` checks it against a measured run."""
-    model = denoiser(encoders.pipe)
-    if config.checkpointing_policy():
-        disable_checkpointing(model)
-    model.eval()
-    kind = model_kind(config.model)
-    _, inputs = samples
-    with encoders.on_device(["vae"]) as pipe, torch.no_grad():
-        tracker.track(_encoder_tensors(encoders))  # back on the device, also the parts no op reads
-        inputs = {k: v.to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
-        embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}
-        if kind.name != "flux":  # classifier-free guidance: the unconditional input beside the prompt's
-            embeds = {k: torch.cat([inputs[f"negative_{k}"], v]) for k, v in embeds.items()}
-        size = default_resolution(pipe) // pipe.vae_scale_factor
-        channels = model.config.in_channels // kind.latent_packing**2
-        latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=model.dtype)
-        t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
-        with one_of_identical_blocks(model):
-            out = predict(kind, model, latents, t, embeds, vae_scale_factor=pipe.vae_scale_factor)
-        del latents
-        with vae_decoding(pipe.vae, config.vae_tiling):
-            decode_latents(pipe, out[:1])
