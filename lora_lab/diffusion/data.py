@@ -68,7 +68,7 @@ def aspect_buckets(resolution: int, multiple: int = 8, max_ratio: float = 2.0) -
     return sorted(out)
 
 
-def _nearest_bucket(h: int, w: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+def nearest_bucket(h: int, w: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
     ratio = np.log(h / w)
     return min(buckets, key=lambda b: abs(np.log(b[0] / b[1]) - ratio))
 
@@ -136,7 +136,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 continue
             self.paths.append(path)
             self.captions.append(caption)
-            self.sizes.append(_nearest_bucket(h, w, buckets) if buckets else (resolution, resolution))
+            self.sizes.append(nearest_bucket(h, w, buckets) if buckets else (resolution, resolution))
         if bad:
             warnings.warn(f"{self.folder}: skipped {len(bad)} of {len(files)} images; first: {bad[0]}",
                           stacklevel=2)

@@ -26,8 +26,8 @@ from ..diffusion.data import (
     ENCODE_PIXELS,
     IMAGE_EXTS,
     DatasetError,
-    _nearest_bucket,
     aspect_buckets,
+    nearest_bucket,
 )
 from ..diffusion.datasets import DataSource, data_sources, held_out, kohya_sources
 
@@ -137,7 +137,7 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool) -> list[
         if buckets:
             with Image.open(path) as img:  # the header only
                 w, h = img.size
-            size = _nearest_bucket(h, w, buckets)
+            size = nearest_bucket(h, w, buckets)
         out.append((size, caption.read_text(encoding="utf-8", errors="replace").strip()))
     if not out:
         raise DatasetError(f"{folder}: no images ({', '.join(IMAGE_EXTS)}) in the dataset folder")

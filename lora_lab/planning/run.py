@@ -184,9 +184,6 @@ class PlannedRun(TrainingRun):
         return RunData(data, same if counts.reg is not None else None,
                        same if counts.held_out or counts.validation is not None else None)
 
-    def sample_prompts(self, captions: list[str]) -> list[str]:
-        return (self.config.sample_prompts or ["a photo"])[:1]  # one: the others are the same sizes
-
     def host_copies(self) -> contextlib.AbstractContextManager:
         return self.tracker.elsewhere()  # the swapped blocks' host copies
 
@@ -330,7 +327,7 @@ class PlannedRun(TrainingRun):
         model, kind, pipe = denoiser(self.pipe), self.kind, self.encoders.pipe
         _, inputs = self.samples
         with torch.no_grad():
-            inputs = {k: v.to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
+            inputs = {k: v[:1].to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
             if prompts > 1:
                 inputs = {k: v.expand(prompts, *v.shape[1:]).contiguous() for k, v in inputs.items()}
             embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}
