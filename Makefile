@@ -40,7 +40,7 @@ run: setup
 
 # Two test workers on two cores: one torch thread each (the notebook kernels inherit it), else
 # the workers' thread pools fight and small notebooks run several times slower.
-# The browser test (tests/test_lab.py) runs here too where Chromium is installed, else it is skipped.
+# The browser test (tests/notebook/test_lab.py) runs here too where Chromium is installed, else it is skipped.
 test: setup
 	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
 
@@ -55,7 +55,7 @@ test-lab: setup
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  fi; }
 	@test -x $(CHROMIUM) || { echo "make test-lab needs Chromium at $(CHROMIUM): sudo apt-get install -y chromium (or CHROMIUM=/path)"; exit 2; }
-	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_lab.py -q
+	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/notebook/test_lab.py -q
 
 # JupyterLab on 127.0.0.1 (LAB_ARGS="--ip=0.0.0.0" to listen elsewhere; other flags likewise). It
 # prints the URL with its token. JupyterLab refuses to start as root unless told: the flag is added

@@ -63,7 +63,7 @@ if ARGS.cpu_check:
     os.environ["TRITON_INTERPRET"] = "1"  # before lora_lab.kernels.* is imported
 elif not torch.cuda.is_available():
     print("benchmarks/bench_kernels.py times GPU kernels and needs a CUDA GPU; there is none here.")
-    print("Correctness is covered on the CPU by tests/test_kernels.py under TRITON_INTERPRET=1;")
+    print("Correctness is covered on the CPU by tests/kernels/test_kernels.py under TRITON_INTERPRET=1;")
     print("`python benchmarks/bench_kernels.py --cpu-check` runs this script at tiny sizes under the "
           "interpreter.")
     sys.exit(0)

@@ -11,8 +11,8 @@ kernel) into a temporary folder, in four settings interleaved per round:
 Prints wall seconds (the runner's, kernel start included), the notebook's own seconds (its record's
 `seconds`: from `Record.start` to `finish`, the same measure in papermill and in JupyterLab) and its training
 seconds. `--threads 1` runs only the two 1-thread settings (the 2-thread ones can take 10x longer on a shared
-machine). `--lab` adds "lab busy": the notebook run in JupyterLab in Chromium (`tests/test_lab.py`, as
-`make test-lab` runs it, Run All from the menu) while a second process spins on one core; its wall time
+machine). `--lab` adds "lab busy": the notebook run in JupyterLab in Chromium (`tests/notebook/test_lab.py`,
+as `make test-lab` runs it, Run All from the menu) while a second process spins on one core; its wall time
 includes starting JupyterLab and the browser, so compare the notebook's own seconds.
 
 Target (issue 30): notebook 07 in JupyterLab with one core busy within 1.5x of `make run`'s time for it on a
@@ -63,7 +63,8 @@ def run_in_lab(name: str) -> tuple[float, float | None, float | None]:
     env.setdefault("LORA_LAB_CHROMIUM", "/usr/bin/chromium")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                           "tests/test_lab.py", "-k", f"test_notebook_runs_in_jupyterlab and {name}"],
+                           "tests/notebook/test_lab.py", "-k",
+                           f"test_notebook_runs_in_jupyterlab and {name}"],
                           cwd=REPO, env=env, check=False, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     found = re.search(rf"{name}: the notebook ran in JupyterLab in ([0-9.]+) s", done.stdout)

@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py            # on a CUDA machine: the three checks below
     python benchmarks/gpu_check.py --quick    # the planner check at 512 px only
 
-1. The Triton kernels compiled: tests/test_kernels.py without the interpreter (TRITON_INTERPRET unset).
+1. The Triton kernels compiled: tests/kernels/test_kernels.py without the interpreter (TRITON_INTERPRET
+   unset).
 2. benchmarks/bench_kernels.py: the kernels timed against PyTorch, PEFT and bitsandbytes.
 3. The planner at real size against the GPU's own count: the real SDXL architecture (`base="real:sdxl"`,
    seeded random weights) trained for 3 steps in bf16 at 512 and 1024 px, checkpointing on and off, NF4 base
@@ -33,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def kernel_tests() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py"], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels/test_kernels.py"], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
     return {"passed": proc.returncode == 0, "seconds": round(time.perf_counter() - t, 1),
             "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
 
@@ -73,7 +74,7 @@ def planner_rows(resolutions: list[int]) -> list[dict]:
 
 def table(report: dict) -> str:
     lines = [f"device: {report['device']}",
-             f"Triton kernels compiled (tests/test_kernels.py): {report['kernels']['summary']}",
+             f"Triton kernels compiled (tests/kernels/test_kernels.py): {report['kernels']['summary']}",
              "", "| resolution | base | checkpointing | phase | measured GiB | planned GiB | error |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: |"]
     for row in report["planner"]:

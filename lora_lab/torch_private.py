@@ -1,8 +1,8 @@
 """torch's private API, used only through here: each name below says what lora_lab needs it for.
 
 torch makes no promise about a name with an underscore, so a new torch may rename or change any of these;
-tests/test_torch_private.py checks each against the pinned torch (2.13.0), naming the one that changed, and
-that no other module of lora_lab touches a private torch name (a new use is added here, with its why).
+tests/house/test_torch_private.py checks each against the pinned torch (2.13.0), naming the one that changed,
+and that no other module of lora_lab touches a private torch name (a new use is added here, with its why).
 """
 
 from __future__ import annotations

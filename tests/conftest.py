@@ -15,11 +15,12 @@ import torch
 
 # Without a GPU the Triton kernels run under the interpreter, which must be switched on before
 # anything imports triton.language: diffusers, peft and torchao do, and with `pytest -n 2` a worker
-# may import them (in another test file) before tests/test_kernels.py runs.
+# may import them (in another test file) before tests/kernels/test_kernels.py runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Plans are made, not read from a user's plan cache (tests/test_plan_cache.py turns it on in a temp folder).
+# Plans are made, not read from a user's plan cache (tests/planning/test_cache.py turns it on in a temp
+# folder).
 os.environ["LORA_LAB_PLAN_CACHE"] = "off"
 # The 8-bit step's compiled C (kernels/cpu_adam8bit.py): `make test` keeps it in .venv/cache; elsewhere a
 # folder of this process, not the user's cache.

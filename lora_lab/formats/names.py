@@ -31,7 +31,7 @@ _KOHYA_PREFIXES = {
 
 # Path segments of diffusers / transformers module names that themselves hold an underscore.
 # kohya names replace every "." by "_", so going back needs to know which "_" were there before.
-# tests/test_formats.py checks that every Linear/Conv2d of the SD1.5, SDXL, SD3 and Flux models
+# tests/formats/test_formats.py checks that every Linear/Conv2d of the SD1.5, SDXL, SD3 and Flux models
 # and of the CLIP text encoders survives diffusers -> kohya -> diffusers with this list.
 _COMPOUND_SEGMENTS = sorted(
     {

@@ -7,8 +7,8 @@
 The PyTorch path (functional/adam.py's `adam_step_`) runs ~20 ops a chunk, each a pass over memory, six of
 them table lookups; the C function does the whole update in one pass, block by block, on one thread (a
 second thread gains little and collapses when another process keeps a core busy: lora_lab.threads). Its
-results equal the PyTorch path's bit for bit (codes, absmax, parameter; tests/test_cpu_adam8bit.py) on an
-AVX2 build of torch, whose fused Adam kernel it reproduces rounding for rounding; elsewhere (another
+results equal the PyTorch path's bit for bit (codes, absmax, parameter; tests/kernels/test_cpu_adam8bit.py)
+on an AVX2 build of torch, whose fused Adam kernel it reproduces rounding for rounding; elsewhere (another
 capability, no C compiler, a failed compile, a tensor it does not take) the PyTorch path runs.
 
 The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~0.7 s of CPU) into

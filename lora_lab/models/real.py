@@ -9,7 +9,7 @@
 
 Each config is copied from the model's public `config.json` (the Hugging Face repository named in the
 comment above it); only the fields that change the architecture are written out, the rest are the
-classes' defaults, which equal the published values. `tests/test_real.py` checks the parameter counts
+classes' defaults, which equal the published values. `tests/models/test_real.py` checks the parameter counts
 against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
 2.5 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
 """

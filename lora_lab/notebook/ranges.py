@@ -21,7 +21,7 @@ The grammar (the range ends at the first ':' or ';' after it, or at the end of t
     interval := "in" ("[" | "(") bound "," bound ("]" | ")")       bound := a number, inf, -inf or a NAME
 
 A comment that does not start with a complete range declares none (only the type check applies); every
-notebook of this project declares one for each parameter (tests/test_notebook_ranges.py).
+notebook of this project declares one for each parameter (tests/notebook/test_ranges.py).
 """
 
 from __future__ import annotations

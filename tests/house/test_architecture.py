@@ -79,3 +79,18 @@ def test_the_page_checker_sees_a_module_without_a_row(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PAGE", page)
     with pytest.raises(AssertionError, match="lora/layer.py"):
         test_every_module_has_exactly_one_row_on_the_architecture_page()
+
+
+def test_the_tests_mirror_the_package():
+    """tests/ mirrors lora_lab/: a test of a folder's code in tests/<folder>/, of a top-level module `m.py` as
+    tests/test_m.py; tests/house/ holds the tests of the project itself (this page, imports, docs, packaging,
+    boundaries)."""
+    tests = PACKAGE.parent / "tests"
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} | {"house"}
+    modules = {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")}
+    for path in sorted(tests.rglob("test_*.py")):
+        where = path.relative_to(tests)
+        if len(where.parts) == 1:
+            assert path.stem.removeprefix("test_") in modules, f"tests/{where}: no such lora_lab module"
+        else:
+            assert len(where.parts) == 2 and where.parts[0] in folders, f"tests/{where}: no lora_lab folder"

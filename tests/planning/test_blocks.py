@@ -113,7 +113,7 @@ def test_a_run_whose_blocks_differ_is_not_replayed():
 def deep_sdxl(tmp_path_factory) -> Path:
     """The shipped tiny SDXL's configs with stacks of 6 identical transformer blocks."""
     folder = tmp_path_factory.mktemp("deep_sdxl")
-    source = Path(__file__).resolve().parents[1] / "data" / "base" / "sdxl"
+    source = Path(__file__).resolve().parents[2] / "data" / "base" / "sdxl"
     for config in source.rglob("*.json"):
         (folder / config.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(config, folder / config.relative_to(source))

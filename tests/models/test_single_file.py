@@ -22,7 +22,7 @@ from lora_lab.models.loading import fill
 from lora_lab.models.single_file import _PARTS, DENOISER_LAYOUT, DENOISER_PREFIX, component_rules, detect
 from lora_lab.models.tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
-HEADERS = Path(__file__).parent / "data" / "single_file_headers.json"
+HEADERS = Path(__file__).parents[1] / "data" / "single_file_headers.json"
 
 
 def write_single_file(kind: str, pipe, folder: Path) -> tuple[Path, dict[str, str]]:

@@ -202,7 +202,7 @@ def test_count_parameters_and_train_adapters(kind):
 
 # --------------------------------------------------------------- no branching on the adapter kind elsewhere
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lora_lab"
+PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
 KIND_NAMES = r"(?:lora|dora|locon|lokr|loha)"
 BRANCHES = [
     re.compile(r"\badapter\w*\s*(?:==|!=)\s*['\"]"),  # config.adapter != "lora"

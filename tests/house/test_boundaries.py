@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lora_lab"
+PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
 
 
 def _module_name(path: Path) -> str:

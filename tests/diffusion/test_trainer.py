@@ -34,7 +34,7 @@ from lora_lab.diffusion.trainer import (
     train,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 5
 N_IMAGES = 6  # a small dataset: 6 digits, 32 x 32
 FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lora_lab"
+PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
 
 # Imports lora_lab's dependencies once (torch is most of the start-up time), then forks one child per
 # module: each child starts with no lora_lab module loaded and imports only that one, so a module that

@@ -15,7 +15,7 @@ from torch import nn
 
 from lora_lab import torch_private as tp
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lora_lab"
+PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
 CHECKS = {}
 
 

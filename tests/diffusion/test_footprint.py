@@ -49,8 +49,8 @@ CHANGES = {
 }
 # a field declared as changing memory that cannot change a tiny plan of the shipped base, and why
 CANNOT_AT_TINY = {
-    "base": "another base is another model: its files are in the plan key (tests/test_plan_cache.py)",
-    "clip_l": "a part file of a single-file base (tests/test_single_file.py trains with one)",
+    "base": "another base is another model: its files are in the plan key (tests/planning/test_cache.py)",
+    "clip_l": "a part file of a single-file base (tests/models/test_single_file.py trains with one)",
     "clip_g": "a part file of a single-file base",
     "t5xxl": "a part file of a single-file base",
     "vae": "a part file of a single-file base",

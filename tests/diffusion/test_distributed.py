@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from lora_lab.diffusion import TrainConfig, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 11
 STEPS = 4
 
