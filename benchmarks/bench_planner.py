@@ -11,6 +11,8 @@
     python benchmarks/bench_planner.py --replay        # identical blocks replayed vs every block run: CPU s
     python benchmarks/bench_planner.py --targets       # the whole-run targets: SDXL and Flux NF4 at 1024
     python benchmarks/bench_planner.py --small-cards   # Flux.1-dev 1024 on 12 / 16 GiB, block swapping
+    python benchmarks/bench_planner.py --flags         # train --dry-run per run flag vs a tiny run measured
+                                                       # by MemTracker, phase by phase (sd15, the CPU)
     python benchmarks/bench_planner.py --real-cpu      # real SD1.5 trained on this CPU (random weights):
                                                        # each phase measured against its plan (~30 min)
 
@@ -28,6 +30,7 @@ import resource
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
@@ -355,6 +358,51 @@ def real_cpu(runs: list[tuple[int, str, bool]], steps: int) -> None:
     print(f"max resident memory of this process: {rss:.2f} GiB")
 
 
+# the run flags whose plans tests/planning/test_matrix.py checks: each beside the plain tiny sd15 run
+FLAG_CASES = {
+    "plain": {}, "--feed-forward": {"feed_forward": True}, "--reg-dataset": {"reg_dataset": "reg"},
+    "[[datasets]] x3, x2": {"dataset": None, "datasets": [{"path": "train", "repeats": 3},
+                                                          {"path": "more", "repeats": 2}]},
+    "--shuffle-captions --caption-variants 32": {"shuffle_captions": True, "caption_variants": 32},
+    "--validation-split 0.25": {"validation_split": 0.25}, "--sample-every 1": {"sample_every": 1},
+    "--ema-decay 0.9": {"ema_decay": 0.9}, "--text-encoder-lr 1e-4": {"text_encoder_lr": 1e-4},
+    "--adapter lokr": {"adapter": "lokr"}, "--optimizer prodigy": {"optimizer": "prodigy", "lr": 1.0},
+}
+
+
+def flags_table() -> None:
+    """`train --dry-run` (plan_memory of the run's TrainConfig) against the same tiny run measured by
+    PyTorch's MemTracker, each phase's plan / measured, on 4-image folders captioned with comma-separated tags
+    (what caption shuffling shuffles)."""
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.diffusion.trainer import PHASES
+    from lora_lab.planning import plan_memory
+    from lora_lab.planning.measure import measure_phases
+
+    print("| run (sd15, 2 steps, rank 16) | " + " | ".join(PHASES) + " | measured peak |")
+    print("| --- |" + " ---: |" * (len(PHASES) + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        for name in ("train", "more", "reg"):
+            (Path(tmp) / name).mkdir()
+            folders[name] = four_examples(Path(tmp) / name)
+            for i, caption in enumerate(sorted(folders[name].glob("*.txt"))):
+                caption.write_text(f"digit, {name} {i}, inverted")
+        for label, options in FLAG_CASES.items():
+            options = dict(options)
+            if "reg_dataset" in options:
+                options["reg_dataset"] = str(folders["reg"])
+            if "datasets" in options:
+                options["datasets"] = [{**t, "path": str(folders[t["path"]])} for t in options["datasets"]]
+            config = TrainConfig(**{"model": "sd15", "dataset": str(folders["train"]), "rank": 16, "steps": 2,
+                                    "sample_steps": 1, "progress": False, "device": "cpu",
+                                    "output": f"{tmp}/out-{len(label)}", **options})
+            measured = measure_phases(config, ("torch",))["torch"]
+            planned = plan_memory(config, cache=False).phases
+            print(f"| {label} | " + " | ".join(f"{planned[p] / measured[p]:.3f}" for p in PHASES)
+                  + f" | {max(measured.values()) / 2**20:.1f} MiB |", flush=True)
+
+
 def policies_table(models: list[str], rank: int) -> None:
     """Real size at 1024, bf16, AdamW: the saved activations and the peak under each checkpointing policy,
     with the attention kernel PyTorch picks on CUDA (fused) and with SDPA's math backend (the scores
@@ -395,6 +443,7 @@ if __name__ == "__main__":
                     help="plans with the training step's identical blocks replayed vs every block running")
     ap.add_argument("--small-cards", action="store_true",
                     help="Flux.1-dev 1024 on 12 / 16 GiB: NF4 or fp8 base, with and without block swapping")
+    ap.add_argument("--flags", action="store_true", help="train --dry-run per run flag vs MemTracker")
     ap.add_argument("--real-cpu", action="store_true",
                     help="real SD1.5 trained on this CPU, measured per phase")
     ap.add_argument("--runs", default="256:fp32:no,256:fp32:yes,256:bf16:yes,512:fp32:yes",
@@ -406,6 +455,8 @@ if __name__ == "__main__":
     if args.real_cpu:
         real_cpu([(int(r), d, c == "yes") for r, d, c in (run.split(":") for run in args.runs.split(","))],
                  args.steps)
+    elif args.flags:
+        flags_table()
     elif args.targets:
         targets()
     elif args.cold_start:
