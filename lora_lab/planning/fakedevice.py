@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..functional.blockwise import dynamic_map, quantize_blocks, zero_code
 from ..models import model_kind
+from ..quant import warm_tables
 from ..torch_private import (
     FakeTensorMode,
     buffers_of,
@@ -146,6 +147,7 @@ def warm_caches() -> None:
     for name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
         getattr(transformers, name)
     model_kind("flux").checkpoint_blocks()
+    warm_tables()  # a quantized base's format tables
 
 
 def to_fake(module: torch.nn.Module) -> None:

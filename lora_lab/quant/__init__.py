@@ -8,7 +8,7 @@
 """
 
 from .layer import QuantLinear, QuantReport, quantize_base, quantized_layers
-from .weights import FORMATS, QuantizationError, dequantize_weight, quantize_weight
+from .weights import FORMATS, QuantizationError, dequantize_weight, quantize_weight, warm_tables
 
 __all__ = ["FORMATS", "QuantLinear", "QuantReport", "QuantizationError", "dequantize_weight", "quantize_base",
-           "quantize_weight", "quantized_layers"]
+           "quantize_weight", "quantized_layers", "warm_tables"]

@@ -86,6 +86,15 @@ def check_format(fmt: str, block_size: int | None) -> int | None:
     return block_size
 
 
+def warm_tables(device: torch.device = torch.device("cpu")) -> None:
+    """The formats' lookup tables (NF4's values, midpoints and byte pairs; float8's values) made now, of real
+    tensors: made first inside a memory plan, their caches would hold fake tensors, and every later
+    quantization in the process would read them (`planning.fakedevice.warm_caches` calls this)."""
+    _nf4_tables(device)
+    _fp8_table(device)
+    _fp8_values()
+
+
 @functools.cache
 def _nf4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(code (16,), midpoints (15,), pair table (256,) int64: the two fp32 values a packed byte holds, as

@@ -415,3 +415,18 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
     # nothing fits: the error also points at a policy that keeps less (the project's one exit code: 2)
     assert main(["plan", "--model", "sdxl", "--gradient-checkpointing", "selective", "--vram", "4GiB"]) == 2
     assert "or a checkpointing policy that keeps less than selective" in capsys.readouterr().err
+
+
+def test_a_plan_leaves_the_quantized_formats_tables_real():
+    """A plan quantizes a base on fake tensors; the formats' cached lookup tables must be real ones after it
+    (made first inside the plan they were fake, and every later NF4 quantization in the process was wrong)."""
+    from lora_lab.quant import dequantize_weight, quantize_weight, weights
+
+    for table in (weights._nf4_tables, weights._fp8_table, weights._fp8_values):
+        table.cache_clear()
+    plan_memory("sdxl", size="tiny", device="cpu", rank=4, base_quantization="nf4", sample_steps=0,
+                cache=False)
+    w = torch.randn(64, 64)
+    for fmt in ("nf4", "fp8"):
+        error = (dequantize_weight(quantize_weight(w, fmt), fmt, w.shape) - w).abs().max()
+        assert error < 0.2 * w.abs().max(), fmt
