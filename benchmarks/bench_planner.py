@@ -367,6 +367,8 @@ FLAG_CASES = {
     "--validation-split 0.25": {"validation_split": 0.25}, "--sample-every 1": {"sample_every": 1},
     "--ema-decay 0.9": {"ema_decay": 0.9}, "--text-encoder-lr 1e-4": {"text_encoder_lr": 1e-4},
     "--adapter lokr": {"adapter": "lokr"}, "--optimizer prodigy": {"optimizer": "prodigy", "lr": 1.0},
+    "--optimizer adafactor": {"optimizer": "adafactor"}, "--validation-dataset": {"validation_dataset": "more"},
+    "--save-every 1": {"save_every": 1},
 }
 
 
@@ -388,15 +390,16 @@ def flags_table() -> None:
             folders[name] = four_examples(Path(tmp) / name)
             for i, caption in enumerate(sorted(folders[name].glob("*.txt"))):
                 caption.write_text(f"digit, {name} {i}, inverted")
-        for label, options in FLAG_CASES.items():
+        for i, (label, options) in enumerate(FLAG_CASES.items()):
             options = dict(options)
-            if "reg_dataset" in options:
-                options["reg_dataset"] = str(folders["reg"])
+            for name in ("reg_dataset", "validation_dataset"):
+                if name in options:
+                    options[name] = str(folders[options[name]])
             if "datasets" in options:
                 options["datasets"] = [{**t, "path": str(folders[t["path"]])} for t in options["datasets"]]
             config = TrainConfig(**{"model": "sd15", "dataset": str(folders["train"]), "rank": 16, "steps": 2,
                                     "sample_steps": 1, "progress": False, "device": "cpu",
-                                    "output": f"{tmp}/out-{len(label)}", **options})
+                                    "output": f"{tmp}/out-{i}", **options})
             measured = measure_phases(config, ("torch",))["torch"]
             planned = plan_memory(config, cache=False).phases
             print(f"| {label} | " + " | ".join(f"{planned[p] / measured[p]:.3f}" for p in PHASES)

@@ -45,6 +45,9 @@ CASES = {
     "text_encoder_lr": {"text_encoder_lr": 1e-4},
     "adapter_lokr": {"adapter": "lokr"},
     "optimizer_prodigy": {"optimizer": "prodigy", "lr": 1.0},
+    "optimizer_adafactor": {"optimizer": "adafactor"},
+    "validation_dataset": {"validation_dataset": "more"},
+    "save_every": {"save_every": 1},
 }
 
 def _plan(config: TrainConfig) -> MemoryPlan:
@@ -61,8 +64,9 @@ def matrix(digits_folder, tmp_path_factory):
 
     def config(case: str) -> TrainConfig:
         options = dict(CASES.get(case, {}))
-        if "reg_dataset" in options:
-            options["reg_dataset"] = str(folders[options["reg_dataset"]])
+        for name in ("reg_dataset", "validation_dataset"):
+            if name in options:
+                options[name] = str(folders[options[name]])
         if "datasets" in options:
             options["datasets"] = [{**t, "path": str(folders[t["path"]])} for t in options["datasets"]]
         return TrainConfig(**{"model": "sd15", "dataset": str(folders["train"]), "rank": 16, "steps": 2,
