@@ -367,8 +367,8 @@ FLAG_CASES = {
     "--validation-split 0.25": {"validation_split": 0.25}, "--sample-every 1": {"sample_every": 1},
     "--ema-decay 0.9": {"ema_decay": 0.9}, "--text-encoder-lr 1e-4": {"text_encoder_lr": 1e-4},
     "--adapter lokr": {"adapter": "lokr"}, "--optimizer prodigy": {"optimizer": "prodigy", "lr": 1.0},
-    "--optimizer adafactor": {"optimizer": "adafactor"}, "--validation-dataset": {"validation_dataset": "more"},
-    "--save-every 1": {"save_every": 1},
+    "--optimizer adafactor": {"optimizer": "adafactor"},
+    "--validation-dataset": {"validation_dataset": "more"}, "--save-every 1": {"save_every": 1},
 }
 
 
