@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .diffusion.distributed import resolve_device
 from .diffusion.options import MAX_SAMPLE_STEPS
-from .diffusion.runfile import config_from_file
+from .diffusion.runfile import config_from_file, read_run_file
 from .diffusion.sampling import sample_with_without
 from .diffusion.trainer import TrainConfig, train
 from .errors import LoraLabError
@@ -22,6 +22,7 @@ from .models import KINDS, REAL_MODELS
 from .models.real import REAL_DEFAULT, REAL_PREFIX, real_kind
 from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory, plan_options
 from .planning.fakedevice import ATTENTION
+from .planning.fit import OPTIMIZER_ORDER
 from .planning.planner import PLAN_DEFAULTS
 
 # ----------------------------------------------------------------------------- LoRA files
@@ -190,16 +191,31 @@ def add_run_flags(p: argparse.ArgumentParser, flag_defaults: bool = True,
                    "--grad-accum is then the effective batch)")
 
 
-def _run_config(args: argparse.Namespace, **changes) -> TrainConfig:
-    """The TrainConfig of a run's flags: the flags (or a run file with the flags given over it), `changes`
-    over them."""
+def _run_config(args: argparse.Namespace, defaults: dict | None = None, real: bool = False) -> TrainConfig:
+    """The TrainConfig of a run's flags: the flags, or a run file over `defaults` with the flags given (not
+    their defaults) over it. real (`lora-lab plan`): without a base, the real model of the model named (a
+    kind, or a real model's name)."""
     names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "datasets"]
     if args.config is None:
-        return TrainConfig(**{**{name: getattr(args, name) for name in names}, **changes})
-    # the flags given (not their defaults) over the file
-    given = build_parser(flag_defaults=False).parse_args(args.argv)
-    return config_from_file(args.config, {**{name: getattr(given, name) for name in names
-                                             if hasattr(given, name)}, **changes})
+        given, file = {name: getattr(args, name) for name in names}, {}
+    else:
+        parsed = build_parser(flag_defaults=False).parse_args(args.argv)
+        given, file = {name: getattr(parsed, name) for name in names if hasattr(parsed, name)}, \
+            read_run_file(args.config)
+    if real:
+        settings = {**(defaults or {}), **file, **given}
+        given = {**given, **_real_base(settings.get("model", "sdxl"), settings.get("base"))}
+    if args.config is None:
+        return TrainConfig(**given)
+    return config_from_file(args.config, given, defaults)
+
+
+def _real_base(model: str, base: str | None) -> dict:
+    """The model and base of a plan without a base: the real model of `model` (sd3: REAL_DEFAULT's)."""
+    name = model if model in REAL_MODELS else REAL_DEFAULT.get(model, model)
+    if base is not None or name not in REAL_MODELS:
+        return {}
+    return {"model": real_kind(name), "base": f"{REAL_PREFIX}{name}"}
 
 
 # ----------------------------------------------------------------------------- lora-lab train
@@ -216,7 +232,8 @@ def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser
     add_run_flags(p, flag_defaults)
     p.add_argument("--dry-run", action="store_true",
                    help="plan the run instead of running it: each phase's predicted peak (the trainer's own "
-                   "stages on fake tensors; with --base real:NAME at real size), then exit; writes nothing")
+                   "stages on fake tensors; with --base real:NAME at real size), then exit; writes nothing "
+                   "but the plan cache")
     p.set_defaults(func=_run_train)
     return p
 
@@ -266,14 +283,12 @@ def add_plan_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    changes = {}
-    if args.config is None and getattr(args, "base", None) is None:  # the real model of --model
-        name = args.model if args.model in REAL_MODELS else REAL_DEFAULT.get(args.model, args.model)
-        changes = {"model": real_kind(name), "base": f"{REAL_PREFIX}{name}"} if name in REAL_MODELS else {}
-    config = _run_config(args, **changes)
-    policy = config.gradient_checkpointing or "full"  # the variants with checkpointing
+    config = _run_config(args, PLAN_DEFAULTS, real=True)
+    policy = config.checkpointing_policy() or "full"  # the variants with checkpointing
+    # the optimizers fit chooses between, or the run's own (Prodigy, Adafactor)
+    optimizers = OPTIMIZER_ORDER if config.optimizer in OPTIMIZER_ORDER else (config.optimizer,)
     variants = [dataclasses.replace(config, gradient_checkpointing=ck and policy, optimizer=opt)
-                for ck in (False, True) for opt in ("adamw", "adamw8bit")
+                for ck in (False, True) for opt in optimizers
                 if ck or not config.blocks_to_swap]  # swapping recomputes: only with checkpointing
     plans = [plan_memory(v, attention=args.attention) for v in variants]
     own = plan_options(config, args.attention)  # the run as given: one of the variants, or planned

@@ -414,3 +414,22 @@ def test_plan_plans_the_flags_it_is_given(monkeypatch, capsys):
     planned.clear()
     assert main(["train", "--model", "sdxl", "--dry-run", "--feed-forward"]) == 0
     assert planned[0].feed_forward and planned[0].base is None  # the tiny base, as `train` would
+
+
+def test_plan_of_a_run_file_is_the_plan_of_the_same_flags(tmp_path, monkeypatch):
+    """`lora-lab plan --config FILE` plans as `lora-lab plan` with the file's settings as flags: a plan's
+    defaults under the file, the real model of the file's model (also a real model's name)."""
+    from lora_lab.planning import planner
+
+    planned = []
+    monkeypatch.setattr(planner, "_plan", lambda config, options: planned.append((config, options)) or
+                        planner.MemoryPlan(options["model"], "real", options, "flash", dict.fromkeys(
+                            ("cache", "load", "train step", "save", "sample"), 1), {"frozen weights": 1}, 1,
+                            "cache", "backward", 0, 0, resolution=256, base_dtype="bf16"))
+    run = tmp_path / "run.toml"
+    run.write_text('model = "sd35-medium"\nrank = 8\nresolution = 256\n')
+    assert main(["plan", "--config", str(run), "--optimizer", "prodigy", "--lr", "1.0"]) == 0
+    config, options = planned[0]
+    assert (config.model, config.base, config.rank, config.device, config.mixed_precision) == (
+        "sd3", "real:sd35-medium", 8, "cuda", "bf16")
+    assert {c.optimizer for c, _ in planned} == {"prodigy"} and options["model"] == "sd35-medium"

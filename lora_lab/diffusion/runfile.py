@@ -86,10 +86,12 @@ def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def config_from_file(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """The TrainConfig of a run file with `overrides` (the command line's flags) on top; one TrainConfigError
-    line naming the file and the key for anything the file gets wrong."""
-    settings = {**read_run_file(path), **(overrides or {})}
+def config_from_file(path: str | os.PathLike, overrides: dict[str, Any] | None = None,
+                     defaults: dict[str, Any] | None = None) -> TrainConfig:
+    """The TrainConfig of a run file over `defaults` (else TrainConfig's), with `overrides` (the command
+    line's flags) on top; one TrainConfigError line naming the file and the key for anything the file gets
+    wrong."""
+    settings = {**(defaults or {}), **read_run_file(path), **(overrides or {})}
     try:
         return TrainConfig(**settings)
     except TrainConfigError as e:

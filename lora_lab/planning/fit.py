@@ -80,31 +80,30 @@ def options_table(plans: list[MemoryPlan], vram: int | str | None = None) -> str
 
 
 def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "real",
-             checkpointing: bool | str = True, plans: list[MemoryPlan] | tuple = (), attention: str = "auto",
-             checkpoint_options: dict | None = None, **fields) -> FitResult:
+             checkpointing: bool | str | None = None, plans: list[MemoryPlan] | tuple = (),
+             attention: str = "auto", checkpoint_options: dict | None = None, **fields) -> FitResult:
     """The fastest variant of a run (a `TrainConfig`, or `planner.plan_config(run, size=size, **fields)`)
     whose every phase fits `vram` (e.g. "24GiB"), a card's memory; its batch_size x grad_accum is the
     effective batch, kept.
 
     Variants are tried in order of their time cost: no checkpointing before checkpointing (it adds a
-    forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit; within those,
+    forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit (a run with another
+    optimizer, Prodigy or Adafactor, keeps it); within those,
     the largest micro-batch (a power of two dividing the effective batch) that fits, with gradient
     accumulation making up the rest. Where only the sample phase does not fit, the same variant with the
     samples decoded in tiles (vae_tiling) is planned. Raises PlanError naming the smallest peak found and
     what sets it when nothing fits. `plans` are plans already made (e.g. the table `lora-lab plan` prints):
     one whose options are those of a variant tried is used as it is, not planned again. checkpointing: the
-    policy of the variants with checkpointing (True = "full"). attention, checkpoint_options: `plan_memory`'s.
+    policy of the variants with checkpointing (default: the run's own, else "full"). attention,
+    checkpoint_options: `plan_memory`'s.
     """
     vram = parse_bytes(vram)
-    if isinstance(run, TrainConfig):
-        if fields or size != "real":
-            raise PlanError("fit_vram: give a TrainConfig or a model with its fields, not both")
-        config = run
-    else:
-        for key in ("gradient_checkpointing", "optimizer", "grad_accum"):
-            if key in fields:
-                raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
-        config = planner.plan_config(run, size=size, **fields)
+    for key in ("gradient_checkpointing", "grad_accum"):
+        if key in fields:
+            raise PlanError(f"fit_vram chooses {key} itself; do not pass it")
+    config = planner.run_config(run, size, fields)
+    checkpointing = checkpointing if checkpointing is not None else config.checkpointing_policy() or True
+    optimizers = OPTIMIZER_ORDER if config.optimizer in OPTIMIZER_ORDER else (config.optimizer,)
     batch_size = config.batch_size * config.grad_accum
     if batch_size > 4096:
         raise PlanError(f"fit_vram: the effective batch must be at most 4096, got {batch_size}")
@@ -121,7 +120,7 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
         return p
 
     for ckpt in CHECKPOINTING_ORDER:
-        for opt in OPTIMIZER_ORDER:
+        for opt in optimizers:
             def plan(b, ckpt=ckpt, opt=opt):
                 kw = {"batch_size": b, "grad_accum": batch_size // b,
                       "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt}
@@ -139,7 +138,7 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
                 if p.fits(vram):
                     return FitResult(vram, p, tried)
             return FitResult(vram, smallest, tried)
-    swapped = _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, planned)
+    swapped = _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, optimizers[-1], planned)
     if swapped is not None:
         return FitResult(vram, swapped, tried)
     best = min(tried, key=lambda p: p.peak)
@@ -152,16 +151,16 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
            "(full, every_k, budget:F)"))
 
 
-def _fit_swapping(vram: int, config: TrainConfig, micro: int, batch_size: int, checkpointing,
+def _fit_swapping(vram: int, config: TrainConfig, micro: int, batch_size: int, checkpointing, optimizer: str,
                   planned) -> MemoryPlan | None:
-    """The last resort: checkpointing, 8-bit AdamW, the smallest micro-batch, and as few of the denoiser's
-    blocks swapped to host memory as fit (`checkpointing/swap.py`): every block swapped first, which gives
-    the bytes of a block; then the count the room left allows, planned again. None where
-    even every block swapped does not fit, or the model's blocks cannot be counted (a local folder)."""
+    """The last resort: checkpointing, 8-bit AdamW (or the run's own optimizer), the smallest micro-batch, and
+    as few of the denoiser's blocks swapped to host memory as fit (`checkpointing/swap.py`): every block
+    swapped first, which gives the bytes of a block; then the count the room left allows, planned again. None
+    where even every block swapped does not fit, or the model's blocks cannot be counted (a local folder)."""
     total = _swappable_blocks(config)
     if not total:
         return None
-    kw = {"batch_size": micro, "grad_accum": batch_size // micro, "optimizer": "adamw8bit",
+    kw = {"batch_size": micro, "grad_accum": batch_size // micro, "optimizer": optimizer,
           "gradient_checkpointing": checkpointing or True}
     every = planned(**kw, blocks_to_swap=total)
     if not every.fits(vram):

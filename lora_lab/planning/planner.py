@@ -219,6 +219,18 @@ def plan_config(model: str = "sdxl", *, size: str = "real", **fields) -> TrainCo
         raise PlanError(f"plan_memory: {e}") from e                   # of a type they do not expect
 
 
+def run_config(run: TrainConfig | str, size: str, fields: dict) -> TrainConfig:
+    """The run a plan is of: `run` itself (a TrainConfig, then no fields), or `plan_config(run, ...)`."""
+    if isinstance(run, TrainConfig):
+        if fields or size != "real":
+            raise PlanError("give a TrainConfig or a model with its fields, not both")
+        return run
+    if "model" in fields:
+        raise PlanError(f"the model is the first argument (e.g. plan_memory({fields['model']!r}, ...)), "
+                        "not model=")
+    return plan_config(run, size=size, **fields)
+
+
 def plan_size(config: TrainConfig) -> tuple[str, str]:
     """(model, size) of a TrainConfig's base for a plan's label: a real model, a local folder, or the tiny
     base."""
@@ -247,12 +259,7 @@ def plan_memory(run: TrainConfig | str = "sdxl", *, size: str = "real", attentio
     (`planning/cache.py`; $LORA_LAB_PLAN_CACHE=off turns it off everywhere). The device whose rules apply
     is the config's (`plan_device`); nothing runs on it."""
     t0 = time.perf_counter()
-    if isinstance(run, TrainConfig):
-        if fields or size != "real":
-            raise PlanError("plan_memory: give a TrainConfig or a model with its fields, not both")
-        config = run
-    else:
-        config = plan_config(run, size=size, **fields)
+    config = run_config(run, size, fields)
     options = plan_options(config, attention, checkpoint_options)
     key = plan_key(config, options) if cache else None
     stored = load_plan(key) if key else None
@@ -283,7 +290,7 @@ def plan_options(config: TrainConfig, attention: str = "auto", checkpoint_option
         raise PlanError(
             f"checkpoint_options {unknown}: enable_checkpointing takes {', '.join(sorted(allowed))}")
     model, size = plan_size(config)
-    return {"model": model, "size": size, **memory_view(config), "device": plan_device(config),
+    return {**memory_view(config), "model": model, "size": size, "device": plan_device(config),
             "attention": attention, "checkpoint_options": dict(checkpoint_options or {})}
 
 

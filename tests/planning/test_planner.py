@@ -430,3 +430,24 @@ def test_a_plan_leaves_the_quantized_formats_tables_real():
     for fmt in ("nf4", "fp8"):
         error = (dequantize_weight(quantize_weight(w, fmt), fmt, w.shape) - w).abs().max()
         assert error < 0.2 * w.abs().max(), fmt
+
+
+def test_fit_keeps_the_optimizer_and_the_policy_it_does_not_choose(monkeypatch):
+    """fit varies checkpointing, micro-batch and AdamW against 8-bit AdamW; a run's Prodigy (whose --lr is a
+    multiplier: AdamW at lr 1.0 would diverge) and its checkpointing policy are kept."""
+    calls = []
+
+    def fake_plan(config, **kw):
+        calls.append((config.gradient_checkpointing, config.optimizer, config.lr))
+        options = {k: getattr(config, k) for k in ("batch_size", "grad_accum", "gradient_checkpointing",
+                                                   "optimizer", "vae_tiling", "blocks_to_swap")}
+        return _plan(config.model, 20 if config.gradient_checkpointing else 30, options)
+
+    monkeypatch.setattr(planner, "plan_memory", fake_plan)
+    r = fit_vram(25, TrainConfig(model="sd15", optimizer="prodigy", lr=1.0, device="cuda"))
+    assert r.settings["optimizer"] == "prodigy" and {c[1] for c in calls} == {"prodigy"}
+    calls.clear()
+    r = fit_vram(25, TrainConfig(model="sd15", gradient_checkpointing="selective", device="cuda"))
+    assert r.settings["gradient_checkpointing"] == "selective" and calls[-1][0] == "selective"
+    with pytest.raises(PlanError, match="the model is the first argument"):
+        plan_memory(model="flux-dev")
