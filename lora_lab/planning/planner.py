@@ -203,9 +203,8 @@ def plan_config(model: str = "sdxl", *, size: str = "real", **fields) -> TrainCo
     if model not in models:
         raise PlanError(f"unknown {'real' if size == 'real' else 'tiny'} model {model!r}; choose one of "
                         f"{', '.join(models)}")
-    for name in ("model", "base"):
-        if name in fields:
-            raise PlanError(f"plan_memory: {name} is given by the model and size ({model!r}, {size!r})")
+    if "base" in fields:
+        raise PlanError(f"plan_memory: the base is given by the model and size ({model!r}, {size!r})")
     known = {f.name for f in dataclass_fields(TrainConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
