@@ -19,11 +19,13 @@ from .errors import LoraLabError
 from .formats import COMPONENTS, FORMATS, convert_lora, load_lora
 from .merge import merge_loras, save_merged
 from .models import KINDS, REAL_MODELS
+from .models.kinds import REGISTRY
 from .models.real import REAL_DEFAULT, REAL_PREFIX, real_kind
 from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory, plan_options
 from .planning.fakedevice import ATTENTION
 from .planning.fit import OPTIMIZER_ORDER
 from .planning.planner import PLAN_DEFAULTS
+from .resize import extract_file, resize_file
 
 # ----------------------------------------------------------------------------- LoRA files
 
@@ -103,6 +105,48 @@ def _merge(args) -> int:
     return 0
 
 
+def _resize(args) -> int:
+    _check_output(args.dst, [args.src], args.overwrite)
+    report = resize_file(args.src, args.dst, args.rank, args.energy, args.report)
+    print(report.table() + f"\nwrote {args.dst}")
+    return 0
+
+
+def _extract(args) -> int:
+    _check_output(args.dst, [args.tuned, args.base], False)
+    report = extract_file(args.tuned, args.base, args.dst, REGISTRY[args.model], args.rank, args.energy,
+                          alpha=args.alpha, format=args.to, report=args.report)
+    print(report.table() + f"\nwrote {args.dst}")
+    return 0
+
+
+def add_lowrank_parsers(sub) -> None:
+    """`lora-lab resize`, `lora-lab extract`: a truncated SVD per layer (resize.py)."""
+    def target(p):
+        p.add_argument("--rank", type=int, help="the rank to keep (with --energy: the most a layer keeps)")
+        p.add_argument("--energy", type=float,
+                       help="per layer, the fewest ranks keeping this share of the change's squared norm")
+        p.add_argument("--report", type=Path, help="also write the per-layer report as JSON here")
+
+    p = sub.add_parser("resize", help="a LoRA file at a lower rank: fixed, or per layer by energy kept")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    target(p)
+    p.add_argument("--overwrite", action="store_true", help="allow DST to be SRC (replaced atomically)")
+    p.set_defaults(func=_resize)
+
+    p = sub.add_parser("extract", help="a LoRA from a fine-tuned model minus its base (the denoiser)")
+    p.add_argument("tuned", type=Path, help="the fine-tuned model: a diffusers folder, a single file, or "
+                   "the denoiser's safetensors")
+    p.add_argument("base", type=Path, help="its base, in any of the same forms")
+    p.add_argument("dst", type=Path)
+    p.add_argument("--model", required=True, choices=KINDS)
+    target(p)
+    p.add_argument("--alpha", type=float, help="the file's alpha (default: each layer's rank)")
+    p.add_argument("--to", default="kohya", choices=FORMATS)
+    p.set_defaults(func=_extract)
+
+
 def add_lora_file_parsers(sub) -> None:
     """`lora-lab inspect`, `lora-lab convert`, `lora-lab merge`."""
     p = sub.add_parser("inspect", help="show a LoRA file's format, modules, ranks, alphas and metadata")
@@ -143,6 +187,7 @@ def build_parser(flag_defaults: bool = True) -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     add_lora_file_parsers(sub)
+    add_lowrank_parsers(sub)
     add_train_parser(sub, flag_defaults)
     add_sample_parser(sub)
     add_plan_parser(sub, flag_defaults)
