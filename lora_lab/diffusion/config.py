@@ -140,6 +140,20 @@ class TrainConfig:
         default=False,
         metadata={"help": "sd15/sdxl: weight each example's loss by 1/sqrt(snr) (v: 1/(snr+1)), kohya's "
                   "--debiased_estimation_loss"})
+    loss: str = field(
+        default="mse",
+        metadata={"help": "the loss of the prediction: mse | l1 | huber | smooth_l1 (pseudo-Huber, threshold "
+                  "by --huber-schedule; kohya's --loss_type; diffusion/losses.py)"})
+    huber_schedule: str = field(
+        default="snr",
+        metadata={"help": "with --loss huber or smooth_l1: the threshold over timesteps: snr | exponential | "
+                  "constant (kohya's --huber_schedule)"})
+    huber_c: float = field(
+        default=0.1, metadata={"help": "with --loss huber or smooth_l1: the threshold c in (0, 1] (kohya's "
+                               "--huber_c)"})
+    huber_scale: float = field(
+        default=1.0, metadata={"help": "with --loss huber or smooth_l1: the exponential and constant "
+                               "schedules' scale, > 0 (kohya's --huber_scale)"})
     timestep_sampling: str = field(
         default="logit-normal",
         metadata={"help": "sd3/flux: how sigmas are drawn: uniform | logit-normal (sigmoid of "

@@ -47,6 +47,8 @@ MEMORY: dict[str, str | Callable | None] = {
     "loss_weighting": None, "train_guidance": None, "ema_warmup": None, "loraplus_ratio": None,
     "prior_loss_weight": None, "seed": None, "keep_checkpoints": None, "resume": None, "progress": None,
     "validate_every": None, "log_with": None,
+    # a loss's own tensors are latent-sized, made after the forward's peak (tiny plans of each are equal)
+    "loss": None, "huber_schedule": None, "huber_c": None, "huber_scale": None,
     "max_grad_norm": None,  # clipping's norms: a scalar per parameter, after the backward's peak
 }
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..lora import ADAPTER_KINDS
 from ..models import model_kind
+from .losses import HUBER_SCHEDULES, LOSSES
 from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
 DATASET_KEYS = {"path": str, "repeats": int, "caption_extension": str, "is_reg": bool}  # a [[datasets]] table
@@ -131,7 +132,8 @@ def check_knob_fields(config, bad) -> None:
         bad("logit_std", "must be > 0")
     if not -1 <= config.mode_scale <= 2 / (math.pi - 2):
         bad("mode_scale", "must be in [-1, 2/(pi-2)] (else the mode sampling leaves (0, 1))")
-    for name, allowed in (("timestep_sampling", TIMESTEP_SAMPLING), ("loss_weighting", LOSS_WEIGHTINGS)):
+    for name, allowed in (("timestep_sampling", TIMESTEP_SAMPLING), ("loss_weighting", LOSS_WEIGHTINGS),
+                          ("loss", LOSSES), ("huber_schedule", HUBER_SCHEDULES)):
         if getattr(config, name) not in allowed:
             bad(name, f"must be one of {', '.join(allowed)}")
     defaults = {f.name: f.default for f in fields(config)}
@@ -145,6 +147,14 @@ def check_knob_fields(config, bad) -> None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:
         bad("debiased_estimation", "and min_snr_gamma are two weightings: choose one")
+    if not 0 < config.huber_c <= 1:
+        bad("huber_c", "must be in (0, 1]")
+    if not 0 < config.huber_scale < 1e6:
+        bad("huber_scale", "must be > 0 (and below 1e6)")
+    huber = {f.name: f.default for f in fields(config) if f.name.startswith("huber_")}
+    if config.loss not in ("huber", "smooth_l1") and any(getattr(config, n) != v for n, v in huber.items()):
+        bad(next(n for n, v in huber.items() if getattr(config, n) != v),
+            f"applies to --loss huber or smooth_l1, not {config.loss}")
 
 
 def check_adapter_fields(config, bad) -> None:

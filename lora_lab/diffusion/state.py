@@ -62,6 +62,7 @@ BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampli
                   loss_weighting="none", train_guidance=1.0, ema_decay=None, ema_warmup=True,
                   loraplus_ratio=None, text_encoder_lr=None)
 BEFORE_0_2.update(adapter="lora", lokr_factor=-1)  # LoKr/LoHa came later: those runs trained a LoRA
+BEFORE_0_2.update(loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0)  # MSE before the losses
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "vae")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"

@@ -29,6 +29,7 @@ from ..precision import autocast
 from . import objectives
 from .config import TrainConfig
 from .data import EncodedExamples, batch_indices
+from .losses import example_losses
 from .weighting import (
     debiased_weights,
     dynamic_shift_mu,
@@ -123,16 +124,18 @@ def loss_weights(config: TrainConfig, objective, t: torch.Tensor) -> torch.Tenso
 def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond,
                    weighted: bool = True) -> torch.Tensor:
     """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
-    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t); each example's squared
-    error weighted by `loss_weights` (`weighted=False`: every example the same, as validation wants).
+    noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t); each example's loss
+    (`losses.py`: the config's `loss`) weighted by `loss_weights` (`weighted=False`: every example the same,
+    as validation wants).
     fp32 scalar."""
     with autocast(config.mixed_precision, x0.device):
         pred = predict(kind, denoiser(pipe), objective.noisy(x0, noise, t), t, cond,
                        guidance=config.train_guidance, vae_scale_factor=pipe.vae_scale_factor)
-    weights = loss_weights(config, objective, t) if weighted else None
-    if weights is None:
-        return objectives.diffusion_loss(pred, objective.target(x0, noise, t))
-    return weighted_loss(pred, objective.target(x0, noise, t), weights)
+    target, weights = objective.target(x0, noise, t), loss_weights(config, objective, t) if weighted else None
+    if config.loss == "mse" and weights is None:
+        return objectives.diffusion_loss(pred, target)
+    per_example = example_losses(config, objective, pred, target, t)
+    return per_example.mean() if weights is None else weighted_loss(per_example, weights)
 
 
 @dataclass

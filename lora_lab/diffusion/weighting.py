@@ -19,7 +19,8 @@ Rectified flow (sd3, flux), sigma in (0, 1), sigma = 1 is noise (Esser et al. 20
                       the scheduler's use_dynamic_shifting)
     loss weighting    sigma_sqrt: w = 1 / sigma^2;   cosmap: w = 2 / (pi (1 - 2 sigma + 2 sigma^2));   none: 1
 
-A weight multiplies each example's mean squared error (`weighted_loss`); the step's loss is their mean.
+A weight multiplies each example's loss (`weighted_loss`; the loss itself: `losses.py`); the step's loss is
+their mean.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 TIMESTEP_SAMPLING = ("uniform", "logit-normal", "mode")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
@@ -94,7 +94,6 @@ def sd3_loss_weights(scheme: str, sigma: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(sigma, dtype=torch.float32)
 
 
-def weighted_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The mean over examples of weight x the example's mean squared error, fp32."""
-    per_example = F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)  # (B,)
-    return (weights.to(per_example.device, torch.float32) * per_example).mean()
+def weighted_loss(per_example: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The mean over examples of weight x the example's loss (B,), fp32."""
+    return (weights.to(per_example.device, torch.float32) * per_example.float()).mean()

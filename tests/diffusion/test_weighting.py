@@ -114,9 +114,10 @@ def test_weighted_loss_is_the_mean_of_weighted_per_example_errors():
     w = torch.tensor([0.5, 1.0, 2.0])
     per = [((pred[i] - target[i]) ** 2).mean().item() for i in range(3)]
     expect = sum(a * b for a, b in zip(w.tolist(), per)) / 3
-    assert weighted_loss(pred, target, w).item() == pytest.approx(expect, rel=1e-6)
+    per_example = ((pred - target) ** 2).flatten(1).mean(1)
+    assert weighted_loss(per_example, w).item() == pytest.approx(expect, rel=1e-6)
     unweighted = diffusion_loss(pred, target).item()
-    assert weighted_loss(pred, target, torch.ones(3)).item() == pytest.approx(unweighted, rel=1e-6)
+    assert weighted_loss(per_example, torch.ones(3)).item() == pytest.approx(unweighted, rel=1e-6)
 
 
 def test_the_trainer_step_uses_the_config_knobs():
