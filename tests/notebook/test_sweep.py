@@ -39,7 +39,7 @@ def test_every_point_is_checked_before_anything_runs(tmp_path):
         plan_sweep(nb, [("RANK", [1])], None, {}, tmp_path / "out")
     with pytest.raises(SweepError, match="SEED is given by --seeds"):
         plan_sweep(nb, [("SEED", [1])], [0], {}, tmp_path / "out")
-    no_seed = tiny_notebook(tmp_path / "noseed.ipynb", parameters="N = 2  # int in [1, 100]: n\nX = 0.5  # float")
+    no_seed = tiny_notebook(tmp_path / "noseed.ipynb", parameters="N = 2  # int in [1, 100]: n\nX = 0.5  # f")
     with pytest.raises(SweepError, match="no SEED parameter"):
         plan_sweep(no_seed, [], [0, 1], {}, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
