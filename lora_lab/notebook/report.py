@@ -93,13 +93,12 @@ def _notebook_section(reports: Path, record: dict[str, Any]) -> str:
     held = sum(c["held"] for c in claims.values())
     parts = [f'<section id="{html.escape(name)}">',
              f'<h2>{html.escape(name)} {_verdict(record.get("passed"))}</h2>',
-             f"<p>{held} of {len(claims)} claims held in {record.get('seconds', '?')} s",
-             f"; error: <code>{html.escape(record['error'])}</code>" if record.get("error") else "", ". "]
-    if (reports / f"{name}.ipynb").exists():
-        parts.append(f'<a href="html/{html.escape(name)}.html">The executed notebook</a> '
-                     f'(<a href="{html.escape(name)}.ipynb">.ipynb</a>, '
-                     f'<a href="{html.escape(name)}.json">.json</a>).')
-    parts.append("</p>")
+             f"<p>{held} of {len(claims)} claims held in {record.get('seconds', '?')} s"
+             + (f"; error: <code>{html.escape(record['error'])}</code>" if record.get("error") else "") + ". "
+             + (f'<a href="html/{html.escape(name)}.html">The executed notebook</a> '
+                f'(<a href="{html.escape(name)}.ipynb">.ipynb</a>, '
+                f'<a href="{html.escape(name)}.json">.json</a>).'
+                if (reports / f"{name}.ipynb").exists() else "") + "</p>"]
     parts.append(_table(["held", "claim", "measured"],
                         [[_verdict(c["held"]), html.escape(k), html.escape(c.get("detail", ""))]
                          for k, c in claims.items()]))
