@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes
 from .aggregate import table_html
-from .compare import load_records
+from .compare import CompareError, load_records
 from .provenance import leaves
 
 # nbconvert's lab template without what it loads from a CDN (require.js, MathJax, Mermaid, the widget
@@ -42,6 +43,10 @@ section { border-top: 2px solid #d0d7de; margin-top: 2em; }
 details { margin: .5em 0; } summary { cursor: pointer; color: #0969da; }
 code { background: #f6f8fa; padding: 0 3px; }
 """
+
+
+class ReportError(LoraLabError):
+    """A folder to report on that holds nothing to report."""
 
 
 def render_notebook(ipynb: Path, out: Path) -> Path:
@@ -138,14 +143,21 @@ def write_report(reports: Path) -> Path:
     """`reports/index.html` (and `reports/html/NN_name.html` for each executed notebook); its path."""
     reports = Path(reports).resolve()
     sweeps = sorted(reports.glob("sweeps/*/aggregate.json"))
-    records = load_records(reports) if any(reports.glob("*.json")) or not sweeps else {}
-    for name in records:
-        if (reports / f"{name}.ipynb").exists():
-            render_notebook(reports / f"{name}.ipynb", reports / "html" / f"{name}.html")
+    try:
+        records = load_records(reports)
+    except CompareError:
+        records = {}
     try:
         summary = json.loads((reports / "summary.json").read_text())
     except (OSError, ValueError):
         summary = {}
+    for r in summary.get("notebooks", []):  # a notebook that stopped before its record: its failure
+        records.setdefault(r.get("notebook", "?"), r)
+    if not records and not sweeps:
+        raise ReportError(f"{reports}: no notebook records and no sweeps in it (`make run` writes them)")
+    for name in records:
+        if (reports / f"{name}.ipynb").exists():
+            render_notebook(reports / f"{name}.ipynb", reports / "html" / f"{name}.html")
     prov = summary.get("provenance") or next((r["provenance"] for r in records.values() if "provenance" in r),
                                              {})
     rows = [[f'<a href="#{html.escape(n)}">{html.escape(n)}</a>', _verdict(r.get("passed")),

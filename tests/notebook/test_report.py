@@ -5,6 +5,7 @@ Chromium or Playwright, as tests/notebook/test_lab.py is (`make test-lab` requir
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 from tiny_notebooks import tiny_notebook
 
+from lora_lab.notebook import runner
 from lora_lab.notebook.__main__ import main
 from lora_lab.notebook.aggregate import write_aggregate
-from lora_lab.notebook.runner import run_notebook
 from lora_lab.notebook.sweep import plan_sweep
 
 CHROMIUM = Path(os.environ.get("LORA_LAB_CHROMIUM", "/usr/bin/chromium"))
@@ -27,11 +28,18 @@ REMOTE = re.compile(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.IGNORECASE
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """A reports folder as `make run` and a sweep leave it: one executed notebook, one sweep's aggregate."""
+    """A reports folder as `make run` and a sweep leave it: a notebook that passed, one that stopped before
+    its record (summary.json has its failure), one sweep's aggregate."""
     tmp = tmp_path_factory.mktemp("report")
     out = tmp / "reports"
-    nb = tiny_notebook(tmp / "01_tiny.ipynb")
-    assert run_notebook(nb, out)["passed"]
+    (tmp / "notebooks").mkdir()
+    nb = tiny_notebook(tmp / "notebooks" / "01_tiny.ipynb")
+    tiny_notebook(tmp / "notebooks" / "02_broken.ipynb", claim="1 / 0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "NOTEBOOKS", tmp / "notebooks")
+        assert main(["--out", str(out), "--jobs", "1"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["lora_lab"]["git"]["commit"] and summary["provenance"]["machine"]["cpu"]
     points = plan_sweep(nb, [("N", [1, 2])], [0, 1], {}, out)
     records = [{"numbers": {"n": p.values["N"], "x": p.seed + p.values["N"]}, "passed": True, "claims": {}}
                for p in points]
@@ -42,7 +50,8 @@ def reports(tmp_path_factory):
 
 def test_the_report_holds_every_notebook_and_sweep_offline(reports):
     index = (reports / "index.html").read_text()
-    for text in ("01_tiny", "the claim", 'src="figures/01_tiny_line.png"', "provenance: lora_lab",
+    for text in ("01_tiny", "the claim", "02_broken", "ZeroDivisionError", 'src="figures/01_tiny_line.png"',
+                 "provenance: lora_lab",
                  'href="html/01_tiny.html"', "sweep: 01_tiny over N", 'src="sweeps/01_tiny-N-SEED/x.png"',
                  "<td>x</td><td>2</td><td>2.5</td>"):
         assert text in index, text

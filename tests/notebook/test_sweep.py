@@ -80,6 +80,8 @@ def test_a_sweep_runs_each_point_resumes_and_aggregates(tmp_path, capsys):
 def test_the_command_line_refuses_a_bad_sweep_before_running(capsys):
     assert main(["03_lora_dora", "--sweep", "RANK=1,100", "--seeds", "0"]) == 2
     assert "03_lora_dora: parameter RANK=100: out of range" in capsys.readouterr().err
+    assert main(["01_autograd", "-p", "X", "1e9"]) == 2  # a plain batch run too
+    assert "01_autograd: parameter X=1000000000.0: out of range" in capsys.readouterr().err
     assert main(["08_memory_plan", "--seeds", "0,1"]) == 2
     assert "no SEED parameter" in capsys.readouterr().err
     with pytest.raises(SystemExit):
