@@ -1,5 +1,6 @@
 # Two commands: `make run` (set-up + every notebook through papermill into reports/)
-# and `make test` (set-up + pytest); `make lab` opens the workbook, `make test-lab` tests it in a browser. Both are idempotent: set-up runs again only when
+# and `make test` (set-up + pytest); `make report` writes reports/index.html, `make lab` opens the workbook,
+# `make test-lab` tests it in a browser. Both are idempotent: set-up runs again only when
 # pyproject.toml or constraints.txt change.
 PYTHON ?= python3
 VENV   := .venv
@@ -20,7 +21,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 # No MPLBACKEND here: a kernel that inherits one shows no figure inline in JupyterLab. The runner
 # gives its kernels the inline backend (figures in the executed copies); pytest draws with Agg.
 
-.PHONY: setup run test test-lab lab lint gpu clean
+.PHONY: setup run report test test-lab lab lint gpu clean
 
 setup: $(STAMP) $(VENV)/cache
 
@@ -35,8 +36,14 @@ $(STAMP): pyproject.toml constraints.txt | $(VENV)/cache
 $(VENV)/cache:
 	@mkdir -p $(MPLCONFIGDIR) $(IPYTHONDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_RUNTIME_DIR) $(JUPYTER_DATA_DIR) $(TORCHINDUCTOR_CACHE_DIR) $(TRITON_CACHE_DIR)
 
+# ARGS: more of the runner's arguments, e.g. ARGS="03_lora_dora --sweep RANK=1,2,4,8 --seeds 0,1,2"
+ARGS ?=
 run: setup
-	$(PY) -m lora_lab.notebook --out reports
+	$(PY) -m lora_lab.notebook --out reports $(ARGS)
+
+# reports/index.html from what `make run` and sweeps left in reports/ (offline: no CDN, no scripts)
+report: setup
+	$(PY) -m lora_lab.notebook --report --out reports
 
 # Two test workers on two cores: one torch thread each (the notebook kernels inherit it), else
 # the workers' thread pools fight and small notebooks run several times slower.
@@ -55,7 +62,7 @@ test-lab: setup
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  fi; }
 	@test -x $(CHROMIUM) || { echo "make test-lab needs Chromium at $(CHROMIUM): sudo apt-get install -y chromium (or CHROMIUM=/path)"; exit 2; }
-	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/notebook/test_lab.py -q
+	LORA_LAB_CHROMIUM=$(CHROMIUM) LORA_LAB_REQUIRE_BROWSER=1 MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest tests/notebook/test_lab.py tests/notebook/test_report.py -q
 
 # JupyterLab on 127.0.0.1 (LAB_ARGS="--ip=0.0.0.0" to listen elsewhere; other flags likewise). It
 # prints the URL with its token. JupyterLab refuses to start as root unless told: the flag is added

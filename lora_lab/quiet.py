@@ -31,6 +31,12 @@ KNOWN_NOISE: tuple[tuple[str, str, str, str], ...] = (
     ("diffusers.loaders.lora_base", "No LoRA keys associated to ", "",
      "a LoRA file without text-encoder weights: nothing to load there, as the message itself says"),
     ("diffusers.loaders.peft", "No LoRA keys associated to ", "", "as above, diffusers' other loader"),
+    ("papermill.translators", "Unable to parse line ", "",
+     "papermill's own guess at a parameters cell trips on a '=' in a comment (`# alpha = rank`); the runner "
+     "reads the cell itself (notebook/parameters.py) and checks every value before papermill runs"),
+    ("papermill.execute", "Passed unknown parameter: ", "",
+     "follows from the line above; a name the notebook does not take is refused before papermill runs "
+     "(`expected_parameters`) and again in the kernel (`Record.start`)"),
     ("IPKernelApp", "Kernel is running over TCP without encryption", "",
      "the kernels of the batch runner, on localhost for it alone (`kernel_log_config`)"),
     ("IPKernelApp", "KeyboardInterrupt caught in kernel", "",

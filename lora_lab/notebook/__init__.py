@@ -1,11 +1,16 @@
 """What the notebooks share: checked parameters, recorded claims, the batch runner, and the small real tasks
 they teach on.
 
-    record.py      Record (parameters checked, numbers, claims, figures -> reports/NAME.json), report_dir,
-                   fresh_report_folder, batch_run
+    record.py      Record (parameters checked, numbers, claims, figures, provenance -> reports/NAME.json),
+                   report_dir, fresh_report_folder, batch_run
     parameters.py  a notebook's `parameters` cell and papermill's injected cell read as literals, and checked
     ranges.py      the range each parameter's comment declares (`int in [1, 64]`, `one of "a" | "b"`, ...)
+    provenance.py  where a record came from: commit, packages, machine, times, seeds
     runner.py      `python -m lora_lab.notebook`: every notebook through papermill into reports/
+    sweep.py       `--sweep NAME=V1,V2 --seeds S1,S2`: a notebook over a grid, a folder per point, resumed
+    aggregate.py   a sweep's table (mean, min, max, each seed) and figures
+    compare.py     `--compare A B`: claims flipped, numbers moved, provenance that differs
+    report.py      `--report` (`make report`): reports/index.html and the executed notebooks as offline HTML
     digits.py      scikit-learn's digits as a small real task, and a plain classifier training loop
     effect.py      what a sample shows, read by classifiers fitted on real digits (content kept, style
                    learned), and the strict reader of each tile

@@ -9,8 +9,10 @@ comment says it takes NaN/Inf, and within the range its comment declares (ranges
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from ..errors import LoraLabError
@@ -221,3 +223,31 @@ def parameter_cells(inputs: list[str]) -> tuple[dict[str, Any], dict[str, Any], 
 def nonfinite_allowed(comments: dict[str, str]) -> frozenset[str]:
     """The parameters whose comment says they take NaN/Inf."""
     return frozenset(name for name, comment in comments.items() if _takes_nonfinite(comment))
+
+
+def notebook_parameters(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(defaults, each parameter's comment) of the .ipynb at `path`: its cell tagged `parameters`."""
+    try:
+        cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise NotebookParameterError(f"{path}: cannot read the notebook ({e})") from None
+    for cell in cells:
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            defaults, _, comments = parameter_cells([source])
+            return defaults, comments
+    return {}, {}
+
+
+def expected_parameters(path: Path, injected: dict[str, Any]) -> dict[str, Any]:
+    """The parameters the notebook at `path` runs with when given `injected` (its defaults, then those), each
+    checked as `Record.start` checks it: NotebookParameterError naming the notebook and the parameter, before
+    any kernel starts."""
+    defaults, comments = notebook_parameters(path)
+    try:
+        check_parameters(defaults, injected, nonfinite_allowed(comments))
+        values = {**defaults, **{k: as_declared(defaults[k], v) for k, v in injected.items()}}
+        check_ranges(comments, values)
+    except NotebookParameterError as e:
+        raise NotebookParameterError(f"{Path(path).stem}: {e}") from None
+    return values

@@ -5,6 +5,9 @@ In a notebook:
     nb = Record.start("01_autograd", globals())   # right after the `parameters` cell
     ...
     nb.number("dy_dx", 4.0)
+    nb.number("train_seconds", 1.2, timing=True)   # wall-clock: never compared between two runs
+    nb.number("loss", 0.31, rtol=1e-3, why="...")  # a number that may move this much from run to run
+    nb.seed(SEED)                                 # torch, random and numpy seeded; the seed recorded
     nb.claim("dy/dx = 4 at x = 2", dy_dx == 4.0)
     nb.figure(fig, "loss_curve")
     nb.finish()                                   # writes the JSON, then fails if a claim failed
@@ -28,6 +31,11 @@ notebook in notebooks/), or to $LORA_LAB_REPORTS when it is set (the runner's `-
 $LORA_LAB_THREADS): the notebooks train tiny models, whose many small ops gain little from a second thread
 and collapse on two when another process keeps a core busy (JupyterLab beside a browser, a shared 2-vCPU
 machine). The count is recorded with the results.
+
+Every record carries its provenance (provenance.py: lora_lab's version and git commit, the key packages'
+versions, the machine, start and end time, the seeds: the SEED parameter and each `nb.seed(n)`), and says
+which of its numbers are timing (`timing=True`) or may move by a declared tolerance (`rtol=`, with why):
+the reproducibility test and `--compare` compare every other number exactly.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import html
 import json
 import math
 import os
+import random
 import re
 import shutil
 import time
@@ -56,6 +65,7 @@ from .parameters import (
     nonfinite_allowed,
     parameter_cells,
 )
+from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -68,6 +78,10 @@ BATCH_ENV = "LORA_LAB_BATCH"
 
 class ClaimFailed(LoraLabError):
     """A notebook's recorded claim did not hold."""
+
+
+class RecordError(LoraLabError):
+    """A number recorded in a way that cannot be compared (a tolerance without its reason, say)."""
 
 
 def batch_run() -> bool:
@@ -129,6 +143,9 @@ class Record:
     figures: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     threads: int = field(default_factory=torch.get_num_threads)
+    seeds: list[int] = field(default_factory=list)
+    timing: list[str] = field(default_factory=list)
+    tolerances: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, name: str, namespace: dict[str, Any]) -> Record:
@@ -151,13 +168,39 @@ class Record:
             defaults = {}
         params = {k: namespace[k] for k in defaults if k in namespace}
         torch.set_num_threads(notebook_threads())  # the thread policy: lora_lab/threads.py
-        return cls(name=name, parameters=params)
+        record = cls(name=name, parameters=params)
+        if isinstance(params.get("SEED"), int):
+            record.seeds.append(params["SEED"])
+        return record
 
-    def number(self, key: str, value: Any) -> Any:
-        """Record a named number (or small list/dict of numbers) and return it."""
+    def seed(self, seed: int) -> None:
+        """Seed torch's, Python's and numpy's global generators with `seed` and record it."""
+        import numpy  # a dependency of torch's; imported here, where a notebook seeds
+
+        torch.manual_seed(seed)
+        random.seed(seed)
+        numpy.random.seed(seed % 2**32)
+        if seed not in self.seeds:
+            self.seeds.append(seed)
+
+    def number(self, key: str, value: Any, *, timing: bool = False, rtol: float | None = None,
+               why: str = "") -> Any:
+        """Record a named number (or small list/dict of numbers) and return it.
+
+        `timing=True`: a wall-clock time, never compared between two runs. `rtol` (with `why`): the relative
+        tolerance within which it may move from one run with the same parameters to the next. Every other
+        number must come out the same (the reproducibility test, `--compare`)."""
+        if timing and rtol is not None:
+            raise RecordError(f"number {key!r}: timing or a tolerance, not both")
+        if rtol is not None and not (rtol >= 0 and why.strip()):
+            raise RecordError(f"number {key!r}: a tolerance needs rtol >= 0 and why (got {rtol!r}, {why!r})")
         if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
             value = value.item()
         self.numbers[key] = value
+        if timing and key not in self.timing:
+            self.timing.append(key)
+        if rtol is not None:
+            self.tolerances[key] = {"rtol": float(rtol), "why": why.strip()}
         return value
 
     def claim(self, key: str, held: bool, detail: str = "") -> bool:
@@ -189,6 +232,9 @@ class Record:
             "passed": all(c["held"] for c in self.claims.values()),
             "seconds": round(time.time() - self.started, 2),
             "torch_threads": self.threads,
+            "timing": self.timing,
+            "tolerances": self.tolerances,
+            "provenance": provenance(self.started, seeds=self.seeds),
         }
 
     def summary(self) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """The batch runner: `python -m lora_lab.notebook [--out DIR] [--jobs N] [-p NAME VALUE ...] [NAME ...]`
-executes the notebooks with papermill into the output folder and writes `summary.json`; it exits 1 if any
-claim failed. The kernels it starts draw with matplotlib's inline backend, so the executed copies hold the
-figures.
+(__main__.py) executes the notebooks with papermill into the output folder and writes `summary.json`; it
+exits 1 if any claim failed. The kernels it starts draw with matplotlib's inline backend, so the executed
+copies hold the figures.
 
 Several notebooks run at once, one per core (at most 4): each kernel does its work on one torch thread
 (`lora_lab.threads.notebook_threads`), so N kernels on N cores do not oversubscribe them, and a batch run
@@ -11,7 +11,6 @@ on 2 cores takes about half the time of one after the other. The longest noteboo
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import json
@@ -21,13 +20,15 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..fileio import atomic_write_bytes
 from ..quiet import kernel_log_config
-from .parameters import literal_value
-from .record import BATCH_ENV, NOTEBOOKS, REPORTS_ENV, jsonable, report_dir
+from .parameters import expected_parameters, literal_value
+from .provenance import provenance
+from .record import BATCH_ENV, NOTEBOOKS, REPORTS_ENV, jsonable
 
 KERNEL_NAME = "lora-lab"
 # The kernels the runner starts draw inline (figures in the executed copies), headless as Agg is.
@@ -163,66 +164,75 @@ def longest_first(paths: list[Path], out_dir: Path) -> list[Path]:
     return sorted(paths, key=lambda p: -seconds.get(p.stem, float("inf")))
 
 
-def _timed_run(path: Path, out_dir: Path, parameters: dict[str, Any]) -> dict:
+@dataclass(frozen=True)
+class Job:
+    """One notebook run: `path` with `parameters` into `out_dir` (a batch run's folder, a sweep's point)."""
+
+    path: Path
+    out_dir: Path
+    parameters: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def __str__(self) -> str:
+        return self.label or self.path.name
+
+
+def _timed_run(job: Job) -> dict:
     t0 = time.time()
-    r = run_notebook(path, out_dir, parameters)
+    r = run_notebook(job.path, job.out_dir, job.parameters)
     r["wall_seconds"] = round(time.time() - t0, 1)
     return r
 
 
-def run_notebooks(paths: list[Path], out_dir: Path, parameters: dict[str, Any] | None = None,
-                  jobs: int = 1) -> list[dict]:
-    """Run `paths` (up to `jobs` at once, each in its own worker process) and return their records in the
-    order of `paths`, each with its `wall_seconds`."""
-    parameters = parameters or {}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if jobs <= 1 or len(paths) <= 1:
+def run_jobs(jobs: list[Job], workers: int = 1) -> list[dict]:
+    """Run `jobs` (up to `workers` at once, each in its own worker process, in the order given) and return
+    their records in that order, each with its `wall_seconds`. A failed run is a record with `passed` False
+    and its `error`: the others go on."""
+    if workers <= 1 or len(jobs) <= 1:
         results = []
-        for p in paths:
-            print(f"running {p.name} ...", flush=True)
-            results.append(_timed_run(p, out_dir, parameters))
+        for job in jobs:
+            print(f"running {job} ...", flush=True)
+            results.append(_timed_run(job))
         return results
     ensure_kernel()  # once here, not by every worker at the same time
-    by_path: dict[Path, dict] = {}
+    done: dict[int, dict] = {}
     # spawn: a fresh interpreter per worker (no fork of this process's threads or open kernels)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_timed_run, p, out_dir, parameters): p for p in longest_first(paths, out_dir)}
-        print(f"running {len(paths)} notebooks, {jobs} at a time ...", flush=True)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_timed_run, job): i for i, job in enumerate(jobs)}
+        print(f"running {len(jobs)} notebooks, {workers} at a time ...", flush=True)
         for f in as_completed(futures):
-            p = futures[f]
-            by_path[p] = f.result()
-            print(f"  done {p.name} in {by_path[p]['wall_seconds']} s", flush=True)
+            i = futures[f]
+            done[i] = f.result()
+            verdict = "" if done[i].get("passed") else "  FAILED"
+            print(f"  done {jobs[i]} in {done[i]['wall_seconds']} s{verdict}", flush=True)
+    return [done[i] for i in range(len(jobs))]
+
+
+def run_notebooks(paths: list[Path], out_dir: Path, parameters: dict[str, Any] | None = None,
+                  jobs: int = 1) -> list[dict]:
+    """Run `paths` into `out_dir` (up to `jobs` at once, the longest of the last run first) and return their
+    records in the order of `paths`, each with its `wall_seconds`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    order = longest_first(paths, out_dir) if jobs > 1 else list(paths)
+    records = run_jobs([Job(p, out_dir, dict(parameters or {})) for p in order], jobs)
+    by_path = dict(zip(order, records))
     return [by_path[p] for p in paths]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lora_lab.notebook",
-                                 description="Execute the notebooks with papermill.")
-    ap.add_argument("names", nargs="*",
-                    help="notebook names or paths, e.g. 03_lora_dora or notebooks/03_lora_dora.ipynb "
-                    "(default: all in notebooks/)")
-    ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                    help="inject a parameter (a Python literal, else a string), as papermill's -p; "
-                    "repeatable")
-    ap.add_argument("--out", default=None,
-                    help=f"output folder (default: ${REPORTS_ENV}, else reports/ at the repository root)")
-    ap.add_argument("--jobs", type=int, default=default_jobs(),
-                    help="notebooks run at once, each on one torch thread (default: one per core, at most 4: "
-                    "%(default)s here)")
-    args = ap.parse_args(argv)
-    if args.jobs < 1:
-        ap.error(f"--jobs must be at least 1, got {args.jobs}")
-    out = Path(args.out).resolve() if args.out else report_dir()
-    paths = select_notebooks(args.names)
+def run_batch(names: list[str], out: Path, parameters: dict[str, Any], jobs: int) -> int:
+    """`python -m lora_lab.notebook [NAME ...]`: the notebooks through papermill into `out`, `summary.json`
+    (with the runner's provenance), one verdict line each; 1 if a claim failed, 2 if no notebook matched."""
+    paths = select_notebooks(names)
     if not paths:
-        print(f"no notebooks found in {NOTEBOOKS} matching {args.names}", file=sys.stderr)
+        print(f"no notebooks found in {NOTEBOOKS} matching {names}", file=sys.stderr)
         return 2
-    parameters = {name: _cli_value(value) for name, value in args.parameter}
+    for path in paths:  # every value against each notebook's declared ranges, before anything runs
+        expected_parameters(path, parameters)
     t0 = time.time()
-    jobs = min(args.jobs, len(paths))
+    jobs = min(jobs, len(paths))
     results = run_notebooks(paths, out, parameters, jobs=jobs)
     summary = {"notebooks": results, "passed": all(r["passed"] for r in results), "jobs": jobs,
-               "wall_seconds": round(time.time() - t0, 1)}
+               "wall_seconds": round(time.time() - t0, 1), "provenance": provenance(t0)}
     atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2, default=jsonable).encode())
     print(f"\nreports: {out}  (summary: {out / 'summary.json'})")
     for r in results:
@@ -234,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('wall_seconds', '?')} s{extra}")
     print(f"  all: {summary['wall_seconds']} s, {jobs} at a time")
     return 0 if summary["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
