@@ -62,11 +62,14 @@ def _lora_spec(text: str) -> tuple[Path, float]:
 
 
 def _check_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
-    """Refuse an output path that is a folder, or that is one of the command's own inputs (the same file,
-    also through a symlink or a hard link) unless --overwrite was given."""
+    """Refuse an output path that is a folder or inside an input folder (a diffusers base: a file written
+    into it would join the base), or that is one of the command's own inputs (the same file, also through a
+    symlink or a hard link) unless --overwrite was given."""
     if out.is_dir():
         raise LoraLabError(f"{out}: is a folder; give the path of a file to write")
     for src in inputs:
+        if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
+            raise LoraLabError(f"{out}: is inside the input folder {src}; write it outside the input")
         if not overwrite and out.exists() and src.exists() and os.path.samefile(out, src):
             raise LoraLabError(f"{out}: is the input file {src}; refusing to overwrite an input "
                                "(pass --overwrite to replace it)")

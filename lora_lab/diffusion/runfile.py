@@ -7,8 +7,9 @@
         key's type checked
 
 Every problem is one TrainConfigError line naming the file and the key: a file that cannot be read or parsed,
-an unknown key, a value of the wrong type, a value out of range (`TrainConfig.validate`'s message, after the
-file's name). Nothing is written before the config is whole, so a bad file loses nothing.
+an unknown key, one setting spelled twice (`sample-steps` and `sample_steps`), a value of the wrong type, a
+value out of range (`TrainConfig.validate`'s message, after the file's name). Nothing is written before the
+config is whole, so a bad file loses nothing.
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
         raise TrainConfigError(f"{path}: the config must be a table of settings")
     hints = typing.get_type_hints(TrainConfig)
     known = {f.name for f in fields(TrainConfig)}
-    out = {}
+    out, spelled = {}, {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name in spelled:  # `sample-steps` and `sample_steps`: the later would win, silently
+            raise TrainConfigError(f"{path}: {spelled[name]!r} and {key!r} are the same setting {name}: "
+                                   "give it once")
+        spelled[name] = key
         if name not in known:
             raise TrainConfigError(f"{path}: unknown key {key!r} (the keys are lora-lab train's flags, e.g. "
                                    "sample_every or sample-every)")
