@@ -370,4 +370,5 @@ def test_a_checkpoint_from_before_base_dtype_and_feed_forward_resumes_as_the_run
     check_resumable(state, RunState(tmp_path, now, 3, "contents:f"), tmp_path / "step_0000001.pt")
     for changed in ({"feed_forward": True}, {"base_dtype": "bf16"}):
         with pytest.raises(TrainConfigError, match=f"the config changed \\({next(iter(changed))}: None"):
-            check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "contents:f"), tmp_path / "x.pt")
+            check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "contents:f"),
+                            tmp_path / "x.pt")
