@@ -95,6 +95,7 @@ class DataCounts:
 
     train: Part
     held_out: list[int] = field(default_factory=list)  # the training images held out for validation
+    trained: list[int] = field(default_factory=list)  # the training images trained on (`datasets.split`)
     validation: Part | None = None
     reg: Part | None = None
     variants: int = 1
@@ -111,7 +112,7 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
         parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images)
     train = parts[False]
     counts = DataCounts(train, reg=parts[True] if any(s.is_reg for s in sources) else None)
-    counts.held_out = split(train.paths, config.validation_split)[1]
+    counts.trained, counts.held_out = split(train.paths, config.validation_split)
     if config.validation_dataset is not None:
         counts.validation = Part()
         for s in kohya_sources(Path(config.validation_dataset)):
@@ -198,17 +199,18 @@ class CacheLedger:
         keeps freed when it returns."""
         train = counts.train
         n, held, v = len(train), len(counts.held_out), counts.variants
+        trained = counts.trained
         self.encode(train)
-        kept = [r for i, r in enumerate(train.repeats) if i not in set(counts.held_out)]
+        kept = [train.repeats[i] for i in trained]
         rows, own = n, False  # the training embeddings' rows, and whether they are a copy (not `encoded`'s)
-        if held:
-            self.copy(n - held)
-            rows, own = n - held, True
+        if len(trained) != n:
+            self.copy(len(trained))
+            rows, own = len(trained), True
         if v > 1:  # with_variants: every trained example's variants through the text encoders
-            self.captions((n - held) * v)
+            self.captions(len(trained) * v)
             if own:
                 self.free(rows)
-            rows, own = (n - held) * v, True
+            rows, own = len(trained) * v, True
         expanded = sum(kept) * v
         if expanded != rows:  # the repeats: a copy of the rows
             self.copy(expanded)
