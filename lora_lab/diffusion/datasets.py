@@ -8,11 +8,15 @@ API:
     encode_run_data(pipe, config, resolution) -> RunData(train, reg, val): the training examples (repeats
         expanded, caption variants encoded), the regularization examples, the held-out examples (or None)
     held_out(n, fraction) -> the indices of n images a validation split holds out (a fixed seed)
+    split(paths, fraction) -> (trained, held out): `held_out` over the distinct files of `paths`
+    check_disjoint(train, val, folder) -> TrainConfigError where a validation image is trained on too
     caption_variant(caption, rng, keep_tokens, shuffle, tag_dropout) -> one shuffled / thinned caption
     sources_fingerprint(config) -> what a resume checks every data folder against
 
-A held-out image is never trained on: the split is made over the distinct images before repeats are
-expanded, so no repeat of a held-out image is left in the training set. The split and the caption variants
+A held-out image is never trained on: the split is made over the distinct files (by real path: a folder
+listed twice, once through a link, is one set of images) before repeats are expanded, so no repeat or copy of
+a held-out image is left in the training set; a validation folder sharing a file with the training folders is
+refused. The split and the caption variants
 are functions of fixed seeds (`VALIDATION_SEED`, the run's seed), so a repeated run holds out the same images.
 """
 
