@@ -5,7 +5,8 @@
 For a 1024 x 1024 PNG and JPEG (a smooth gradient with noise, as photos compress): the time of hashing the
 file's bytes as `diffusion/data.folder_fingerprint` does (blake2b) and of decoding the image as the cache
 phase does (`diffusion/data._open_image`: PIL, fully decoded, EXIF orientation, RGB), interleaved over REPS
-rounds, and their ratio. A ratio well under 1 means the fingerprint adds a fraction of the cache phase's reading.
+rounds, and their ratio. A ratio well under 1 means the fingerprint adds a fraction of the cache phase's
+reading.
 """
 
 from __future__ import annotations
