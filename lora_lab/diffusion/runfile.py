@@ -57,6 +57,16 @@ def _type_name(kind) -> str:
     return " or ".join(TYPE_NAMES.get(typing.get_origin(k) or k, str(k)) for k in kinds)
 
 
+def _once(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; TrainConfigError for a key given twice (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise TrainConfigError(f"{path}: {key!r} is given twice: give it once")
+        out[key] = value
+    return out
+
+
 def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
     """The settings in a TOML (or JSON) run file, each key a TrainConfig field of the right type."""
     path = Path(path)
@@ -65,7 +75,8 @@ def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
             raise TrainConfigError(f"{path}: no such config file" if not path.exists()
                                    else f"{path}: the config is not a regular file")
         text = path.read_bytes().decode("utf-8")
-        data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+        data = (json.loads(text, object_pairs_hook=lambda pairs: _once(path, pairs))
+                if path.suffix.lower() == ".json" else tomllib.loads(text))  # TOML refuses a key twice
     except (OSError, UnicodeDecodeError) as e:
         raise TrainConfigError(f"{path}: unreadable config file ({e})") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:

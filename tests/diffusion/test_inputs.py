@@ -216,6 +216,10 @@ def test_a_setting_spelled_twice_in_a_run_file_is_refused(tmp_path, capsys):
         config_from_file(toml)
     refused(capsys, ["train", "--config", toml, "--output", tmp_path / "out"], toml, "sample-steps",
             "sample_steps")
+    run_json = tmp_path / "config.json"
+    run_json.write_text('{"model": "sd15", "steps": 1, "steps": 5}')
+    refused(capsys, ["train", "--config", run_json, "--output", tmp_path / "out"], run_json,
+            "'steps' is given twice")
     assert not (tmp_path / "out").exists()
 
 
