@@ -63,11 +63,15 @@ def _lora_spec(text: str) -> tuple[Path, float]:
     return Path(path), value
 
 
-def _check_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
-    """Refuse an output path that is a folder, or that is one of the command's own inputs (the same file,
-    also through a symlink or a hard link) unless --overwrite was given."""
+def _check_output(out: Path, inputs: list[Path], overwrite: bool, folders: tuple[Path, ...] = ()) -> None:
+    """Refuse an output path that is a folder or inside an input folder `folders` (a diffusers base: a file
+    written into it would join the base), or that is one of the command's own inputs (the same file, also
+    through a symlink or a hard link) unless --overwrite was given."""
     if out.is_dir():
         raise LoraLabError(f"{out}: is a folder; give the path of a file to write")
+    for folder in folders:
+        if out.resolve().is_relative_to(folder.resolve()):
+            raise LoraLabError(f"{out}: is inside the input folder {folder}; write it outside the input")
     for src in inputs:
         if not overwrite and out.exists() and src.exists() and os.path.samefile(out, src):
             raise LoraLabError(f"{out}: is the input file {src}; refusing to overwrite an input "
@@ -387,9 +391,9 @@ def _run_sample(args: argparse.Namespace) -> int:
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
         raise LoraLabError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64)")
     resolve_device(args.device)  # before the pipeline is built
-    _check_output(Path(args.output),
-                  [path for path, _ in args.lora] + ([Path(args.base)] if args.base else []),
-                  args.overwrite)
+    base = [Path(args.base)] if args.base else []
+    _check_output(Path(args.output), [path for path, _ in args.lora] + base, args.overwrite,
+                  tuple(p for p in base if p.is_dir()))
     if Path(args.output).suffix.lower() != ".png":  # it wrote PNG bytes into out.jpg
         raise LoraLabError(f"--output {args.output}: the grid is a PNG; give a file name ending in .png")
     out = sample_with_without(

@@ -16,13 +16,16 @@ API:
     DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
         a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the
         file
-    folder_fingerprint(folder) -> hex digest of the images' names and sizes and the captions' text
+    folder_fingerprint(folder) -> hex digest of the images' and captions' names, sizes and contents
     to_rgb(img) -> the RGB image a PIL image shows (16-bit scaled to 8, alpha composited over white)
 
 Each image is resized (bicubic) so it covers its target size, then center-cropped to it. Without
 buckets every image becomes resolution x resolution; with buckets each image gets the bucket whose
 aspect ratio is closest to its own (kohya-style), and batches come from one bucket at a time.
-Every image mode PIL reads becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits
+Each image is read as it is shown: its EXIF orientation applied (`PIL.ImageOps.exif_transpose`, as
+diffusers' training scripts do: examples/dreambooth/train_dreambooth_lora*.py, `exif_transpose(image)`), so a
+phone's portrait photo, stored sideways with an orientation tag, trains upright. Every image mode PIL reads
+becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits
 (round(v/257)), palette and grayscale images are expanded, and transparent pixels (RGBA, LA, a palette
 with transparency) are composited over white.
 """
@@ -45,6 +48,7 @@ from ..models import RESOLUTION, encode_images, encode_prompts
 # PIL is imported in the functions that read images: Pillow is optional (the diffusion extra), and
 # `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+EXIF_ORIENTATION = 0x0112  # the EXIF tag a camera records its rotation in (1: upright, 2-8: flipped, turned)
 ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
 ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image,
                          # 4 of 512 x 512
@@ -115,6 +119,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.buckets = buckets
         if not self.folder.is_dir():
             raise DatasetError(f"{self.folder}: no such dataset folder")
+        if problem := caption_extension_problem(caption_extension):
+            raise DatasetError(f"caption_extension {caption_extension!r}: {problem}")
         files = sorted(p for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.is_dir())
         if not files:
             raise DatasetError(f"{self.folder}: no images ({', '.join(IMAGE_EXTS)}) in the dataset folder")
@@ -152,6 +158,14 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return {"image": _to_tensor(img), "caption": self.captions[i], "path": str(self.paths[i])}
 
 
+def caption_extension_problem(extension: str) -> str | None:
+    """What is wrong with a captions' extension (None: nothing): a dot and a name, as `.txt` or `.caption`;
+    "." or "./x" would name no file beside the image (pathlib's ValueError)."""
+    if not extension.startswith(".") or extension == "." or "/" in extension or "\\" in extension:
+        return "must be a dot and a name without a folder, e.g. .txt or .caption"
+    return None
+
+
 def _read_caption(image: Path, path: Path) -> str:
     if not path.is_file():
         raise DatasetError(f"{image}: no caption file {path.name}")
@@ -167,30 +181,47 @@ def _open_image(path: Path):
     """The image at `path` as RGB (`to_rgb`), decoded fully; DatasetError naming the file if it cannot be.
 
     PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS (DecompressionBombError) before decoding them."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not path.is_file():  # a dangling link, a pipe (opening it would wait forever), a device
         raise DatasetError(f"{path}: unreadable image (not a regular file)")
     try:
         with Image.open(path) as img:
             img.load()  # decode fully: a truncated file fails here, not mid-training
-            return to_rgb(img)
+            return to_rgb(ImageOps.exif_transpose(img))  # as it is shown (a phone's portrait photo upright)
     except Image.DecompressionBombError as e:
         raise DatasetError(f"{path}: refused as a decompression bomb ({e})") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DatasetError(f"{path}: unreadable image ({e})") from None
 
 
+def shown_size(img) -> tuple[int, int]:
+    """(width, height) of an opened PIL image as it is shown: its EXIF orientation 5 to 8 (a quarter turn)
+    swaps them (what `_open_image`'s exif_transpose gives, read from the header only)."""
+    w, h = img.size
+    return (h, w) if img.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8) else (w, h)
+
+
+# what begins a run's fingerprint of its data since it covers the images' contents (a checkpoint whose
+# fingerprint lacks it was written before: its images' names and sizes only)
+CONTENTS_FINGERPRINT = "contents:"
+
+
 def folder_fingerprint(folder: str | Path, caption_extension: str = ".txt") -> str:
     """A digest that changes when a training folder's images or captions change: sha256 over the sorted
-    names and byte sizes of its image files, and the bytes of its captions (images are not read)."""
+    names and byte sizes of its image and caption files and a blake2b of each one's bytes (an image replaced
+    by another of the same size and name changes it; hashing a 1024 x 1024 PNG takes a fifth of the time
+    decoding it takes, a JPEG a hundredth: benchmarks/bench_fingerprint.py)."""
     h = hashlib.sha256()
     for p in sorted(Path(folder).iterdir()):
         suffix = p.suffix.lower()
         if p.is_file() and (suffix in IMAGE_EXTS or suffix == caption_extension):
             h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-            if suffix == caption_extension:
-                h.update(p.read_bytes())
+            contents = hashlib.blake2b()
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    contents.update(chunk)
+            h.update(contents.digest())
     return h.hexdigest()
 
 

@@ -8,25 +8,33 @@ API:
     encode_run_data(pipe, config, resolution) -> RunData(train, reg, val): the training examples (repeats
         expanded, caption variants encoded), the regularization examples, the held-out examples (or None)
     held_out(n, fraction) -> the indices of n images a validation split holds out (a fixed seed)
+    split(paths, fraction) -> (trained, held out): `held_out` over the distinct files of `paths`
+    check_disjoint(train, val, folder) -> TrainConfigError where a validation image is trained on too
     caption_variant(caption, rng, keep_tokens, shuffle, tag_dropout) -> one shuffled / thinned caption
     sources_fingerprint(config) -> what a resume checks every data folder against
 
-A held-out image is never trained on: the split is made over the distinct images before repeats are
-expanded, so no repeat of a held-out image is left in the training set. The split and the caption variants
+A held-out image is never trained on: the split is made over the distinct files (by real path: a folder
+listed twice, once through a link, is one set of images) before repeats are expanded, so no repeat or copy of
+a held-out image is left in the training set; a validation folder sharing a file with the training folders is
+refused. The split and the caption variants
 are functions of fixed seeds (`VALIDATION_SEED`, the run's seed), so a repeated run holds out the same images.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from .config import TrainConfig, TrainConfigError
 from .data import (
+    CONTENTS_FINGERPRINT,
     IMAGE_EXTS,
+    DatasetError,
     EncodedExamples,
     ImageCaptionDataset,
     aspect_buckets,
@@ -51,16 +59,37 @@ class DataSource:
 
 
 def kohya_sources(folder: Path, is_reg: bool = False) -> list[DataSource]:
-    """`folder` as its sources: its `N_name/` subfolders (N repeats) when it holds no images itself and
-    has such subfolders (kohya's layout), else the folder once."""
+    """`folder` as its sources: its `N_name/` subfolders (N repeats) where it has such subfolders (kohya's
+    layout), else the folder once. As kohya's sd-scripts reads the layout (library/config_util.py,
+    `generate_dreambooth_subsets_config_by_subdirs`): a `0_name/` subfolder is skipped (repeats < 1), any
+    other subfolder too, each with a warning. Images beside the `N_name/` subfolders, which kohya ignores
+    without a word, are refused (DatasetError naming them): either reading of such a folder could be the one
+    meant, and the other trains on other data than asked."""
     if not folder.is_dir():
         return [DataSource(str(folder), is_reg=is_reg)]
     entries = sorted(folder.iterdir())
-    has_images = any(p.is_file() and p.suffix.lower() in IMAGE_EXTS for p in entries)
-    subfolders = [(int(m.group(1)), p) for p in entries if p.is_dir() and (m := KOHYA_FOLDER.match(p.name))]
-    if has_images or not subfolders:
+    kohya = [(int(m.group(1)), p) for p in entries if p.is_dir() and (m := KOHYA_FOLDER.match(p.name))]
+    if not kohya:
         return [DataSource(str(folder), is_reg=is_reg)]
-    return [DataSource(str(p), repeats=max(1, n), is_reg=is_reg) for n, p in subfolders]
+    stray = [p.name for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
+    if stray:
+        more = " ..." if len(stray) > 3 else ""
+        raise DatasetError(f"{folder}: holds images ({', '.join(stray[:3])}{more}) beside kohya's N_name/ "
+                           f"subfolders ({kohya[0][1].name}): move them into a N_name/ subfolder to train on "
+                           "them, or out of the folder (kohya ignores them)")
+    others = [p.name for p in entries if p.is_dir() and not KOHYA_FOLDER.match(p.name)]
+    if others:
+        warnings.warn(f"{folder}: skipped the subfolder(s) {', '.join(others)}: not kohya's N_name/ (N "
+                      "repeats), as kohya skips them", stacklevel=2)
+    zero = [p.name for n, p in kohya if n < 1]
+    if zero:
+        warnings.warn(f"{folder}: skipped the subfolder(s) {', '.join(zero)}: 0 repeats, as kohya skips them",
+                      stacklevel=2)
+    sources = [DataSource(str(p), repeats=n, is_reg=is_reg) for n, p in kohya if n >= 1]
+    if not sources:
+        raise DatasetError(f"{folder}: every kohya subfolder has 0 repeats ({', '.join(zero)}): none to "
+                           "train on")
+    return sources
 
 
 def data_sources(config: TrainConfig) -> list[DataSource]:
@@ -116,6 +145,34 @@ def held_out(n: int, fraction: float) -> list[int]:
     return sorted(random.Random(VALIDATION_SEED).sample(range(n), count))
 
 
+def split(paths: list, fraction: float | None) -> tuple[list[int], list[int]]:
+    """(the indices trained on, the indices held out) of images `paths` under a validation split of
+    `fraction` (None: none held out). The split is `held_out` over the distinct files (their real paths: a
+    folder listed twice, once through a link, is one set of images), and every copy of a held-out file is
+    held out, so no held-out image is trained on."""
+    if not fraction:
+        return list(range(len(paths))), []
+    real = [os.path.realpath(p) for p in paths]
+    distinct = list(dict.fromkeys(real))
+    if len(distinct) < len(real):
+        warnings.warn(f"{len(real) - len(distinct)} of the {len(real)} images are files listed twice (one "
+                      "folder under two paths or tables): the validation split holds out or trains each file "
+                      "as one", stacklevel=2)
+    held = {distinct[i] for i in held_out(len(distinct), fraction)}
+    first = {r: i for i, r in reversed(list(enumerate(real)))}
+    return [i for i, r in enumerate(real) if r not in held], sorted(first[r] for r in held)
+
+
+def check_disjoint(train: list, val: list, folder) -> None:
+    """TrainConfigError naming an image of the validation folder `folder` that is also trained on (the same
+    file, by real path): the validation loss would hold none of it out."""
+    trained = {os.path.realpath(p) for p in train}
+    both = [p for p in val if os.path.realpath(p) in trained]
+    if both:
+        raise TrainConfigError(f"TrainConfig.validation_dataset={str(folder)!r}: {len(both)} of its images "
+                               f"are trained on too (first: {both[0]}); name a folder of other images")
+
+
 def caption_variant(caption: str, rng: random.Random, keep_tokens: int = 0, shuffle: bool = False,
                     tag_dropout: float = 0.0) -> str:
     """One variant of a caption of comma-separated tags: the first `keep_tokens` tags in place, the others
@@ -143,15 +200,17 @@ def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
     sources = data_sources(config)
     train_sources = [s for s in sources if not s.is_reg]
     images = open_images(train_sources, config, resolution)
+    val_images = None
+    if config.validation_dataset is not None:
+        val_images = open_images(kohya_sources(Path(config.validation_dataset)), config, resolution)
+        check_disjoint(images.paths, val_images.paths, config.validation_dataset)
+    train_idx, val_idx = split(images.paths, config.validation_split)
     encoded = encode_examples(pipe, images, config.seed)
-    val_idx = held_out(len(images), config.validation_split) if config.validation_split else []
-    train_idx = [i for i in range(len(images)) if i not in set(val_idx)]
     train = with_variants(pipe, encoded.select(train_idx), config)
     train = train.select([j for j, i in enumerate(train_idx) for _ in range(images.repeats[i])])
     val = encoded.select(val_idx) if val_idx else None
-    if config.validation_dataset is not None:
-        val = encode_examples(pipe, open_images(kohya_sources(Path(config.validation_dataset)), config,
-                                                resolution), config.seed)
+    if val_images is not None:
+        val = encode_examples(pipe, val_images, config.seed)
     reg_sources = [s for s in sources if s.is_reg]
     reg = None
     if reg_sources:
@@ -176,12 +235,9 @@ def with_variants(pipe, data: EncodedExamples, config: TrainConfig) -> EncodedEx
 
 
 def sources_fingerprint(config: TrainConfig) -> str:
-    """What a resume checks the data folders against: every source's files (`folder_fingerprint`) with its
-    repeats and caption extension. A plain dataset folder (and regularization folder) gives the digest runs
-    before several folders wrote."""
+    """What a resume checks the data folders against: every source's files, their contents too
+    (`folder_fingerprint`), with its repeats and caption extension."""
     sources = data_sources(config)
-    if all(s.repeats == 1 and s.caption_extension == ".txt" for s in sources) and config.datasets is None \
-            and len([s for s in sources if not s.is_reg]) == 1 and len(sources) <= 2:
-        return "+".join(folder_fingerprint(s.path) for s in sources)
-    return "+".join(f"{s.repeats}:{s.caption_extension}:{int(s.is_reg)}:"
-                    f"{folder_fingerprint(s.path, s.caption_extension)}" for s in sources)
+    return CONTENTS_FINGERPRINT + "+".join(f"{s.repeats}:{s.caption_extension}:{int(s.is_reg)}:"
+                                           f"{folder_fingerprint(s.path, s.caption_extension)}"
+                                           for s in sources)

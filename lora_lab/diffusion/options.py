@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from importlib.util import find_spec
 from pathlib import Path
 
 from ..lora import ADAPTER_KINDS
-from ..models import model_kind
+from ..models import model_kind, shipped_base
+from ..models.real import REAL_PREFIX
+from .data import caption_extension_problem
 from .losses import HUBER_SCHEDULES, LOSSES
 from .weighting import LOSS_WEIGHTINGS, TIMESTEP_SAMPLING
 
@@ -54,6 +57,9 @@ def check_watch_fields(config, bad) -> None:
         bad("validation_split", "and validation_dataset both given: hold out a fraction or name a folder")
     if config.log_with is not None and config.log_with not in LOG_WITH:
         bad("log_with", f"must be one of {', '.join(LOG_WITH)} (or None: loss.jsonl only)")
+    if config.log_with is not None and find_spec(config.log_with) is None:  # found now, not after a run
+        bad("log_with", f"needs the {config.log_with} package, which is not installed (pip install "
+            f"{config.log_with})")
     if not (isinstance(config.tag_dropout, (int, float)) and 0 <= config.tag_dropout < 1):
         bad("tag_dropout", "must be a probability in [0, 1)")
     for name in ("output", "dataset", "reg_dataset", "validation_dataset"):
@@ -73,22 +79,43 @@ def check_watch_fields(config, bad) -> None:
             bad("datasets", "every entry is a regularization folder (is_reg): none to train on")
 
 
+def input_paths(config) -> list[tuple[str, Path]]:
+    """Every file and folder a run of `config` reads, each with the field that names it: its base (a
+    diffusers folder or a single file; the tiny one shipped in data/ by default; none for real:NAME), the
+    base's part files, the data folders (`[[datasets]]` tables, else the dataset folder, the shipped set by
+    default), the regularization and validation folders. The one list: the output check below and the plan
+    cache's key (`planning/cache.read_paths`) read it."""
+    base = config.base if config.base is not None else shipped_base(config.model)
+    paths = [] if base is None or str(base).startswith(REAL_PREFIX) else [("base", Path(base))]
+    paths += [(part, Path(p)) for part, p in config.base_parts().items() if p is not None]
+    if isinstance(config.datasets, list):
+        paths += [("datasets", Path(t["path"])) for t in config.datasets
+                  if isinstance(t, dict) and isinstance(t.get("path"), str)]
+    else:
+        paths.append(("dataset", config.dataset_dir()))
+    paths += [(name, Path(getattr(config, name))) for name in ("reg_dataset", "validation_dataset")
+              if isinstance(getattr(config, name), (str, Path))]
+    return paths
+
+
 def check_output_outside_data(config, bad) -> None:
-    """The output folder is no data folder and inside none: the run's samples.png and checkpoints/ would
-    become the data's (an image without a caption, a changed folder that refuses --resume). The validation
-    folder is no training folder and inside none: its images would be trained on."""
-    trained = [("dataset", config.dataset_dir() if config.datasets is None else None),
-               ("reg_dataset", config.reg_dataset)]
-    trained += [("datasets", t["path"]) for t in config.datasets or [] if isinstance(t, dict) and "path" in t]
-    trained = [(name, folder) for name, folder in trained
-               if isinstance(folder, (str, Path)) and Path(folder).is_dir()]
+    """The output folder is no input folder and inside none, nor the folder an input file is in
+    (`input_paths`): the run would write into its inputs (config.json over a base's unet/config.json,
+    samples.png and checkpoints/ joining a data folder, its files beside a single-file base's). The
+    validation folder is no training folder and inside none: its images would be trained on."""
+    output = Path(config.output).resolve()
+    for name, path in input_paths(config):
+        if path.is_dir() and output.is_relative_to(path.resolve()):
+            bad("output", f"is inside the {name} folder {path}: the run's files (config.json, samples.png, "
+                "checkpoints/) would be written into an input; choose an output folder outside it")
+        if path.is_file() and output == path.parent.resolve():
+            bad("output", f"is the folder of the {name} file {path}: the run's files (config.json, "
+                "lora.safetensors, checkpoints/) would be written among its inputs; choose another folder")
     val = config.validation_dataset
-    for name, folder in [*trained, ("validation_dataset", val)] if val is not None else trained:
-        if Path(config.output).resolve().is_relative_to(Path(folder).resolve()):
-            bad("output", f"is inside the {name} folder {folder}: the run's files (samples.png, "
-                "checkpoints/) would join its data; choose an output folder outside it")
+    trained = [(name, path) for name, path in input_paths(config)
+               if name in ("dataset", "datasets", "reg_dataset") and path.is_dir()]
     for name, folder in trained if val is not None else []:
-        if Path(val).resolve().is_relative_to(Path(folder).resolve()):
+        if Path(val).resolve().is_relative_to(folder.resolve()):
             bad("validation_dataset", f"is inside the {name} folder {folder}: its images are trained on, so "
                 "the validation loss would hold none out; name a folder of other images")
 
@@ -110,8 +137,9 @@ def dataset_table_problem(table) -> str | None:
         return f"path {table['path']!r} is not a folder"
     if table.get("repeats", 1) < 1:
         return f"repeats = {table['repeats']} must be >= 1"
-    if not table.get("caption_extension", ".txt").startswith("."):
-        return f"caption_extension = {table['caption_extension']!r} must start with a dot"
+    problem = caption_extension_problem(table.get("caption_extension", ".txt"))
+    if problem:
+        return f"caption_extension = {table['caption_extension']!r} {problem}"
     return None
 
 

@@ -7,8 +7,9 @@
         key's type checked
 
 Every problem is one TrainConfigError line naming the file and the key: a file that cannot be read or parsed,
-an unknown key, a value of the wrong type, a value out of range (`TrainConfig.validate`'s message, after the
-file's name). Nothing is written before the config is whole, so a bad file loses nothing.
+an unknown key, one setting spelled twice (`sample-steps` and `sample_steps`), a value of the wrong type, a
+value out of range (`TrainConfig.validate`'s message, after the file's name). Nothing is written before the
+config is whole, so a bad file loses nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def _type_name(kind) -> str:
     return " or ".join(TYPE_NAMES.get(typing.get_origin(k) or k, str(k)) for k in kinds)
 
 
+def _once(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; TrainConfigError for a key given twice (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise TrainConfigError(f"{path}: {key!r} is given twice: give it once")
+        out[key] = value
+    return out
+
+
 def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
     """The settings in a TOML (or JSON) run file, each key a TrainConfig field of the right type."""
     path = Path(path)
@@ -64,7 +75,8 @@ def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
             raise TrainConfigError(f"{path}: no such config file" if not path.exists()
                                    else f"{path}: the config is not a regular file")
         text = path.read_bytes().decode("utf-8")
-        data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+        data = (json.loads(text, object_pairs_hook=lambda pairs: _once(path, pairs))
+                if path.suffix.lower() == ".json" else tomllib.loads(text))  # TOML refuses a key twice
     except (OSError, UnicodeDecodeError) as e:
         raise TrainConfigError(f"{path}: unreadable config file ({e})") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
@@ -74,9 +86,13 @@ def read_run_file(path: str | os.PathLike) -> dict[str, Any]:
         raise TrainConfigError(f"{path}: the config must be a table of settings")
     hints = typing.get_type_hints(TrainConfig)
     known = {f.name for f in fields(TrainConfig)}
-    out = {}
+    out, spelled = {}, {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name in spelled:  # `sample-steps` and `sample_steps`: the later would win, silently
+            raise TrainConfigError(f"{path}: {spelled[name]!r} and {key!r} are the same setting {name}: "
+                                   "give it once")
+        spelled[name] = key
         if name not in known:
             raise TrainConfigError(f"{path}: unknown key {key!r} (the keys are lora-lab train's flags, e.g. "
                                    "sample_every or sample-every)")

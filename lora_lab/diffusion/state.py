@@ -30,6 +30,7 @@ from ..errors import LoraLabError
 from ..fileio import atomic_torch_save, atomic_write_bytes
 from ..precision import MixedPrecision
 from .config import TrainConfig, TrainConfigError
+from .data import CONTENTS_FINGERPRINT
 
 
 class NonFiniteLossError(LoraLabError, FloatingPointError):
@@ -422,10 +423,14 @@ def check_resumable(state: dict[str, Any], run: RunState, path: Path) -> None:
         raise TrainConfigError(
             f"cannot resume from {path}: the dataset had {state['n_examples']} examples, now {run.n_examples}"
         )
-    if state.get("dataset_fingerprint", run.fingerprint) != run.fingerprint:
+    saved = state.get("dataset_fingerprint", run.fingerprint)
+    if not saved.startswith(CONTENTS_FINGERPRINT):  # of the names and sizes only: not comparable
+        warnings.warn(f"{path} predates fingerprints of the images' contents: the dataset is not checked "
+                      "against it (a replaced image goes unnoticed)", stacklevel=2)
+    elif saved != run.fingerprint:
         raise TrainConfigError(
             f"cannot resume from {path}: the files of the dataset {now['dataset']} changed since it was "
-            "written (names, sizes or captions); restore them, or start a new run in another --output"
+            "written (names, sizes, images or captions); restore them, or start a new run in another --output"
         )
 
 
@@ -436,5 +441,8 @@ def real_path(table: Any) -> Any:
 
 
 def write_config(run: RunState) -> None:
-    """<output>/config.json: the resolved config (TrainConfig.from_json reads it back)."""
-    atomic_write_bytes(run.output / "config.json", (json.dumps(asdict(run.config), indent=2) + "\n").encode())
+    """<output>/config.json: the resolved config (TrainConfig.from_json reads it back), with resume false: it
+    repeats the run (`lora-lab train --config out/config.json --output again`, which a resumed run's
+    resume = true would refuse: a new folder holds no checkpoint); continuing one is `--resume`'s to ask."""
+    config = {**asdict(run.config), "resume": False}
+    atomic_write_bytes(run.output / "config.json", (json.dumps(config, indent=2) + "\n").encode())

@@ -215,6 +215,8 @@ def _read(path: Path, base: str | None) -> dict[str, tuple[str, dict[str, torch.
             raise LoraFormatError(f"{path}: {key!r} is not a LoKr or LoHa key "
                                   f"(roles: {', '.join(ROLES)}, alpha)")
         name = diffusers_name(kohya, base, layout)
+        if name in modules and modules[name][0] != kohya:  # its LDM and its diffusers name: which one?
+            raise LoraFormatError(f"{path}: keys {modules[name][0]!r} and {kohya!r} are both module {name!r}")
         _, factors, alpha = modules.setdefault(name, (kohya, {}, None))
         if role == "alpha":
             if tensors[key].numel() != 1:

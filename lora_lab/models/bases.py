@@ -92,6 +92,37 @@ def check_base(base: str | Path | None, kind: ModelKind, parts: dict[str, str | 
     if found is not None and found.name != kind.name:
         raise ModelLoadError(f"{path} is a {found.name} pipeline, not {kind.name}: train it with "
                              f"--model {found.name}")
+    component_classes(path)
+
+
+def component_classes(path: Path) -> dict[str, type]:
+    """The classes of a pipeline folder's diffusers and transformers components by name (its
+    model_index.json); ModelLoadError naming the folder and the class where the installed library lacks it
+    (the pipeline's constructor would fail on the missing component). Other libraries' components (a
+    safety checker) are left out, as diffusers leaves them."""
+    import diffusers
+    import transformers
+
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'model_index.json'}: unreadable ({e})") from None
+    if not isinstance(index, dict):
+        raise ModelLoadError(f"{path / 'model_index.json'}: not a table of components")
+    out = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
+                                        and isinstance(spec[1], str)):
+            continue
+        lib = {"diffusers": diffusers, "transformers": transformers}.get(spec[0])
+        if lib is None:
+            continue
+        cls = getattr(lib, spec[1], None)
+        if not isinstance(cls, type):
+            raise ModelLoadError(f"{path}: model_index.json names {name} class {spec[0]}.{spec[1]}, which "
+                                 f"{spec[0]} {lib.__version__} lacks")
+        out[name] = cls
+    return out
 
 
 def _folder_kind(path: Path) -> ModelKind | None:
@@ -214,22 +245,15 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
                        names: list[str] | None) -> dict:
     """The components of a pipeline folder (only `names`, if given); the denoiser a skeleton. With
     shapes_only, no weight file is read (a plan: the models get fake weights)."""
-    import diffusers
     import transformers
 
-    index = json.loads((path / "model_index.json").read_text())
     out: dict = {}
-    for name, spec in index.items():
-        if (name.startswith("_") or not isinstance(spec, list) or spec[1] is None
-                or (names and name not in names)):
-            continue
-        lib = {"diffusers": diffusers, "transformers": transformers}.get(spec[0])
-        cls = getattr(lib, spec[1], None) if lib else None
-        if cls is None:
+    for name, cls in component_classes(path).items():
+        if names and name not in names:
             continue
         sub = path / name
-        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            config = (cls.load_config(str(sub)) if lib is diffusers
+        if issubclass(cls, torch.nn.Module):
+            config = (cls.load_config(str(sub)) if cls.__module__.startswith("diffusers")
                       else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
             model = skeleton(cls, config, meta_buffers=name == kind.component)
             if name != kind.component:

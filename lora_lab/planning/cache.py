@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
+from ..diffusion.options import input_paths
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes, cache_root, parse_json
-from ..models import shipped_base
-from ..models.real import REAL_PREFIX
 
 FORMAT = 2  # the layout of a cache file; a new layout is another key
 MAX_FILE_BYTES = 1 << 20  # a plan's JSON is a few KiB: a larger file is not one of ours
@@ -82,17 +81,9 @@ def _fingerprint(path: Path) -> list:
 
 
 def read_paths(config) -> list[Path]:
-    """The files and folders a plan of `config` reads: its base (the tiny one shipped in data/ by default)
-    and the base's part files, and its data folders."""
-    base = config.base if config.base is not None else shipped_base(config.model)
-    paths = [] if base is None or str(base).startswith(REAL_PREFIX) else [Path(base)]
-    paths += [Path(p) for p in config.base_parts().values() if p is not None]
-    if config.datasets is not None:
-        paths += [Path(t["path"]) for t in config.datasets]
-    else:
-        paths.append(config.dataset_dir())
-    paths += [Path(p) for p in (config.reg_dataset, config.validation_dataset) if p is not None]
-    return paths
+    """The files and folders a plan of `config` reads: the run's inputs (`diffusion.options.input_paths`:
+    its base and the base's part files, its data folders)."""
+    return [path for _, path in input_paths(config)]
 
 
 def plan_key(config, options: dict) -> str:

@@ -6,7 +6,7 @@
 A plan encodes one group of examples on fake tensors (`PlannedExamples`: what one VAE call takes) and counts
 the others from `count_examples`: the same folders the trainer reads (`diffusion.datasets.data_sources`:
 the dataset folder, kohya's `N_name/` subfolders, the `[[datasets]]` tables with their repeats, the
-regularization and validation folders), the held-out split (`held_out`), the caption variants. No image is
+regularization and validation folders), the held-out split (`split`), the caption variants. No image is
 decoded: the files are listed and the captions read; with buckets each image's size comes from its header.
 `CacheLedger` follows `diffusion.datasets.encode_run_data` step by step (which embeddings are copied, which
 stay alive until it returns), with the bytes one latent, one caption's embeddings and the encoders' working
@@ -28,8 +28,9 @@ from ..diffusion.data import (
     DatasetError,
     aspect_buckets,
     nearest_bucket,
+    shown_size,
 )
-from ..diffusion.datasets import DataSource, data_sources, held_out, kohya_sources
+from ..diffusion.datasets import DataSource, check_disjoint, data_sources, kohya_sources, split
 
 
 class PlannedExamples:
@@ -56,6 +57,7 @@ class Part:
     sizes: list[tuple[int, int]] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
     repeats: list[int] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -79,7 +81,8 @@ class Part:
         return best
 
     def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool) -> None:
-        for size, caption in _scan(source, resolution, buckets, skip_bad):
+        for path, size, caption in _scan(source, resolution, buckets, skip_bad):
+            self.paths.append(path)
             self.sizes.append(size)
             self.captions.append(caption)
             self.repeats.append(source.repeats)
@@ -92,6 +95,7 @@ class DataCounts:
 
     train: Part
     held_out: list[int] = field(default_factory=list)  # the training images held out for validation
+    trained: list[int] = field(default_factory=list)  # the training images trained on (`datasets.split`)
     validation: Part | None = None
     reg: Part | None = None
     variants: int = 1
@@ -108,19 +112,21 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
         parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images)
     train = parts[False]
     counts = DataCounts(train, reg=parts[True] if any(s.is_reg for s in sources) else None)
-    if config.validation_split:
-        counts.held_out = held_out(len(train), config.validation_split)
+    counts.trained, counts.held_out = split(train.paths, config.validation_split)
     if config.validation_dataset is not None:
         counts.validation = Part()
         for s in kohya_sources(Path(config.validation_dataset)):
             counts.validation.add(s, resolution, buckets, config.skip_bad_images)
+        check_disjoint(train.paths, counts.validation.paths, config.validation_dataset)
     if config.shuffle_captions or config.tag_dropout:
         counts.variants = config.caption_variants
     return counts
 
 
-def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool) -> list[tuple[tuple[int, int], str]]:
-    """Each image of a folder with a caption: its size (its bucket's, from the file's header) and caption."""
+def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
+          ) -> list[tuple[Path, tuple[int, int], str]]:
+    """Each image of a folder with a caption: its path, size (its bucket's, from the file's header) and
+    caption."""
     from PIL import Image
 
     folder = Path(source.path)
@@ -136,9 +142,9 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool) -> list[
         size = (resolution, resolution)
         if buckets:
             with Image.open(path) as img:  # the header only
-                w, h = img.size
+                w, h = shown_size(img)
             size = nearest_bucket(h, w, buckets)
-        out.append((size, caption.read_text(encoding="utf-8", errors="replace").strip()))
+        out.append((path, size, caption.read_text(encoding="utf-8", errors="replace").strip()))
     if not out:
         raise DatasetError(f"{folder}: no images ({', '.join(IMAGE_EXTS)}) in the dataset folder")
     return out
@@ -193,17 +199,18 @@ class CacheLedger:
         keeps freed when it returns."""
         train = counts.train
         n, held, v = len(train), len(counts.held_out), counts.variants
+        trained = counts.trained
         self.encode(train)
-        kept = [r for i, r in enumerate(train.repeats) if i not in set(counts.held_out)]
+        kept = [train.repeats[i] for i in trained]
         rows, own = n, False  # the training embeddings' rows, and whether they are a copy (not `encoded`'s)
-        if held:
-            self.copy(n - held)
-            rows, own = n - held, True
+        if len(trained) != n:
+            self.copy(len(trained))
+            rows, own = len(trained), True
         if v > 1:  # with_variants: every trained example's variants through the text encoders
-            self.captions((n - held) * v)
+            self.captions(len(trained) * v)
             if own:
                 self.free(rows)
-            rows, own = (n - held) * v, True
+            rows, own = len(trained) * v, True
         expanded = sum(kept) * v
         if expanded != rows:  # the repeats: a copy of the rows
             self.copy(expanded)

@@ -366,8 +366,9 @@ def test_a_checkpoint_from_before_base_dtype_and_feed_forward_resumes_as_the_run
     now = TrainConfig(model="sdxl", base_dtype="fp32", feed_forward=False, output=str(tmp_path))
     old = asdict(now)
     del old["base_dtype"], old["feed_forward"]
-    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "f"}
-    check_resumable(state, RunState(tmp_path, now, 3, "f"), tmp_path / "step_0000001.pt")
+    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "contents:f"}
+    check_resumable(state, RunState(tmp_path, now, 3, "contents:f"), tmp_path / "step_0000001.pt")
     for changed in ({"feed_forward": True}, {"base_dtype": "bf16"}):
         with pytest.raises(TrainConfigError, match=f"the config changed \\({next(iter(changed))}: None"):
-            check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "f"), tmp_path / "x.pt")
+            check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "contents:f"),
+                            tmp_path / "x.pt")

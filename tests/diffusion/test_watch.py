@@ -309,13 +309,13 @@ def test_a_checkpoint_from_before_these_fields_resumes_and_watching_may_change(t
     for name in ("sample_every", "validation_split", "validation_dataset", "validate_every", "log_with",
                  "datasets", "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants"):
         del old[name]
-    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "f"}
+    state = {"config": old, "n_examples": 3, "dataset_fingerprint": "contents:f"}
     (tmp_path / "val").mkdir()  # beside the output, not around it (an output inside a data folder is refused)
     watched = replace(now, sample_every=5, validate_every=2, log_with="tensorboard",
                       validation_dataset=str(tmp_path / "val"))
-    check_resumable(state, RunState(tmp_path, watched, 3, "f"), tmp_path / "step_0000001.pt")
+    check_resumable(state, RunState(tmp_path, watched, 3, "contents:f"), tmp_path / "step_0000001.pt")
     with pytest.raises(TrainConfigError, match="the config changed \\(shuffle_captions: None -> True"):
-        check_resumable(state, RunState(tmp_path, replace(now, shuffle_captions=True), 3, "f"),
+        check_resumable(state, RunState(tmp_path, replace(now, shuffle_captions=True), 3, "contents:f"),
                         tmp_path / "x.pt")
 
 
