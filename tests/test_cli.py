@@ -324,7 +324,7 @@ def test_lycoris_files_inspect_merge_and_refuse_to_convert(files, capsys, kind):
 
     model = nn.Module()  # the base file's layers
     model.proj, model.conv_in = nn.Linear(8, 16), nn.Conv2d(4, 16, 3)
-    add_lycoris(model, kind, ["proj", "conv_in"], rank=2, alpha=1.0, factor=4)
+    add_lycoris(model, kind, ["proj", "conv_in"], rank=1, alpha=1.0, factor=4)  # rank 2: W2 (4 x 4) whole
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -333,8 +333,8 @@ def test_lycoris_files_inspect_merge_and_refuse_to_convert(files, capsys, kind):
     assert main(["inspect", str(lyco)]) == 0
     out = capsys.readouterr().out
     assert "format:  lycoris" in out and "base:    sd15" in out and f"kinds:   {kind} (x2)" in out
-    assert "ranks:   2 (x2)" in out and "alphas:  1 (x2)" in out
-    detail = "lokr w1=4x2 r=2" if kind == "lokr" else "loha r=2"  # proj: 16 = 4 x 4, 8 = 2 x 4
+    assert "ranks:   1 (x2)" in out and "alphas:  1 (x2)" in out
+    detail = "lokr w1=4x2 r=1" if kind == "lokr" else "loha r=1"  # proj: 16 = 4 x 4, 8 = 2 x 4
     assert f"unet.proj     {detail} alpha=1 weight (16, 8)" in out and "weight (16, 36)" in out
     assert main(["convert", str(lyco), str(files / "x.safetensors"), "--to", "peft"]) == 2
     err = capsys.readouterr().err
