@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from .bounds import MAX_REPEATS, epoch_problem
 from .config import TrainConfig, TrainConfigError
 from .data import (
     IMAGE_EXTS,
@@ -60,6 +61,10 @@ def kohya_sources(folder: Path, is_reg: bool = False) -> list[DataSource]:
     subfolders = [(int(m.group(1)), p) for p in entries if p.is_dir() and (m := KOHYA_FOLDER.match(p.name))]
     if has_images or not subfolders:
         return [DataSource(str(folder), is_reg=is_reg)]
+    for n, p in subfolders:
+        if n > MAX_REPEATS:
+            raise TrainConfigError(f"{p}: {n} repeats (kohya's N_name folder) must be at most {MAX_REPEATS} "
+                                   "(their ratio weights the folders)")
     return [DataSource(str(p), repeats=max(1, n), is_reg=is_reg) for n, p in subfolders]
 
 
@@ -106,6 +111,14 @@ def open_images(sources: list[DataSource], config: TrainConfig, resolution: int)
     return Images(parts, [s.repeats for s in sources])
 
 
+def check_epoch(counts: dict[str, tuple[int, int]], config: TrainConfig) -> None:
+    """TrainConfigError where an epoch of `counts` ({folder: (images, repeats)}) is longer than the run can
+    use (`bounds.epoch_problem`), before anything is encoded."""
+    problem = epoch_problem(counts, config)
+    if problem:
+        raise TrainConfigError(f"TrainConfig.{'datasets' if config.datasets else 'dataset'}: {problem}")
+
+
 def held_out(n: int, fraction: float) -> list[int]:
     """The images (of n) a validation split of `fraction` holds out: round(fraction * n), at least one, chosen
     by VALIDATION_SEED; sorted. TrainConfigError if none would be left to train on."""
@@ -143,6 +156,7 @@ def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
     sources = data_sources(config)
     train_sources = [s for s in sources if not s.is_reg]
     images = open_images(train_sources, config, resolution)
+    check_epoch({s.path: (len(part), s.repeats) for s, part in zip(train_sources, images.parts)}, config)
     encoded = encode_examples(pipe, images, config.seed)
     val_idx = held_out(len(images), config.validation_split) if config.validation_split else []
     train_idx = [i for i in range(len(images)) if i not in set(val_idx)]
