@@ -262,6 +262,8 @@ def check_sums(path: Path, state: dict[str, Any]) -> None:
                           "it was written (a flipped bit, a bad disk)")
 
 
+# what a run writes besides its LoRA files: a fresh run refuses a folder holding any of them
+RUN_LOGS = ("loss.jsonl", "config.json", "samples.png", "samples/*.png", "tensorboard")
 SAVED_LORAS = ("lora.safetensors", "lora_ema.safetensors", "lora_step_*.safetensors",
                "pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors")
 
@@ -284,6 +286,11 @@ def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | No
         if saved:  # a fresh run writes these names: a LoRA already saved would be lost
             raise TrainConfigError(f"{out} already holds {saved[0]}, a saved LoRA a new run would write "
                                    "over; choose another --output (or move the file away)")
+        logs = sorted(str(p.relative_to(out)) for pattern in RUN_LOGS for p in out.glob(pattern))
+        if logs:  # a killed run's: its loss.jsonl would get a second run's records, its strip our samples
+            raise TrainConfigError(f"{out} already holds {logs[0]}, written by an earlier run (killed before "
+                                   "its first checkpoint?); a new run would append to it or mix it into its "
+                                   "own: choose another --output (or move the files away)")
         return None, None, []
     bad: list[Path] = []
     for _, path in reversed(found):
