@@ -225,16 +225,20 @@ def test_checksums_cover_every_entry_and_a_checkpoint_without_them_warns(three_c
 # ----------------------------------------------------------------------------- what a good checkpoint is
 
 
-def test_a_diverged_run_writes_no_checkpoint_and_says_where_to_start(dataset, tmp_path):
-    """--lr 1e30: after step 1 the LoRA weights are ~1e30, finite but no state to go on from. Nothing is
-    written, and the error says no good checkpoint exists (before: step 1 was "the last good checkpoint",
-    and resuming from it with a lower lr failed again at step 2)."""
+def test_a_diverged_run_writes_no_checkpoint_and_says_where_to_start(dataset, tmp_path, monkeypatch):
+    """--lr 1000 (the most bounds.py allows) with the sane bound at 100: after step 1 the LoRA weights are
+    ~1000, finite but no state to go on from. Nothing is written, and the error says no good checkpoint
+    exists (before: step 1 was "the last good checkpoint", and resuming from it with a lower lr failed again
+    at step 2)."""
+    from lora_lab.diffusion import state
+
+    monkeypatch.setattr(state, "SANE_WEIGHT", 100.0)
     out = tmp_path / "run"
-    said = (r"adapter weights reach 1e\+30, beyond 10000 \(the run diverged\) after step 1 .*"
+    said = (r"adapter weights reach [0-9.]+e\+03, beyond 100 \(the run diverged\) after step 1 .*"
             r"no good checkpoint was written yet: start the run again and try a lower --lr")
     with pytest.raises(NonFiniteLossError, match=said):
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=3, save_every=1,
-                          **{**FAST, "lr": 1e30}))
+                          **{**FAST, "lr": 1000.0}))
     assert list((out / "checkpoints").iterdir()) == []
 
 
