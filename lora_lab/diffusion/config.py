@@ -98,7 +98,8 @@ class TrainConfig:
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     adapter: str = field(
         default="lora",
-        metadata={"help": "lora | lokr (LyCORIS LoKr: dW = kron(W1, W2), W2 = W2a W2b of --rank) | loha "
+        metadata={"help": "lora | lokr (LyCORIS LoKr: dW = kron(W1, W2), W2 = W2a W2b of --rank, whole where "
+                  "--rank is at least half its larger side, as LyCORIS keeps it) | loha "
                   "(LyCORIS LoHa: dW = (W1a W1b) * (W2a W2b), each of --rank); lokr/loha files carry the "
                   "LyCORIS keys ComfyUI reads (lora.safetensors only: diffusers loads no SD/Flux LoKr)"})
     lokr_factor: int = field(
