@@ -50,8 +50,11 @@ class Bound:
 def _num(x: float) -> str:
     if x == 2 / (math.pi - 2):
         return "2/(pi-2)"
-    if isinstance(x, int) and abs(x) >= 10**4 and math.log10(abs(x)).is_integer():
-        return f"{'-' if x < 0 else ''}10**{int(math.log10(abs(x)))}"
+    sign = "-" if x < 0 else ""
+    if isinstance(x, int) and abs(x) > 65536 and abs(x) & (abs(x) - 1) == 0:
+        return f"{sign}2**{abs(x).bit_length() - 1}"
+    if isinstance(x, int) and abs(x) >= 10**4 and 10 ** len(str(abs(x)).rstrip("0")) == 10:
+        return f"{sign}10**{len(str(abs(x))) - 1}"
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
