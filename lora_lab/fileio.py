@@ -40,7 +40,7 @@ def weight_dtype_problem(dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = 
     if dtype in allowed:
         return None
     names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-    return f"has dtype {str(dtype).removeprefix('torch.')}; weights must be one of {names}"
+    return f"has dtype {dtype}; weights must be one of {names}"
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _MAX_INT_DIGITS = 19  # a JSON integer in a header or in metadata: offsets and sizes fit 63 bits
 
