@@ -257,7 +257,7 @@ class Watch:
         config, step = self.config, self.run.step
         if not (self.env.main and config.save_every and step):
             return
-        due = list(range(config.save_every, step + 1, config.save_every))[-config.keep_checkpoints:]
+        due = range(config.save_every, step + 1, config.save_every)[-config.keep_checkpoints:]
         missing = [s for s in due if not step_lora_path(self.run.output, s).exists()]
         if step in missing:
             write_lora(step_lora_path(self.run.output, step), step)
