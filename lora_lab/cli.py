@@ -10,8 +10,8 @@ import sys
 import typing
 from pathlib import Path
 
+from .diffusion.bounds import MAX_SAMPLE_STEPS
 from .diffusion.distributed import resolve_device
-from .diffusion.options import MAX_SAMPLE_STEPS
 from .diffusion.runfile import config_from_file, read_run_file
 from .diffusion.sampling import sample_with_without
 from .diffusion.trainer import TrainConfig, train

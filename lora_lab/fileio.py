@@ -31,6 +31,16 @@ SAFETENSORS_DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BASE_DTYPES = (*WEIGHT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)  # a base's weights: fp8 files too
+
+
+def weight_dtype_problem(dtype: torch.dtype, allowed: tuple[torch.dtype, ...] = WEIGHT_DTYPES) -> str | None:
+    """Why a tensor of `dtype` cannot be a weight (of a LoRA file: `WEIGHT_DTYPES`; of a base: `BASE_DTYPES`),
+    or None: an integer or bool tensor never is (cast, its codes would be trained on as numbers)."""
+    if dtype in allowed:
+        return None
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    return f"has dtype {dtype}; weights must be one of {names}"
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _MAX_INT_DIGITS = 19  # a JSON integer in a header or in metadata: offsets and sizes fit 63 bits
 

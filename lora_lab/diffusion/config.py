@@ -4,7 +4,6 @@ targets (what only the base model can tell: `adapters.check_config_for_base`).""
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from ..models import DATA_DIR, KINDS, ModelLoadError, model_kind
 from ..models.bases import check_base
 from ..precision import MODES
 from ..quant import FORMATS
+from .bounds import check_bounds
 from .options import check_adapter_fields, check_knob_fields, check_watch_fields
 
 MODELS = KINDS
@@ -98,7 +98,8 @@ class TrainConfig:
     dora: bool = field(default=False, metadata={"help": "DoRA: also learn a per-output-channel magnitude"})
     adapter: str = field(
         default="lora",
-        metadata={"help": "lora | lokr (LyCORIS LoKr: dW = kron(W1, W2), W2 = W2a W2b of --rank) | loha "
+        metadata={"help": "lora | lokr (LyCORIS LoKr: dW = kron(W1, W2), W2 = W2a W2b of --rank, whole where "
+                  "--rank is at least half its larger side, as LyCORIS keeps it) | loha "
                   "(LyCORIS LoHa: dW = (W1a W1b) * (W2a W2b), each of --rank); lokr/loha files carry the "
                   "LyCORIS keys ComfyUI reads (lora.safetensors only: diffusers loads no SD/Flux LoKr)"})
     lokr_factor: int = field(
@@ -301,10 +302,7 @@ class TrainConfig:
         def bad(name: str, why: str) -> None:
             raise TrainConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
 
-        for f in fields(self):  # every float field, the ones added later too: NaN passes every < and > test
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                bad(f.name, "must be a finite number")
+        check_bounds(self, bad)  # every number in its range (NaN passes every < and > test): bounds.py
         for name, allowed in [
             ("model", MODELS),
             ("optimizer", OPTIMIZERS),
@@ -314,30 +312,15 @@ class TrainConfig:
         ]:
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")
-        for name in ("rank", "steps", "batch_size", "grad_accum", "keep_checkpoints"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(name, "must be an integer >= 1")
-        for name in ("warmup_steps", "save_every", "sample_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                bad(name, "must be an integer >= 0")
-        # what torch.manual_seed takes
-        if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
-            bad("seed", "must be an integer in [-2**63, 2**64)")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            bad("lr", "must be a finite number > 0")
-        if self.alpha is not None and not self.alpha > 0:
-            bad("alpha", "must be > 0")
-        if self.noise_offset < 0 or (self.noise_offset > 0 and model_kind(self.model).objective == "flow"):
-            bad("noise_offset", "must be >= 0, and 0 for the flow-matching models sd3 and flux")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            bad("weight_decay" if self.weight_decay < 0 else "max_grad_norm", "must be >= 0")
+        if self.noise_offset > 0 and model_kind(self.model).objective == "flow":
+            bad("noise_offset", "must be 0 for the flow-matching models sd3 and flux")
         if self.warmup_steps > self.steps:
             bad("warmup_steps", f"is longer than the run (steps={self.steps})")
         if {base := self.base_dtype, mixed := self.mixed_precision} == {"bf16", "fp16"}:
             bad("base_dtype", f"{base} under {mixed} mixed precision: torch's autocast to {mixed} fails on "
                 f"{base} inputs (the UNet's torch.cat); use {mixed}, fp32 or auto")
-        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
-            bad("resolution", "must be a multiple of 8 (the VAE's downsampling), >= 8")
+        if self.resolution is not None and self.resolution % 8:
+            bad("resolution", "must be a multiple of 8 (the VAE's downsampling)")
         if self.dataset is not None and not Path(self.dataset).is_dir():
             bad("dataset", "is not a folder")
         existing = next(p for p in (Path(self.output).absolute(), *Path(self.output).absolute().parents)
@@ -351,10 +334,6 @@ class TrainConfig:
                 bad("gradient_checkpointing", str(e))
         if self.reg_dataset is not None and not Path(self.reg_dataset).is_dir():
             bad("reg_dataset", "is not a folder")
-        if not (isinstance(self.prior_loss_weight, (int, float)) and 0 <= self.prior_loss_weight < math.inf):
-            bad("prior_loss_weight", "must be a finite number >= 0")
-        if not (isinstance(self.caption_dropout, (int, float)) and 0 <= self.caption_dropout < 1):
-            bad("caption_dropout", "must be a probability in [0, 1)")
         if self.base is not None:
             try:
                 check_base(self.base, model_kind(self.model), self.base_parts())
@@ -363,8 +342,6 @@ class TrainConfig:
         given = [p for p, f in self.base_parts().items() if f is not None]
         if given and not str(self.base or "").endswith(".safetensors"):
             bad(given[0], "is a part of a single-file base: give --base FILE.safetensors too")
-        if not (isinstance(self.blocks_to_swap, int) and self.blocks_to_swap >= 0):
-            bad("blocks_to_swap", "must be a whole number >= 0")
         if self.blocks_to_swap and not self.gradient_checkpointing:
             bad("blocks_to_swap", "needs gradient checkpointing (a swapped block's recomputation in backward "
                 "brings it back to the device)")

@@ -166,15 +166,34 @@ def caption_extension_problem(extension: str) -> str | None:
     return None
 
 
+# The most characters of a caption any base's text encoders can read: no encoder reads more than 512 tokens
+# (T5's longest; CLIP's 77) and no token of theirs spans more than 16 characters (T5's vocabulary; CLIP's
+# longest, 64, times 77 is less): text past 512 x 16 is never read, shuffled tags only mix the kept ones.
+MAX_CAPTION_CHARS = 512 * 16
+
+
 def _read_caption(image: Path, path: Path) -> str:
     if not path.is_file():
         raise DatasetError(f"{image}: no caption file {path.name}")
     try:
-        return path.read_text(encoding="utf-8").strip()
+        return cap_caption(path.read_text(encoding="utf-8").strip(), path)
     except UnicodeDecodeError as e:
         raise DatasetError(f"{path}: the caption is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise DatasetError(f"{path}: unreadable caption ({e.strerror})") from None
+
+
+def cap_caption(text: str, path: Path) -> str:
+    """`text` cut to MAX_CAPTION_CHARS (at its last comma before them: whole tags), with a warning naming the
+    file: the rest can never be read, and a 10 MB caption took minutes to shuffle and tokenize."""
+    if len(text) <= MAX_CAPTION_CHARS:
+        return text
+    kept = text[:MAX_CAPTION_CHARS]
+    kept = kept[:kept.rindex(",")] if "," in kept else kept
+    warnings.warn(f"{path}: the caption is {len(text)} characters; kept the first {len(kept)} (no base's "
+                  f"text encoders read past {MAX_CAPTION_CHARS}: 512 tokens of at most 16 characters)",
+                  stacklevel=2)
+    return kept.strip()
 
 
 def _open_image(path: Path):

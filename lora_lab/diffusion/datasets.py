@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from .bounds import MAX_REPEATS, epoch_problem
 from .config import TrainConfig, TrainConfigError
 from .data import (
     CONTENTS_FINGERPRINT,
@@ -71,6 +72,10 @@ def kohya_sources(folder: Path, is_reg: bool = False) -> list[DataSource]:
     kohya = [(int(m.group(1)), p) for p in entries if p.is_dir() and (m := KOHYA_FOLDER.match(p.name))]
     if not kohya:
         return [DataSource(str(folder), is_reg=is_reg)]
+    for n, p in kohya:
+        if n > MAX_REPEATS:
+            raise TrainConfigError(f"{p}: {n} repeats (kohya's N_name folder) must be at most {MAX_REPEATS} "
+                                   "(their ratio weights the folders)")
     stray = [p.name for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
     if stray:
         more = " ..." if len(stray) > 3 else ""
@@ -133,6 +138,14 @@ def open_images(sources: list[DataSource], config: TrainConfig, resolution: int)
     parts = [ImageCaptionDataset(s.path, resolution, buckets=buckets, skip_bad=config.skip_bad_images,
                                  caption_extension=s.caption_extension) for s in sources]
     return Images(parts, [s.repeats for s in sources])
+
+
+def check_epoch(counts: dict[str, tuple[int, int]], config: TrainConfig) -> None:
+    """TrainConfigError where an epoch of `counts` ({folder: (images, repeats)}) is longer than the run can
+    use (`bounds.epoch_problem`), before anything is encoded."""
+    problem = epoch_problem(counts, config)
+    if problem:
+        raise TrainConfigError(f"TrainConfig.{'datasets' if config.datasets else 'dataset'}: {problem}")
 
 
 def held_out(n: int, fraction: float) -> list[int]:
@@ -200,6 +213,7 @@ def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
     sources = data_sources(config)
     train_sources = [s for s in sources if not s.is_reg]
     images = open_images(train_sources, config, resolution)
+    check_epoch({s.path: (len(part), s.repeats) for s, part in zip(train_sources, images.parts)}, config)
     val_images = None
     if config.validation_dataset is not None:
         val_images = open_images(kohya_sources(Path(config.validation_dataset)), config, resolution)

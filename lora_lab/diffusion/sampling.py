@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,7 +101,24 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
                    generator=generators(seed, len(prompts) if noise_per_prompt else None), output_type="pt",
                    **kwargs)
-    return out.images.float().cpu().clamp(0, 1)
+    images = out.images.float().cpu()
+    check_finite_images(pipe, images)
+    return images.clamp(0, 1)
+
+
+def check_finite_images(pipe, images: torch.Tensor) -> None:
+    """A warning where images hold NaN or Inf (drawn black), naming the VAE decoder's first non-finite weight
+    if it has one. A warning, not an error: the adapter trained on latents the encoder made, so the run and
+    its LoRA files are right; only the pictures are lost (a broken decoder, or a VAE overflowing in fp16)."""
+    bad = int((~torch.isfinite(images)).flatten(1).any(1).sum())
+    if not bad:
+        return
+    weights = (n for n, p in pipe.vae.named_parameters() if not bool(torch.isfinite(p).all()))
+    culprit = next(weights, None)
+    why = (f"the VAE's {culprit} holds non-finite values" if culprit is not None else
+           f"the VAE overflows in {pipe.vae.dtype} (its weights are finite)")
+    warnings.warn(f"{bad} of {len(images)} sample image(s) decoded to NaN/Inf and are drawn black: {why}",
+                  stacklevel=3)
 
 
 def generators(seed: int, n: int | None = None) -> torch.Generator | list[torch.Generator]:

@@ -52,18 +52,14 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
                "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
                "validation_dataset"}
-# Fields lora_lab 0.1's checkpoints do not hold, with the value those runs had (0.1 loaded every base in
-# fp32).
-BEFORE_0_2 = {"base_dtype": "fp32", "feed_forward": False}  # 0.1 adapted attention only
-# ... and the caption variants' fields (the others added with them default to None), as runs before them had
-BEFORE_0_2.update({"shuffle_captions": False, "keep_tokens": 0, "tag_dropout": 0.0, "caption_variants": 8})
-# The knobs added with loss weighting, EMA and LoRA+: a checkpoint written before them ran with these values.
-BEFORE_0_2.update(min_snr_gamma=None, debiased_estimation=False, timestep_sampling="logit-normal",
-                  logit_mean=0.0, logit_std=1.0, mode_scale=1.29, timestep_shift=None, dynamic_shift=False,
-                  loss_weighting="none", train_guidance=1.0, ema_decay=None, ema_warmup=True,
-                  loraplus_ratio=None, text_encoder_lr=None)
-BEFORE_0_2.update(adapter="lora", lokr_factor=-1)  # LoKr/LoHa came later: those runs trained a LoRA
-BEFORE_0_2.update(loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0)  # MSE before the losses
+# Fields older checkpoints do not hold, with the value those runs had: 0.1 loaded every base in fp32 and
+# adapted attention only; the caption variants, the knobs, LoKr/LoHa and the losses came later.
+BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0, tag_dropout=0.0,
+                  caption_variants=8, min_snr_gamma=None, debiased_estimation=False,
+                  timestep_sampling="logit-normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
+                  timestep_shift=None, dynamic_shift=False, loss_weighting="none", train_guidance=1.0,
+                  ema_decay=None, ema_warmup=True, loraplus_ratio=None, text_encoder_lr=None, adapter="lora",
+                  lokr_factor=-1, loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0)
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "vae")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
@@ -264,6 +260,8 @@ def check_sums(path: Path, state: dict[str, Any]) -> None:
                           "it was written (a flipped bit, a bad disk)")
 
 
+# what a run writes besides its LoRA files: a fresh run refuses a folder holding any of them
+RUN_LOGS = ("loss.jsonl", "config.json", "samples.png", "samples/*.png", "tensorboard")
 SAVED_LORAS = ("lora.safetensors", "lora_ema.safetensors", "lora_step_*.safetensors",
                "pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors")
 
@@ -286,6 +284,11 @@ def resume_point(config: TrainConfig, out: Path) -> tuple[Path | None, dict | No
         if saved:  # a fresh run writes these names: a LoRA already saved would be lost
             raise TrainConfigError(f"{out} already holds {saved[0]}, a saved LoRA a new run would write "
                                    "over; choose another --output (or move the file away)")
+        logs = sorted(str(p.relative_to(out)) for pattern in RUN_LOGS for p in out.glob(pattern))
+        if logs:  # a killed run's: its loss.jsonl would get a second run's records, its strip our samples
+            raise TrainConfigError(f"{out} already holds {logs[0]}, written by an earlier run (killed before "
+                                   "its first checkpoint?); a new run would append to it or mix it into its "
+                                   "own: choose another --output (or move the files away)")
         return None, None, []
     bad: list[Path] = []
     for _, path in reversed(found):

@@ -265,6 +265,7 @@ class TrainingRun:
         self.objective = training_objective(config, self.pipe, self.resolution)
         self.watch = Watch(config, self.kind, self.pipe, self.progress, self.env, self.encoders, self.samples,
                            self.val)
+        self.watch.resumed(self.write_step_lora)
 
     def train_loop(self) -> None:
         """Optimizer steps from the run's step to config.steps (`train_step`), a loss log line per step (with
@@ -346,9 +347,12 @@ class TrainingRun:
             with self.phase("save"):
                 save_checkpoint(progress, self.learner, self.env.main)
                 if config.save_every and progress.step % config.save_every == 0:
-                    self.watch.saved(lambda path, step: write_lora(self.kind, self.pipe, path, "kohya",
-                                                                   progress.config, step))
+                    self.watch.saved(self.write_step_lora)
             self.env.barrier()
+
+    def write_step_lora(self, path: Path, step: int) -> Path:
+        """A per-step LoRA file (the watch's, at a checkpoint or missing on resume)."""
+        return write_lora(self.kind, self.pipe, path, "kohya", self.progress.config, step)
 
     def save(self) -> None:
         self.outputs = save_outputs(self.config, self.kind, self.pipe, self.progress, self.env, self.learner)

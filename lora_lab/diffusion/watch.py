@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -247,6 +248,24 @@ class Watch:
         path = write_lora(step_lora_path(self.run.output, self.run.step), self.run.step)
         prune_step_loras(self.run.output, self.run.step, self.config.keep_checkpoints)
         return path
+
+    def resumed(self, write_lora) -> None:
+        """On resume: the per-step LoRA files the run holds by now (every save_every steps, the newest
+        keep_checkpoints) that are missing (a kill while one was written). The resumed checkpoint's is
+        written again (`write_lora(path, step)`: the adapter holds its weights); an older one is named in a
+        warning."""
+        config, step = self.config, self.run.step
+        if not (self.env.main and config.save_every and step):
+            return
+        due = range(config.save_every, step + 1, config.save_every)[-config.keep_checkpoints:]
+        missing = [s for s in due if not step_lora_path(self.run.output, s).exists()]
+        if step in missing:
+            write_lora(step_lora_path(self.run.output, step), step)
+            missing.remove(step)
+        if missing:
+            names = ", ".join(step_lora_path(self.run.output, s).name for s in missing)
+            warnings.warn(f"{self.run.output}: missing per-step LoRA file(s) {names}, which this resume "
+                          "cannot write again (only the resumed step is in memory)", stacklevel=2)
 
     def close(self) -> dict[str, Path]:
         """The samples' strip over steps, TensorBoard's files flushed; the outputs to report."""

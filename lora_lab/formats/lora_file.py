@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoraFormatError
-from ..fileio import WEIGHT_DTYPES
+from ..fileio import weight_dtype_problem
 from ..functional import dora, lowrank_delta
 from ..lora import LoRAConv2d, LoRALinear, LoRAModule
 from ..models.kinds import REGISTRY
@@ -85,9 +85,8 @@ class LoraWeights:
         for role, t in (("down", down), ("up", up), ("dora_scale", dora)):
             if role != "dora_scale" and not isinstance(t, torch.Tensor):
                 raise LoraFormatError(f"{where}: {role} is a {type(t).__name__}, not a tensor")
-            if t is not None and t.dtype not in WEIGHT_DTYPES:
-                raise LoraFormatError(f"{where}: {role} has dtype {t.dtype}; LoRA weights must be float16, "
-                                      "bfloat16, float32 or float64")
+            if t is not None and weight_dtype_problem(t.dtype):
+                raise LoraFormatError(f"{where}: {role} {weight_dtype_problem(t.dtype)}")
         alpha = self.alpha
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha)
                 or alpha <= 0):

@@ -4,7 +4,9 @@
     <kohya name>.hada_w1_a, .hada_w1_b, .hada_w2_a, .hada_w2_b, .alpha  (LoHa)
 
 the kohya name of each module as `names.kohya_name` gives it (`lora_unet_..._to_q`). Conv factors are 2-D
-(r, in kh kw), as LyCORIS writes them without its Tucker core.
+(r, in kh kw), as LyCORIS writes them without its Tucker core; a conv's whole LoKr W2 is 4-D (out2, in2, kh,
+kw) as LyCORIS holds it. Which LoKr W2 is whole follows LyCORIS' rule (`lora.lycoris.lokr_w2_whole`), so that
+its own loader (`lycoris.kohya.create_network_from_weights`) reads every file lora_lab writes.
 
     save_lycoris(path, model, component, base, unet=, metadata=)   the model's LoKr/LoHa layers written
                                                         (`save_lora` does it too, picking by the layers)
@@ -80,7 +82,8 @@ class LycorisWeights:
         if self.kind == "loha":
             return f["hada_w1_a"].shape[0], f["hada_w1_b"].shape[1]
         w1 = f["lokr_w1"]
-        w2 = f["lokr_w2"].shape if "lokr_w2" in f else (f["lokr_w2_a"].shape[0], f["lokr_w2_b"].shape[1])
+        w2 = f["lokr_w2"].flatten(1).shape if "lokr_w2" in f else (f["lokr_w2_a"].shape[0],
+                                                                    f["lokr_w2_b"].shape[1])
         return w1.shape[0] * w2[0], w1.shape[1] * w2[1]
 
     def describe(self) -> str:
@@ -98,9 +101,11 @@ class LycorisWeights:
     def check(self, where: str, values: bool = True) -> None:
         """LoraFormatError unless the factors are 2-D float tensors that make a weight (`values`: finite)."""
         for role, t in self.factors.items():
-            if t.dtype not in WEIGHT_DTYPES or t.dim() != 2:
+            dims = (2, 4) if role == "lokr_w2" else (2,)  # a conv's whole W2 with its kernel, as LyCORIS'
+            if t.dtype not in WEIGHT_DTYPES or t.dim() not in dims:
                 raise LoraFormatError(f"{where}: {role} is {tuple(t.shape)} {t.dtype}: LoKr/LoHa factors are "
-                                      "2-D float tensors (Tucker cores are not read)")
+                                      "2-D float tensors, a whole LoKr W2 2-D or 4-D (Tucker cores are not "
+                                      "read)")
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
             raise LoraFormatError(f"{where}: alpha is {self.alpha}: it must be a finite number > 0")
         if set(self.factors) not in ROLE_SETS:

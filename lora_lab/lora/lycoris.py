@@ -1,8 +1,10 @@
 """LyCORIS adapters around a frozen Linear or Conv2d: LoKr (a Kronecker product) and LoHa (a Hadamard
 product of two low-rank matrices).
 
-    LoKr  dW = s kron(W1, W2)    W1 (out1, in1); W2 (out2, in2 kh kw) whole, or W2 = W2a W2b of rank r
+    LoKr  dW = s kron(W1, W2)    W1 (out1, in1); W2 (out2, in2[, kh, kw]) whole, or W2 = W2a W2b of rank r
           s = alpha / r with W2 decomposed, 1 with both whole (ComfyUI's and LyCORIS' rule)
+          W2 is whole where r >= max(out2, in2) / 2 (LyCORIS' "full matrix mode", lycoris/modules/lokr.py:
+          its loader then holds lokr_w2 and reads no lokr_w2_a/b), or where no rank is given
           (out1, out2) = factorization(out, factor), (in1, in2) = factorization(in, factor)
     LoHa  dW = (alpha / r) (W1a W1b) * (W2a W2b)    (* elementwise; W?a (out, r), W?b (r, in kh kw))
     y = base(x) + t dW x      (conv: dW reshaped to the base's (out, in, kh, kw); t: the strength)
@@ -36,6 +38,13 @@ def factorization(dim: int, factor: int = -1) -> tuple[int, int]:
         return min(factor, dim // factor), max(factor, dim // factor)
     a = max(d for d in range(1, int(math.isqrt(dim)) + 1) if dim % d == 0)
     return a, dim // a
+
+
+def lokr_w2_whole(rank: int | None, out2: int, in2: int) -> bool:
+    """Whether LoKr keeps W2 (out2, in2[, kh, kw]) whole at `rank`: LyCORIS' rule (lycoris/modules/lokr.py),
+    a rank of at least half W2's larger side (the kernel not counted) is no saving, so W2 is kept whole
+    ("full matrix mode"); None: whole."""
+    return rank is None or rank >= max(out2, in2) / 2
 
 
 def lokr_delta(w1: torch.Tensor, w2: torch.Tensor, scale: float, shape: tuple[int, ...]) -> torch.Tensor:
@@ -93,8 +102,9 @@ class LycorisLayer(AdapterLayer):
         (o1, o2), (i1, i2) = factorization(out, factor), factorization(w.shape[1], factor)
         self.w1 = new(o1, i1)  # zero: dW starts at zero
         k = inner // w.shape[1]  # kh kw
-        if rank is None:
-            self.w2 = new(o2, i2 * k)
+        if lokr_w2_whole(rank, o2, i2):  # what LyCORIS holds (a conv's W2 with its kernel, as LyCORIS')
+            self.rank = None
+            self.w2 = new(o2, i2, *w.shape[2:])
             nn.init.kaiming_uniform_(self.w2, a=math.sqrt(5))
         else:
             self.w2_a, self.w2_b = new(o2, rank), new(rank, i2 * k)
@@ -111,12 +121,14 @@ class LycorisLayer(AdapterLayer):
         low = names.get("w1_b" if kind == "loha" else "w2_b")
         rank = None if low is None else low.shape[0]
         layer = cls(base, kind, rank, alpha)
+        layer.rank = rank  # the file's layout, even one LyCORIS would not make (W2 decomposed at a high rank)
         for n in [n for n, _ in layer.named_parameters(recurse=False)]:
             delattr(layer, n)
         if set(names) not in ({"w1_a", "w1_b", "w2_a", "w2_b"}, {"w1", "w2"}, {"w1", "w2_a", "w2_b"}):
             raise LoRAConfigError(f"LyCORIS factors {sorted(factors)}: not a LoKr or LoHa this loader reads")
-        for n, t in names.items():
-            setattr(layer, n, nn.Parameter(t.detach().float().flatten(1).to(base.weight.device).clone()))
+        for n, t in names.items():  # a whole W2 keeps its shape (a conv's: 4-D, as LyCORIS writes it)
+            t = t if n == "w2" else t.flatten(1)
+            setattr(layer, n, nn.Parameter(t.detach().float().to(base.weight.device).clone()))
         try:
             layer.delta_weight()
         except RuntimeError as e:

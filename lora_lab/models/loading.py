@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..fileio import BASE_DTYPES, weight_dtype_problem
 from ..quant import QuantLinear
 from ..torch_private import buffers_of, parameters_of
 from .kinds import ModelLoadError
@@ -108,6 +109,9 @@ class FolderWeights:
 
     def keys(self) -> set[str]:
         return set(self.where)
+
+    def describe(self, name: str) -> str:
+        return f"{self.where.get(name)}: tensor {name!r}"
 
     def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
         f = self.where.get(name)
@@ -209,6 +213,9 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
                 raise ModelLoadError(f"{name}: the weights do not hold it")
             return None
         t = source.tensor(held[0], like)
+        if like.is_floating_point() and weight_dtype_problem(t.dtype, BASE_DTYPES):
+            where = source.describe(held[0]) if hasattr(source, "describe") else held[0]
+            raise ModelLoadError(f"{where} {weight_dtype_problem(t.dtype, BASE_DTYPES)}")
         if tuple(t.shape) != tuple(like.shape):
             raise ModelLoadError(f"{held[0]}: the weights hold shape {tuple(t.shape)}, the model expects "
                                  f"{tuple(like.shape)}")

@@ -195,6 +195,9 @@ class MappedWeights:
     def keys(self) -> set[str]:
         return set(self._have)
 
+    def describe(self, name: str) -> str:
+        return f"{self.path}: tensor {self.rules[name].key!r}"
+
     def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
         from safetensors import safe_open
 

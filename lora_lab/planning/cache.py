@@ -13,9 +13,11 @@ reads (`read_paths`: a base folder or file and its parts, the data folders): con
 every other file by name, size and time. A changed input gives
 another key, so a cached plan is never one of other inputs; the cache is safe to delete at any time.
 
-Files are JSON, one per key (`<key>.json`), read with `fileio.parse_json`: nothing read runs code. A file
-that cannot be read, is not the JSON of a plan, or holds another key is ignored: the plan is made again and
-the file rewritten.
+Files are JSON, one per key (`<key>.json`), read with `fileio.parse_json`: nothing read runs code. Each holds
+the sha256 of its key and plan (`checksum`): a plan edited after it was stored, even consistently (every
+figure divided by 1000), no longer matches it. A file that cannot be read, is not the JSON of a plan, holds
+another key or fails its checksum is ignored (an edited one with a warning): the plan is made again and the
+file rewritten.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from ..diffusion.options import input_paths
 from ..errors import LoraLabError
 from ..fileio import atomic_write_bytes, cache_root, parse_json
 
-FORMAT = 2  # the layout of a cache file; a new layout is another key
+FORMAT = 3  # the layout of a cache file (3: with its checksum); a new layout is another key
 MAX_FILE_BYTES = 1 << 20  # a plan's JSON is a few KiB: a larger file is not one of ours
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -111,7 +114,16 @@ def load_plan(key: str) -> dict | None:
         return None
     if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("plan"), dict):
         return None
+    if data.get("checksum") != checksum(key, data["plan"]):
+        warnings.warn(f"{path}: the cached plan does not match its checksum (edited after it was stored); "
+                      "ignored, planning again", stacklevel=3)
+        return None
     return data["plan"]
+
+
+def checksum(key: str, plan: dict) -> str:
+    """The sha256 of a cache entry's key and plan (its JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps([key, plan], sort_keys=True, default=str).encode()).hexdigest()
 
 
 def store_plan(key: str, fields: dict) -> Path | None:
@@ -121,7 +133,8 @@ def store_plan(key: str, fields: dict) -> Path | None:
     if folder is None:
         return None
     try:
-        return atomic_write_bytes(folder / f"{key}.json",
-                                  json.dumps({"key": key, "plan": fields}, indent=1, default=str).encode())
+        plan = json.loads(json.dumps(fields, default=str))  # as read back: the checksum of what is stored
+        entry = {"key": key, "checksum": checksum(key, plan), "plan": plan}
+        return atomic_write_bytes(folder / f"{key}.json", json.dumps(entry, indent=1).encode())
     except OSError:
         return None

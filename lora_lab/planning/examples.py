@@ -30,7 +30,7 @@ from ..diffusion.data import (
     nearest_bucket,
     shown_size,
 )
-from ..diffusion.datasets import DataSource, check_disjoint, data_sources, kohya_sources, split
+from ..diffusion.datasets import DataSource, check_disjoint, check_epoch, data_sources, kohya_sources, split
 
 
 class PlannedExamples:
@@ -107,9 +107,13 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
     skip_bad_images)."""
     buckets = aspect_buckets(resolution) if config.buckets else None
     sources = data_sources(config)
-    parts = {False: Part(), True: Part()}
+    parts, epoch = {False: Part(), True: Part()}, {}
     for s in sources:
+        before = len(parts[s.is_reg])
         parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images)
+        if not s.is_reg:
+            epoch[s.path] = (len(parts[False]) - before, s.repeats)
+    check_epoch(epoch, config)  # the trainer's refusal, before a plan is made
     train = parts[False]
     counts = DataCounts(train, reg=parts[True] if any(s.is_reg for s in sources) else None)
     counts.trained, counts.held_out = split(train.paths, config.validation_split)

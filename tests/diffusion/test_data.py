@@ -266,3 +266,44 @@ def test_fuzzed_images_load_or_raise_dataset_error(tmp_path):
                 assert path.name in str(e)
                 refused += 1
     assert refused > 40
+
+
+def test_the_caption_cap_is_what_the_shipped_tokenizers_can_read():
+    """512 tokens (T5's longest input) of at most 16 characters (T5's longest token); CLIP's 77 tokens of its
+    longest merge read less: MAX_CAPTION_CHARS is the most any base reads."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    from lora_lab.diffusion.data import MAX_CAPTION_CHARS
+
+    tokenizers = Path(__file__).resolve().parents[2] / "data" / "tokenizers"
+    t5 = json.loads(gzip.open(tokenizers / "t5_tokenizer.json.gz").read())["model"]["vocab"]
+    merges = gzip.open(tokenizers / "bpe_simple_vocab_16e6.txt.gz").read().decode().split("\n")[1:]
+    clip_longest = max(len("".join(m.split()).replace("</w>", "")) for m in merges if m)
+    assert MAX_CAPTION_CHARS == 512 * max(len(piece) for piece, _ in t5) >= 77 * clip_longest
+
+
+def test_a_10_mb_caption_with_shuffled_tags_is_cut_with_one_warning_and_trains(tmp_path, digits_folder):
+    """A 10 MB caption with --shuffle-captions took over 120 s and wrote 100+ MB of tokenizer warnings: it
+    is cut at the last whole tag before MAX_CAPTION_CHARS, with one warning naming its file."""
+    import warnings
+
+    from lora_lab.diffusion import TrainConfig, train
+    from lora_lab.diffusion.data import MAX_CAPTION_CHARS
+
+    folder = digits_folder(2)
+    huge = folder / "00.txt"
+    huge.write_text(", ".join(f"tag{i}" for i in range(1_200_000)))
+    assert huge.stat().st_size > 10**7
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ds = ImageCaptionDataset(folder, 16)
+    said = [str(w.message) for w in record if "the caption is" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"{huge}: the caption is {huge.stat().st_size} characters")
+    kept = ds.captions[0]
+    assert len(kept) <= MAX_CAPTION_CHARS and kept.startswith("tag0, tag1, ") and not kept.endswith(",")
+    assert huge.read_text().startswith(kept + ", ")  # whole tags, in order
+    with pytest.warns(UserWarning, match="the caption is"):
+        train(TrainConfig(model="sd15", dataset=str(folder), output=str(tmp_path / "o"), steps=1, rank=2,
+                          shuffle_captions=True, caption_variants=2, sample_steps=0, progress=False))

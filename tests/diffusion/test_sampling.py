@@ -74,3 +74,15 @@ def test_sample_with_a_lora_file_and_strengths(tmp_path):
     assert 0 < (half - base).abs().mean() < (want - base).abs().mean()
     assert [type(m) for m in pipe.unet.modules()] == modules_before
     assert torch.equal(sample(pipe, PROMPTS, **kw), base)
+
+
+def test_non_finite_samples_warn_naming_the_vae_weight():
+    """An Inf in the VAE decoder drew all-black samples without a word: a warning names the weight (the run
+    and its LoRA are right: only the pictures are lost)."""
+    pipe = M.build_pipeline("sd15", seed=SEED)
+    with torch.no_grad():
+        pipe.vae.decoder.conv_out.weight[0, 0, 0, 0] = float("inf")
+    with pytest.warns(UserWarning, match=r"2 of 2 sample image\(s\) decoded to NaN/Inf .* the VAE's "
+                                         r"decoder\.conv_out\.weight holds non-finite values"):
+        images = sample(pipe, PROMPTS, seed=1, steps=2, guidance=1.0)
+    assert images.shape[0] == 2

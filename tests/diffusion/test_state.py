@@ -225,16 +225,20 @@ def test_checksums_cover_every_entry_and_a_checkpoint_without_them_warns(three_c
 # ----------------------------------------------------------------------------- what a good checkpoint is
 
 
-def test_a_diverged_run_writes_no_checkpoint_and_says_where_to_start(dataset, tmp_path):
-    """--lr 1e30: after step 1 the LoRA weights are ~1e30, finite but no state to go on from. Nothing is
-    written, and the error says no good checkpoint exists (before: step 1 was "the last good checkpoint",
-    and resuming from it with a lower lr failed again at step 2)."""
+def test_a_diverged_run_writes_no_checkpoint_and_says_where_to_start(dataset, tmp_path, monkeypatch):
+    """--lr 1000 (the most bounds.py allows) with the sane bound at 100: after step 1 the LoRA weights are
+    ~1000, finite but no state to go on from. Nothing is written, and the error says no good checkpoint
+    exists (before: step 1 was "the last good checkpoint", and resuming from it with a lower lr failed again
+    at step 2)."""
+    from lora_lab.diffusion import state
+
+    monkeypatch.setattr(state, "SANE_WEIGHT", 100.0)
     out = tmp_path / "run"
-    said = (r"adapter weights reach 1e\+30, beyond 10000 \(the run diverged\) after step 1 .*"
+    said = (r"adapter weights reach [0-9.]+e\+03, beyond 100 \(the run diverged\) after step 1 .*"
             r"no good checkpoint was written yet: start the run again and try a lower --lr")
     with pytest.raises(NonFiniteLossError, match=said):
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=3, save_every=1,
-                          **{**FAST, "lr": 1e30}))
+                          **{**FAST, "lr": 1000.0}))
     assert list((out / "checkpoints").iterdir()) == []
 
 
@@ -372,3 +376,34 @@ def test_a_checkpoint_from_before_base_dtype_and_feed_forward_resumes_as_the_run
         with pytest.raises(TrainConfigError, match=f"the config changed \\({next(iter(changed))}: None"):
             check_resumable(state, RunState(tmp_path, replace(now, **changed), 3, "contents:f"),
                             tmp_path / "x.pt")
+
+
+def test_a_resume_writes_the_per_step_lora_a_kill_left_unwritten_and_names_older_ones(dataset, tmp_path):
+    """Killed while lora_step_0000004.safetensors was written, after checkpoint 4: the resume writes it again
+    from the checkpoint (the tensors the run wrote, bit for bit); an older missing one is named."""
+    out = tmp_path / "run"
+    base = dict(model="flux", dataset=str(dataset), steps=4, save_every=2, keep_checkpoints=2, **FAST)
+    train(TrainConfig(output=str(out), **base))
+    want = load_file(str(out / "lora_step_0000004.safetensors"))
+    for name in ("lora_step_0000004.safetensors", "lora_step_0000002.safetensors"):
+        (out / name).unlink()
+    with pytest.warns(UserWarning, match="missing per-step LoRA file.s. lora_step_0000002.safetensors, "):
+        train(TrainConfig(output=str(out), resume=True, **base))
+    got = load_file(str(out / "lora_step_0000004.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not (out / "lora_step_0000002.safetensors").exists()
+
+
+@pytest.mark.parametrize("left", ["loss.jsonl", "samples/step_0000000.png", "config.json", "tensorboard/x"])
+def test_a_fresh_run_into_a_killed_runs_folder_is_refused_and_keeps_its_files(tmp_path, capsys, left):
+    """A run killed before its first checkpoint leaves its loss log, samples, config.json: a fresh run into
+    that folder would append its records to the log and draw the dead run's samples into its strip."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / left).parent.mkdir(parents=True, exist_ok=True)
+    (out / left).write_text("the dead run's")
+    assert cli_main(["train", "--output", str(out), "--steps", "1", "--sample-steps", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("lora-lab: error: ") and f"already holds {left.split('/x')[0]}" in err
+    assert (out / left).read_text() == "the dead run's"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [left]

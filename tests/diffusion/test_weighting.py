@@ -142,17 +142,17 @@ def test_the_trainer_step_uses_the_config_knobs():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"min_snr_gamma": 0.0}, r"min_snr_gamma=0\.0: must be > 0"),
-    ({"min_snr_gamma": -1.0}, r"min_snr_gamma=-1\.0: must be > 0"),
-    ({"model": "sd3", "logit_std": 0.0}, r"logit_std=0\.0: must be > 0"),
-    ({"ema_decay": 1.0}, r"ema_decay=1\.0: must be in \(0, 1\)"),
-    ({"ema_decay": 0.0}, r"ema_decay=0\.0: must be in \(0, 1\)"),
-    ({"loraplus_ratio": 0.0}, r"loraplus_ratio=0\.0: must be > 0"),
+    ({"min_snr_gamma": 0.0}, r"min_snr_gamma=0\.0: must be a number in \(0, "),
+    ({"min_snr_gamma": -1.0}, r"min_snr_gamma=-1\.0: must be a number in \(0, "),
+    ({"model": "sd3", "logit_std": 0.0}, r"logit_std=0\.0: must be a number in \(0, "),
+    ({"ema_decay": 1.0}, r"ema_decay=1\.0: must be a number in \(0, 1\)"),
+    ({"ema_decay": 0.0}, r"ema_decay=0\.0: must be a number in \(0, 1\)"),
+    ({"loraplus_ratio": 0.0}, r"loraplus_ratio=0\.0: must be a number in \(0, "),
     ({"model": "sd3", "timestep_sampling": "cosine"}, r"timestep_sampling='cosine': must be one of"),
     ({"model": "sdxl", "timestep_sampling": "uniform"}, r"applies to sd3/flux only"),
     ({"model": "flux", "min_snr_gamma": 5.0}, r"applies to sd15/sdxl only"),
     ({"model": "sd3", "train_guidance": 3.5}, r"applies to flux only"),
-    ({"model": "sd3", "mode_scale": 3.0}, r"mode_scale=3\.0: must be in"),
+    ({"model": "sd3", "mode_scale": 3.0}, r"mode_scale=3\.0: must be a number in \[-1, 2/\(pi-2\)\]"),
 ])
 def test_bad_knob_values_are_one_line_errors(kw, match):
     with pytest.raises(TrainConfigError, match=match) as e:

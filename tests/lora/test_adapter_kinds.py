@@ -149,8 +149,10 @@ def test_the_state_dict_round_trips_and_is_what_the_file_holds(tmp_path, kind):
     x = _x()
     state = lora_state_dict(model)
     suffixes = {k.split(".", 1)[1] for k in state}
+    # lokr at factor 2, rank 2: the conv's W2 (2 x 2) whole, LyCORIS' rule; the Linear layers' decomposed
     want = {"lora": {"lora_down.weight", "lora_up.weight", "alpha"}, "dora": {"lora_down.weight",
-            "lora_up.weight", "alpha", "dora_scale"}, "lokr": {"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"},
+            "lora_up.weight", "alpha", "dora_scale"},
+            "lokr": {"lokr_w1", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "alpha"},
             "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}}
     assert suffixes == want[{"locon": "lora"}.get(kind, kind)]
     # saved, loaded into a fresh model wrapped the same way (other random values): the same output

@@ -66,9 +66,11 @@ def test_forward_merge_unmerge_and_strength_are_the_formula(kind, rank):
     _trained(model)
     for layer, base, inp in ((lin, before.get_submodule(LINEAR), x), (conv, before.get_submodule(CONV), img)):
         f = {k: v for k, v in layer.adapter_state().items() if k != "alpha"}
-        if kind == "lokr":  # written out: s kron(W1, W2), s = alpha / r (1 with W2 whole)
-            w2 = f["lokr_w2"] if rank is None else f["lokr_w2_a"] @ f["lokr_w2_b"]
-            delta = (1.0 if rank is None else 4.0 / rank) * torch.kron(f["lokr_w1"], w2)
+        if kind == "lokr":  # written out: s kron(W1, W2), s = alpha / r (1 with W2 whole: rank 2 keeps the
+            whole = "lokr_w2" in f  # conv's 2 x 2 W2 whole, LyCORIS' rule)
+            assert whole == (rank is None or layer is conv)
+            w2 = f["lokr_w2"].flatten(1) if whole else f["lokr_w2_a"] @ f["lokr_w2_b"]
+            delta = (1.0 if whole else 4.0 / rank) * torch.kron(f["lokr_w1"], w2)
         else:  # (alpha / r) (W1a W1b) * (W2a W2b)
             delta = 4.0 / rank * (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
         w = base.weight + delta.reshape(base.weight.shape)
@@ -103,7 +105,7 @@ def test_lora_disabled_switches_lycoris_layers_off_too(kind):
     torch.testing.assert_close(lin(x), adapted, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind, rank", [("lokr", None), ("lokr", 2), ("loha", 3)])
+@pytest.mark.parametrize("kind, rank", [("lokr", None), ("lokr", 1), ("loha", 3)])
 def test_files_carry_comfyuis_keys_and_read_back(tmp_path, kind, rank):
     model, fresh = _unet_like(), _unet_like()
     add_lycoris(model, kind, [LINEAR, CONV], rank=rank, alpha=4.0, factor=4)
@@ -164,7 +166,7 @@ def test_the_deltas_are_the_lycoris_packages():
     lokr = pytest.importorskip("lycoris.functional.lokr")
     loha = pytest.importorskip("lycoris.functional.loha")
     model = _unet_like()
-    add_lycoris(model, "lokr", [LINEAR], rank=2, alpha=4.0, factor=4)
+    add_lycoris(model, "lokr", [LINEAR], rank=1, alpha=4.0, factor=4)  # rank 2 would keep W2 (4 x 4) whole
     _trained(model)
     layer = model.get_submodule(LINEAR)
     ref = lokr.diff_weight(layer.w1, None, None, None, layer.w2_a, layer.w2_b, None, gamma=4.0,

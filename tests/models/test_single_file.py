@@ -197,3 +197,26 @@ def test_real_t5_tokenizer_offline():
     ids = tok("A long paragraph for summarization.")["input_ids"]
     assert ids == [71, 307, 8986, 21, 4505, 1635, 1707, 5, 1]
     assert tok("a cat", padding="max_length", truncation=True)["input_ids"] == [3, 9, 1712, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_an_integer_weight_in_a_single_file_base_is_refused_naming_file_and_tensor(tiny_files, tmp_path,
+                                                                                   capsys, dtype):
+    """Cast to the base dtype, an int32 weight would be trained on as numbers: refused as a LoRA file's is
+    (`fileio.weight_dtype_problem`), exit 2, nothing written."""
+    from safetensors.torch import load_file
+
+    from lora_lab.cli import main as cli_main
+
+    _, path, _ = tiny_files["sd15"]
+    tensors = load_file(str(path))
+    key = next(k for k in sorted(tensors) if k.startswith(DENOISER_PREFIX) and k.endswith("to_q.weight"))
+    tensors[key] = tensors[key].to(dtype)
+    bad = tmp_path / "int.safetensors"
+    save_file(tensors, bad)
+    out = tmp_path / "run"
+    assert cli_main(["train", "--model", "sd15", "--base", str(bad), "--output", str(out), "--steps", "1",
+                     "--sample-steps", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("lora-lab: error: ") and f"{bad}: tensor '{key}' has dtype {dtype}" in err
+    assert not out.exists()

@@ -64,6 +64,25 @@ def test_a_damaged_cache_file_is_ignored_and_rewritten(plans_in, monkeypatch, da
     assert third.cached and len(calls) == 2 and _same(third, first)
 
 
+def test_a_cache_entry_edited_consistently_is_planned_again_with_a_warning(plans_in, monkeypatch):
+    """Every figure divided by 1000 (a plan still consistent in itself) no longer matches the checksum stored
+    with its key: never returned, the plan is made again and the file rewritten."""
+    calls = []
+    monkeypatch.setattr(planner, "_plan", _fake_plan(calls))
+    first = plan_memory("sd15", **TINY)
+    (path,) = plans_in.glob("*.json")
+    data = json.loads(path.read_text())
+    assert set(data) == {"key", "checksum", "plan"}
+    data["plan"] = {k: (v // 1000 if isinstance(v, int) and not isinstance(v, bool) else
+                        {n: b // 1000 for n, b in v.items()} if k in ("phases", "parts") else v)
+                    for k, v in data["plan"].items()}
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=f"{path.name}: the cached plan does not match its checksum"):
+        second = plan_memory("sd15", **TINY)
+    assert not second.cached and len(calls) == 2 and _same(second, first)
+    assert plan_memory("sd15", **TINY).cached and len(calls) == 2  # rewritten with its checksum
+
+
 def _key(model="sdxl", *, attention="auto", checkpoint_options=None, **fields) -> str:
     config = planner.plan_config(model, **fields)
     return cache.plan_key(config, plan_options(config, attention, checkpoint_options))
