@@ -46,16 +46,16 @@ class ResumeError(LoraLabError, ValueError):
 CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": dict, "rng": dict,
                    "losses": list, "config": dict, "n_examples": int}
 # What may differ between a run and its resumption: where and how it runs, not what it computes; and what
-# NonFiniteLossError advises changing (the lr and its schedule, gradient clipping, mixed precision), so that
-# a run stopped by a non-finite loss can go on from its last good checkpoint.
+# NonFiniteLossError advises changing (lr, schedule, clipping, mixed precision): a run stopped by a
+# non-finite loss goes on from its last good checkpoint.
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
                "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
                "validation_dataset"}
 # Fields older checkpoints do not hold, with the value those runs had: 0.1 loaded every base in fp32 and
 # adapted attention only; the caption variants, the knobs, LoKr/LoHa and the losses came later.
-BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0, tag_dropout=0.0,
-                  caption_variants=8, min_snr_gamma=None, debiased_estimation=False,
+BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0,
+                  tag_dropout=0.0, caption_variants=8, min_snr_gamma=None, debiased_estimation=False,
                   timestep_sampling="logit-normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
                   timestep_shift=None, dynamic_shift=False, loss_weighting="none", train_guidance=1.0,
                   ema_decay=None, ema_warmup=True, loraplus_ratio=None, text_encoder_lr=None, adapter="lora",
