@@ -52,8 +52,7 @@ RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
                "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
                "validation_dataset"}
-# Fields older checkpoints do not hold, with the value those runs had: 0.1 loaded every base in fp32 and
-# adapted attention only; the caption variants, the knobs, LoKr/LoHa and the losses came later.
+# Fields older checkpoints lack, with the value those runs had (0.1: fp32 bases, attention only; then more)
 BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0,
                   tag_dropout=0.0, caption_variants=8, min_snr_gamma=None, debiased_estimation=False,
                   timestep_sampling="logit-normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
