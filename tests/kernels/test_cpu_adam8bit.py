@@ -17,7 +17,7 @@ from lora_lab import optim as optim_mod
 from lora_lab.kernels import cpu_adam8bit as native
 from lora_lab.optim import Adam8bit, AdamW8bit
 
-needs_native = pytest.mark.skipif(native.library() is None, reason="the C step cannot run here (logged why)")
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler here (logged why)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
