@@ -32,10 +32,17 @@ typedef struct {
     int small, adamw, l2;
 } hyper;
 
+/* Per map, for the AVX-512 body: the map's 256 floats as 4 planes of bytes (plane q: byte q of each), for
+ * lookups of 64 codes by vpermi2b. */
+typedef struct {
+    uint8_t planes[4][256];
+} lookup;
+
 typedef struct {
     const float *map;    /* 256 map values */
     const int32_t *pack; /* 2 n entries: [0, n) |y| >= 0, [n, 2n) y negative */
     int32_t n, lo;       /* entries per sign, bits of 2^-K */
+    const lookup *look;  /* for the AVX-512 body */
 } table;
 
 typedef struct {
@@ -53,6 +60,13 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
     uint32_t u = f32_bits(f);
     if (f != f) return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void make_lookup(lookup *l, const float *map) {
+    for (int i = 0; i < 256; i++) {
+        uint32_t u = f32_bits(map[i]);
+        for (int q = 0; q < 4; q++) l->planes[q][i] = (uint8_t)(u >> (8 * q));
+    }
 }
 
 /* ------------------------------------------------------------------------------- plain C (one value) */
@@ -224,28 +238,64 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
 }
 
 /* ------------------------------------------------------------------------------- AVX-512 (16 lanes) */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
-AVX512 static inline __m512 load_p16(const tensors *a, int64_t i, __mmask16 k) {
-    if (!a->p16) return _mm512_maskz_loadu_ps(k, (const float *)a->param + i);
-    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)a->param + i);
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma")))
+
+/* Whole vectors (k = all ones, `full`) by plain loads and stores: masked ones are slow on some CPUs (Zen 4). */
+AVX512 static inline __m512 load_16(const void *base, int is16, int64_t i, __mmask16 k, int full) {
+    if (!is16) return full ? _mm512_loadu_ps((const float *)base + i) : _mm512_maskz_loadu_ps(k, (const float *)base + i);
+    const uint16_t *at = (const uint16_t *)base + i;
+    __m256i h = full ? _mm256_loadu_si256((const __m256i *)at) : _mm256_maskz_loadu_epi16(k, at);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-AVX512 static inline __m512 load_g16(const tensors *a, int64_t i, __mmask16 k) {
-    if (!a->g16) return _mm512_maskz_loadu_ps(k, (const float *)a->grad + i);
-    __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)a->grad + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-AVX512 static inline void store_p16(const tensors *a, int64_t i, __m512 p, __mmask16 k) {
-    if (!a->p16) { _mm512_mask_storeu_ps((float *)a->param + i, k, p); return; }
+AVX512 static inline void store_p16(const tensors *a, int64_t i, __m512 p, __mmask16 k, int full) {
+    if (!a->p16) {
+        if (full) _mm512_storeu_ps((float *)a->param + i, p);
+        else _mm512_mask_storeu_ps((float *)a->param + i, k, p);
+        return;
+    }
     __m512i u = _mm512_castps_si512(p);
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
     r = _mm512_srli_epi32(r, 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)a->param + i, k, r);
+    __m256i h = _mm512_cvtepi32_epi16(r);
+    uint16_t *at = (uint16_t *)a->param + i;
+    if (full) _mm256_storeu_si256((__m256i *)at, h);
+    else _mm256_mask_storeu_epi16(at, k, h);
+}
+AVX512 static inline void store_codes16(uint8_t *at, __m512i c, __mmask16 k, int full) {
+    __m128i b = _mm512_cvtepi32_epi8(c);
+    if (full) _mm_storeu_si128((__m128i *)at, b);
+    else _mm_mask_storeu_epi8(at, k, b);
 }
 
+
+/* map[codes[0, 64)] * absmax into out[0, 64). */
+AVX512 static inline void dequant64(const lookup *l, const uint8_t *codes, float absmax, float *out) {
+    static const uint8_t order[64] = { /* byte 16 lane + 4 r + i <- code 16 r + 4 lane + i */
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23,
+        36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes));
+    __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int q = 0; q < 4; q++) {
+        const uint8_t *t = l->planes[q];
+        __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 64));
+        __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), c, _mm512_loadu_si512(t + 192));
+        b[q] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    __m512 s = _mm512_set1_ps(absmax);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), s));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), s));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), s));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), s));
+}
+
+/* The codes of 16 values y (see the top of the file). */
 AVX512 static inline __m512i codes16(const table *t, __m512 y) {
     const __m512i ffff = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
     __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
@@ -265,43 +315,60 @@ AVX512 static inline __m512i codes16(const table *t, __m512 y) {
 
 AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
     __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
-    return _mm512_mul_ps(_mm512_i32gather_ps(c, t->map, 4), absmax);
+    return _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, t->map, 4), absmax);
+}
+
+typedef struct { __m512 coeff, b2, c2, bc2s, eps, neg_step, decay, wd, mx, vx; } consts16;
+
+/* The update of 16 values at j of the block at i0 (those of k): m, v (dequantized) updated in place, and
+ * their maxima. */
+AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c, int64_t i0, int64_t j,
+                                   float *m, float *v, __mmask16 k, int full) {
+    __m512 p = load_16(a->param, a->p16, i0 + j, k, full), g = load_16(a->grad, a->g16, i0 + j, k, full);
+    __m512 mj = _mm512_loadu_ps(m + j), vj = _mm512_loadu_ps(v + j);
+    if (h->l2) g = _mm512_fmadd_ps(p, c->wd, g);
+    mj = _mm512_fmadd_ps(c->coeff, _mm512_sub_ps(g, mj), h->small ? mj : g);
+    vj = _mm512_fmadd_ps(_mm512_mul_ps(c->c2, g), g, _mm512_mul_ps(vj, c->b2));
+    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), c->bc2s), c->eps);
+    __m512 t = _mm512_div_ps(_mm512_mul_ps(c->neg_step, mj), den);
+    if (h->adamw) p = _mm512_mul_ps(p, c->decay);
+    store_p16(a, i0 + j, _mm512_add_ps(p, t), k, full);
+    _mm512_storeu_ps(m + j, mj); /* the scratch has room for whole vectors */
+    _mm512_storeu_ps(v + j, vj);
+    c->mx = _mm512_mask_max_ps(c->mx, k, c->mx, _mm512_abs_ps(mj));
+    c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
 }
 
 AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
                                 int64_t i0, int64_t len, float *m, float *v) {
-    const __m512 coeff = _mm512_set1_ps(h->coeff), b2 = _mm512_set1_ps(h->b2), c2 = _mm512_set1_ps(h->c2),
-                 bc2s = _mm512_set1_ps(h->bc2s), eps = _mm512_set1_ps(h->eps),
-                 neg_step = _mm512_set1_ps(h->neg_step), decay = _mm512_set1_ps(h->decay),
-                 wd = _mm512_set1_ps(h->wd);
-    const __m512 am = _mm512_set1_ps(m[-1]), av = _mm512_set1_ps(v[-1]);
-    __m512 mx = _mm512_setzero_ps(), vx = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) {
-        __mmask16 k = len - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - j)) - 1u);
-        __m512 p = load_p16(a, i0 + j, k), g = load_g16(a, i0 + j, k);
-        __m512 mj = dequant16(tm, a->m_codes + i0 + j, am, k), vj = dequant16(tv, a->v_codes + i0 + j, av, k);
-        if (h->l2) g = _mm512_fmadd_ps(p, wd, g);
-        mj = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, mj), h->small ? mj : g);
-        vj = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vj, b2));
-        __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), bc2s), eps);
-        __m512 t = _mm512_div_ps(_mm512_mul_ps(neg_step, mj), den);
-        if (h->adamw) p = _mm512_mul_ps(p, decay);
-        store_p16(a, i0 + j, _mm512_add_ps(p, t), k);
-        _mm512_storeu_ps(m + j, mj); /* the scratch has room for whole vectors */
-        _mm512_storeu_ps(v + j, vj);
-        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_abs_ps(mj));
-        vx = _mm512_mask_max_ps(vx, k, vx, vj);
+    consts16 c = {_mm512_set1_ps(h->coeff), _mm512_set1_ps(h->b2), _mm512_set1_ps(h->c2),
+                  _mm512_set1_ps(h->bc2s), _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step),
+                  _mm512_set1_ps(h->decay), _mm512_set1_ps(h->wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t whole = len - len % 16, j = 0;
+    __mmask16 rest = (__mmask16)((1u << (len % 16)) - 1u);
+    for (; j + 64 <= len; j += 64) {
+        dequant64(tm->look, a->m_codes + i0 + j, m[-1], m + j);
+        dequant64(tv->look, a->v_codes + i0 + j, v[-1], v + j);
     }
-    float mmax = _mm512_reduce_max_ps(mx), vmax = _mm512_reduce_max_ps(vx);
+    for (; j < len; j += 16) {
+        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
+        _mm512_storeu_ps(m + j, dequant16(tm, a->m_codes + i0 + j, _mm512_set1_ps(m[-1]), k));
+        _mm512_storeu_ps(v + j, dequant16(tv, a->v_codes + i0 + j, _mm512_set1_ps(v[-1]), k));
+    }
+    for (j = 0; j < whole; j += 16) update16(h, a, &c, i0, j, m, v, 0xFFFF, 1);
+    if (rest) update16(h, a, &c, i0, whole, m, v, rest, 0);
+    float mmax = _mm512_reduce_max_ps(c.mx), vmax = _mm512_reduce_max_ps(c.vx);
     mmax = mmax > 0.0f ? mmax : 0.0f; /* +0.0 for a block of zeros */
     vmax = vmax > 0.0f ? vmax : 0.0f;
     m[-1] = mmax;
     v[-1] = vmax;
     const __m512 ms = _mm512_set1_ps(mmax > 0.0f ? mmax : 1.0f), vs = _mm512_set1_ps(vmax > 0.0f ? vmax : 1.0f);
-    for (int64_t j = 0; j < len; j += 16) {
-        __mmask16 k = len - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - j)) - 1u);
-        _mm512_mask_cvtepi32_storeu_epi8(a->m_codes + i0 + j, k, codes16(tm, _mm512_div_ps(_mm512_loadu_ps(m + j), ms)));
-        _mm512_mask_cvtepi32_storeu_epi8(a->v_codes + i0 + j, k, codes16(tv, _mm512_div_ps(_mm512_loadu_ps(v + j), vs)));
+    for (j = 0; j < len; j += 16) {
+        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
+        __m512i cm = codes16(tm, _mm512_div_ps(_mm512_loadu_ps(m + j), ms));
+        __m512i cv = codes16(tv, _mm512_div_ps(_mm512_loadu_ps(v + j), vs));
+        store_codes16(a->m_codes + i0 + j, cm, k, j < whole);
+        store_codes16(a->v_codes + i0 + j, cv, k, j < whole);
     }
 }
 #endif
@@ -313,7 +380,8 @@ int lora_lab_adam8bit_paths(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out |= 1 << 2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && (out & (1 << 2))) out |= 1 << 3;
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") && (out & (1 << 2)))
+        out |= 1 << 3;
 #endif
     return out;
 }
@@ -353,7 +421,12 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     h.adamw = decoupled && wd != 0.0;
     h.l2 = !decoupled && wd != 0.0;
     tensors a = {param, grad, m_codes, v_codes, m_absmax, v_absmax, param_dtype == 1, grad_dtype == 1};
-    table tm = {m_map, m_pack, pack_n, pack_lo}, tv = {v_map, v_pack, pack_n, pack_lo};
+    lookup looks[2];
+    if (path == 3) {
+        make_lookup(&looks[0], m_map);
+        make_lookup(&looks[1], v_map);
+    }
+    table tm = {m_map, m_pack, pack_n, pack_lo, &looks[0]}, tv = {v_map, v_pack, pack_n, pack_lo, &looks[1]};
     /* scratch: [am] m[bs + 15] [av] v[bs + 15]: the absmax in and out beside each block's moments */
     float *m = scratch + 1, *v = scratch + bs + 17;
     int64_t n_blocks = (n + bs - 1) / bs;
