@@ -241,9 +241,12 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma")))
 
-/* Whole vectors (k = all ones, `full`) by plain loads and stores: masked ones are slow on some CPUs (Zen 4). */
+/* Whole vectors (k all ones, `full`) by plain loads and stores: masked ones are slow on some CPUs (Zen 4). */
 AVX512 static inline __m512 load_16(const void *base, int is16, int64_t i, __mmask16 k, int full) {
-    if (!is16) return full ? _mm512_loadu_ps((const float *)base + i) : _mm512_maskz_loadu_ps(k, (const float *)base + i);
+    if (!is16) {
+        const float *at = (const float *)base + i;
+        return full ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(k, at);
+    }
     const uint16_t *at = (const uint16_t *)base + i;
     __m256i h = full ? _mm256_loadu_si256((const __m256i *)at) : _mm256_maskz_loadu_epi16(k, at);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -362,7 +365,8 @@ AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *t
     vmax = vmax > 0.0f ? vmax : 0.0f;
     m[-1] = mmax;
     v[-1] = vmax;
-    const __m512 ms = _mm512_set1_ps(mmax > 0.0f ? mmax : 1.0f), vs = _mm512_set1_ps(vmax > 0.0f ? vmax : 1.0f);
+    const __m512 ms = _mm512_set1_ps(mmax > 0.0f ? mmax : 1.0f);
+    const __m512 vs = _mm512_set1_ps(vmax > 0.0f ? vmax : 1.0f);
     for (j = 0; j < len; j += 16) {
         __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
         __m512i cm = codes16(tm, _mm512_div_ps(_mm512_loadu_ps(m + j), ms));

@@ -53,6 +53,9 @@ CACHE_ENV = "LORA_LAB_NATIVE_CACHE"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-shared", "-fPIC")
 PATH_ENV = "LORA_LAB_ADAM8BIT_PATH"
 PATHS = {"avx512": 3, "avx2": 2, "plain": 1}  # the C's bodies, fastest first: its `path` codes
+# torch CPU capabilities whose fused Adam kernel rounds as the C step (its vector body on every value, the
+# PyTorch path padding its chunks): there the two agree bit for bit; elsewhere within the rounding
+EXACT_CAPABILITIES = ("AVX2", "AVX512")
 PACK_BINADES = 24  # the packed nearest-code table's buckets: |y| in [2^-24, 1], 128 a binade; below, one
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data_ptr() is their memory
