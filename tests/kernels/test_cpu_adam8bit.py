@@ -145,7 +145,8 @@ def test_the_packed_table_gives_the_rounding_tables_codes(signed, keep_nonzero):
     pack = native.packed_table(signed, keep_nonzero).long()
     tops = torch.arange(65536, dtype=torch.int64)
     at = thr.view(torch.int32).long() & 0xFFFFFFFF
-    edges = torch.cat([tops << 16, tops << 16 | 0xFFFF, at - 1, at, at + 1, torch.tensor([1, 2**31, 2**31 + 1])])
+    ends = torch.tensor([1, 2**31, 2**31 + 1])  # the smallest denormal, -0.0, its negative
+    edges = torch.cat([tops << 16, tops << 16 | 0xFFFF, at - 1, at, at + 1, ends])
     y = (edges & 0xFFFFFFFF).to(torch.int64)
     y = torch.where(y >= 2**31, y - 2**32, y).to(torch.int32).view(torch.float32)
     y = y[y.isfinite() & (y.abs() <= 1) & ((y >= 0) | signed)]
