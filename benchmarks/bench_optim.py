@@ -86,8 +86,9 @@ def row_setting(name: str):
     if body is not None:
         os.environ[lora_lab.kernels.cpu_adam8bit.PATH_ENV] = body
     try:
-        callers = name.endswith("caller's threads")
-        with _patched(lora_lab.optim, "one_thread", contextlib.nullcontext) if callers else contextlib.nullcontext():
+        policy_off = name.endswith("caller's threads")
+        off = _patched(lora_lab.optim, "one_thread", contextlib.nullcontext)
+        with off if policy_off else contextlib.nullcontext():
             yield
     finally:
         if body is not None:
