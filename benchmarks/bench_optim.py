@@ -50,13 +50,18 @@ def torch_path(ps):
     return AdamW8bit(ps, lr=1e-3, backend="torch")
 
 
+def other_bodies() -> list[str]:
+    """The C step's bodies this CPU runs besides the one "lora_lab AdamW8bit" runs."""
+    native = lora_lab.kernels.cpu_adam8bit
+    return [body for body in native.paths() if body != native.chosen_path()]
+
+
 def makers(use_torchao: bool, callers_threads: bool) -> dict:
     out = {
         "torch AdamW (fp32 state; torch's CPU default)": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
         "torch AdamW fused=True (fp32 state)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         "lora_lab AdamW8bit": lambda ps: AdamW8bit(ps, lr=1e-3),
-        **{f"lora_lab AdamW8bit, C {body}": lambda ps: AdamW8bit(ps, lr=1e-3)
-           for body in lora_lab.kernels.cpu_adam8bit.paths()[1:]},
+        **{f"lora_lab AdamW8bit, C {body}": lambda ps: AdamW8bit(ps, lr=1e-3) for body in other_bodies()},
         "lora_lab AdamW8bit, PyTorch path": torch_path,
         "lora_lab AdamW8bit, PyTorch path, caller's threads": torch_path,
     }
@@ -82,17 +87,20 @@ def makers(use_torchao: bool, callers_threads: bool) -> dict:
 def row_setting(name: str):
     """The step of the row `name` as it says: the PyTorch path with lora_lab.threads.one_thread switched off
     ("caller's threads"), the C step in the body it names ("C <body>")."""
-    body = name.split(", C ")[1] if ", C " in name else None
-    if body is not None:
-        os.environ[lora_lab.kernels.cpu_adam8bit.PATH_ENV] = body
+    env = lora_lab.kernels.cpu_adam8bit.PATH_ENV
+    before = os.environ.get(env)
+    if ", C " in name:
+        os.environ[env] = name.split(", C ")[1]
     try:
         policy_off = name.endswith("caller's threads")
         off = _patched(lora_lab.optim, "one_thread", contextlib.nullcontext)
         with off if policy_off else contextlib.nullcontext():
             yield
     finally:
-        if body is not None:
-            del os.environ[lora_lab.kernels.cpu_adam8bit.PATH_ENV]
+        if before is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = before
 
 
 @contextlib.contextmanager
