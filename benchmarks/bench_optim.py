@@ -53,7 +53,7 @@ def torch_path(ps):
 def other_bodies() -> list[str]:
     """The C step's bodies this CPU runs besides the one "lora_lab AdamW8bit" runs."""
     native = lora_lab.kernels.cpu_adam8bit
-    return [body for body in native.paths() if body != native.chosen_path()]
+    return [body for body in native.paths() if body != native.chosen_path()] if native.paths() else []
 
 
 def makers(use_torchao: bool, callers_threads: bool) -> dict:
