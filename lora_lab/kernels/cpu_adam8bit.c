@@ -51,6 +51,7 @@ typedef struct {
     uint8_t *m_codes, *v_codes;
     float *m_absmax, *v_absmax;
     int p16, g16; /* bf16 (else fp32) */
+    float *pg;    /* scratch of the plain C body: 2 bs floats */
 } tensors;
 
 static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -88,9 +89,9 @@ static inline uint8_t code_one(const table *t, float y) {
     int32_t r = (int32_t)mag - t->lo;
     int32_t i = r < 0 ? 0 : (r >> 16) + 1;
     i = i < t->n - 1 ? i : t->n - 1;
-    uint32_t cmp = r < 0 ? (mag != 0) : ((uint32_t)r & 0xFFFFu);
-    if (u >> 31) { i += t->n; cmp ^= 0xFFFFu; }
-    uint32_t e = (uint32_t)t->pack[i];
+    uint32_t cmp = r < 0 ? (mag != 0) : ((uint32_t)r & 0xFFFFu), neg = 0u - (u >> 31); /* all ones if y < 0 */
+    uint32_t e = (uint32_t)t->pack[i + (int32_t)(neg & (uint32_t)t->n)];
+    cmp ^= neg & 0xFFFFu;
     return (uint8_t)((e >> 16) + (cmp > (e & 0xFFFFu)));
 }
 
@@ -123,19 +124,41 @@ static inline void update_values(const hyper *h, const tensors *a, const table *
     }
 }
 
-static inline void codes_values(const table *t, const float *x, float s, uint8_t *codes, int64_t j0,
-                                int64_t len) {
-    for (int64_t j = j0; j < len; j++) codes[j] = code_one(t, x[j] / s);
+static inline void codes_values(const table *t, const float *restrict x, float s, uint8_t *restrict codes,
+                                int64_t j0, int64_t len) {
+    const table tc = *t; /* the codes' stores may alias *t: a copy lets the loop vectorize */
+    for (int64_t j = j0; j < len; j++) codes[j] = code_one(&tc, x[j] / s);
 }
 
+static inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; } /* ordered as |x| */
+
+/* The block as loops the compiler vectorizes (each a pass over the block in L1, no branch inside). */
 static void block_plain(const hyper *h, const tensors *a, const table *tm, const table *tv, int64_t i0,
-                        int64_t len, float *m, float *v) {
-    float mx = 0.0f, vx = 0.0f;
-    update_values(h, a, tm, tv, i0, 0, len, m[-1], v[-1], m, v, &mx, &vx);
-    m[-1] = mx;
-    v[-1] = vx;
-    codes_values(tm, m, mx > 0.0f ? mx : 1.0f, a->m_codes + i0, 0, len);
-    codes_values(tv, v, vx > 0.0f ? vx : 1.0f, a->v_codes + i0, 0, len);
+                        int64_t len, float *restrict m, float *restrict v) {
+    float *restrict p = a->pg, *restrict g = a->pg + len;
+    const uint8_t *restrict mc = a->m_codes + i0, *restrict vc = a->v_codes + i0;
+    const float am = m[-1], av = v[-1];
+    for (int64_t j = 0; j < len; j++) {
+        m[j] = tm->map[mc[j]] * am;
+        v[j] = tv->map[vc[j]] * av;
+    }
+    if (a->p16) for (int64_t j = 0; j < len; j++) p[j] = bf16_f32(((const uint16_t *)a->param)[i0 + j]);
+    else memcpy(p, (const float *)a->param + i0, (size_t)len * 4);
+    if (a->g16) for (int64_t j = 0; j < len; j++) g[j] = bf16_f32(((const uint16_t *)a->grad)[i0 + j]);
+    else memcpy(g, (const float *)a->grad + i0, (size_t)len * 4);
+    const hyper hc = *h;
+    for (int64_t j = 0; j < len; j++) update_one(&hc, p + j, g[j], m + j, v + j);
+    if (a->p16) for (int64_t j = 0; j < len; j++) ((uint16_t *)a->param)[i0 + j] = f32_bf16(p[j]);
+    else memcpy((float *)a->param + i0, p, (size_t)len * 4);
+    uint32_t mx = 0, vx = 0; /* max |m|, max v (>= +0.0) by their bits: +0.0 for a block of zeros */
+    for (int64_t j = 0; j < len; j++) {
+        mx = abs_bits(m[j]) > mx ? abs_bits(m[j]) : mx;
+        vx = abs_bits(v[j]) > vx ? abs_bits(v[j]) : vx;
+    }
+    m[-1] = bits_f32(mx);
+    v[-1] = bits_f32(vx);
+    codes_values(tm, m, mx ? m[-1] : 1.0f, a->m_codes + i0, 0, len);
+    codes_values(tv, v, vx ? v[-1] : 1.0f, a->v_codes + i0, 0, len);
 }
 
 #ifdef LORA_LAB_X86
@@ -394,7 +417,7 @@ typedef void (*block_fn)(const hyper *, const tensors *, const table *, const ta
                          float *, float *);
 
 /* Returns the path that ran, or -1 for a path this CPU lacks. param/grad: fp32 (dtype code 0) or bf16 (1);
- * scratch: 2 * (bs + 16) floats; path: 0 the fastest, 1 plain C, 2 AVX2, 3 AVX-512. */
+ * scratch: 4 * (bs + 16) floats; path: 0 the fastest, 1 plain C, 2 AVX2, 3 AVX-512. */
 int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int grad_dtype,
                            uint8_t *m_codes, float *m_absmax, uint8_t *v_codes, float *v_absmax,
                            int64_t n, int64_t bs, const float *m_map, const float *v_map,
@@ -424,7 +447,8 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     h.wd = (float)wd;
     h.adamw = decoupled && wd != 0.0;
     h.l2 = !decoupled && wd != 0.0;
-    tensors a = {param, grad, m_codes, v_codes, m_absmax, v_absmax, param_dtype == 1, grad_dtype == 1};
+    tensors a = {param, grad, m_codes, v_codes, m_absmax, v_absmax, param_dtype == 1, grad_dtype == 1,
+                 scratch + 2 * (bs + 16)};
     lookup looks[2];
     if (path == 3) {
         make_lookup(&looks[0], m_map);

@@ -245,7 +245,7 @@ def cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step: int, hp, path
     if lib is None:
         return False
     bs, n = hp.block_size, param.numel()
-    scratch = torch.empty(2 * (bs + 16), dtype=torch.float32)
+    scratch = torch.empty(4 * (bs + 16), dtype=torch.float32)
     ran = lib.lora_lab_adam8bit_step(
         param.data_ptr(), DTYPES[param.dtype], grad.data_ptr(), DTYPES[grad.dtype], m.data_ptr(),
         m_absmax.data_ptr(), v.data_ptr(), v_absmax.data_ptr(), n, bs, *(t.data_ptr() for t in _tables()),
