@@ -84,13 +84,13 @@ static inline void update_one(const hyper *h, float *p, float g, float *m, float
     *v = vj;
 }
 
-static inline uint8_t code_one(const table *t, float y) {
+static inline uint8_t code_one(const int32_t *pack, int32_t n, int32_t lo, float y) {
     uint32_t u = f32_bits(y), mag = u & 0x7FFFFFFFu;
-    int32_t r = (int32_t)mag - t->lo;
+    int32_t r = (int32_t)mag - lo;
     int32_t i = r < 0 ? 0 : (r >> 16) + 1;
-    i = i < t->n - 1 ? i : t->n - 1;
+    i = i < n - 1 ? i : n - 1;
     uint32_t cmp = r < 0 ? (mag != 0) : ((uint32_t)r & 0xFFFFu), neg = 0u - (u >> 31); /* all ones if y < 0 */
-    uint32_t e = (uint32_t)t->pack[i + (int32_t)(neg & (uint32_t)t->n)];
+    uint32_t e = (uint32_t)pack[i + (int32_t)(neg & (uint32_t)n)];
     cmp ^= neg & 0xFFFFu;
     return (uint8_t)((e >> 16) + (cmp > (e & 0xFFFFu)));
 }
@@ -126,8 +126,8 @@ static inline void update_values(const hyper *h, const tensors *a, const table *
 
 static inline void codes_values(const table *t, const float *restrict x, float s, uint8_t *restrict codes,
                                 int64_t j0, int64_t len) {
-    const table tc = *t; /* the codes' stores may alias *t: a copy lets the loop vectorize */
-    for (int64_t j = j0; j < len; j++) codes[j] = code_one(&tc, x[j] / s);
+    const int32_t *restrict pack = t->pack, n = t->n, lo = t->lo; /* out of the codes' alias set */
+    for (int64_t j = j0; j < len; j++) codes[j] = code_one(pack, n, lo, x[j] / s);
 }
 
 static inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; } /* ordered as |x| */
