@@ -115,6 +115,8 @@ def chosen_path(path: str | None = None) -> str:
     that is not a body, or one this CPU cannot run, is refused (NativePathError)."""
     name = path if path is not None else os.environ.get(PATH_ENV, "").strip() or None
     have = paths()
+    if not have:
+        raise NativeBuildError("the C step cannot be built here (its reason was logged)")
     if name is None:
         return have[0]
     if name not in PATHS:
