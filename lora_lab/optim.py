@@ -20,7 +20,6 @@ import contextlib
 import torch
 
 from .errors import OptimizerError
-from .functional import adam as adam_math
 from .functional.adam import AdamHyper, adam_step_
 from .functional.blockwise import BLOCK_SIZE, zero_code
 from .kernels import BACKENDS, resolve_backend
@@ -132,7 +131,7 @@ class Adam8bit(torch.optim.Optimizer):
                 quantized_on_cpu = "exp_avg_absmax" in state and p.device.type == "cpu"
                 if quantized_on_cpu and self.backend == "auto" and cpu_adam8bit_step(
                         p, p.grad, state["exp_avg"], state["exp_avg_absmax"], state["exp_avg_sq"],
-                        state["exp_avg_sq_absmax"], state["step"], hp, adam_math.CHUNK_BLOCKS):
+                        state["exp_avg_sq_absmax"], state["step"], hp):
                     continue  # the C step (kernels/cpu_adam8bit.py): the PyTorch path's results in one pass
                 with one_thread() if quantized_on_cpu else contextlib.nullcontext():
                     adam_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], hp,

@@ -20,6 +20,10 @@ from ..torch_private import fused_adam
 from .blockwise import BLOCK_SIZE, dequantize_blocks_into, quantize_blocks
 
 CHUNK_BLOCKS = 1024  # blocks per vectorised pass of the 8-bit update: 262144 values, 1 MiB in fp32
+# torch's fused Adam kernel rounds its last (length mod vector width) values otherwise (plain C++, other
+# fused multiply-adds): chunks are zero-padded to a multiple of this (every CPU vector width) so that all
+# values round alike, as kernels/cpu_adam8bit.c does
+PAD = 64
 
 
 @dataclass(frozen=True)
@@ -79,17 +83,30 @@ def adam_step_(
     g_flat, m_flat, v_flat = grad.reshape(-1), m.view(-1), v.view(-1)
     n = p_flat.numel()
     chunk = min(CHUNK_BLOCKS * bs, -(-n // bs) * bs)
-    m32, v32 = (torch.empty(chunk, dtype=torch.float32, device=param.device) for _ in range(2))
+    width = -(-chunk // PAD) * PAD
+    m32, v32 = (torch.empty(width, dtype=torch.float32, device=param.device) for _ in range(2))
+    padded = None  # (p, g) fp32 buffers of `width`, for chunks that are not a multiple of PAD
     update = _fused_update(hp, step, param.device)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        blocks = slice(start // bs, -(-end // bs))
-        p = p_flat[start:end]
-        p32, mk, vk = p.float(), m32[: end - start], v32[: end - start]
+        size, blocks = end - start, slice(start // bs, -(-end // bs))
+        p, mk, vk = p_flat[start:end], m32[:size], v32[:size]
         dequantize_blocks_into(m_flat[start:end], m_absmax[blocks], mk, signed=True, block_size=bs)
         dequantize_blocks_into(v_flat[start:end], v_absmax[blocks], vk, signed=False, block_size=bs)
-        update(p32, g_flat[start:end].float(), mk, vk)
-        if p32 is not p:
+        if size % PAD == 0:
+            p32 = p.float()
+            update(p32, g_flat[start:end].float(), mk, vk)
+        else:
+            whole = -(-size // PAD) * PAD
+            padded = padded if padded is not None else torch.empty(2, width, device=param.device)
+            p32, g32 = padded[0, :whole], padded[1, :whole]
+            for buf, src in ((p32, p), (g32, g_flat[start:end]), (m32[:whole], None), (v32[:whole], None)):
+                buf[size:].zero_()
+                if src is not None:
+                    buf[:size].copy_(src)
+            update(p32, g32, m32[:whole], v32[:whole])
+            p32 = p32[:size]
+        if p32.data_ptr() != p.data_ptr():
             p.copy_(p32)
         quantize_blocks(mk, True, bs, out=(m_flat[start:end], m_absmax[blocks]))
         quantize_blocks(vk, False, bs, keep_nonzero=True, out=(v_flat[start:end], v_absmax[blocks]))

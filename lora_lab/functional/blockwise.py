@@ -144,6 +144,7 @@ def quantize_blocks(
     absmax = out[1] if out is not None else torch.empty(blocks.shape[0], device=x.device)
     if signed:  # max |x| without an |x| tensor
         torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_(), out=absmax)
+        absmax.add_(0.0)  # a block of zeros: +0.0 (torch.maximum may give -0.0), as kernels/cpu_adam8bit.c
     else:  # the unsigned map's values are >= 0
         torch.amax(blocks, dim=1, out=absmax)
     scale = torch.where(absmax > 0, absmax, 1.0)[:, None]

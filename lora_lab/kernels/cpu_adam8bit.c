@@ -1,25 +1,58 @@
 /* One 8-bit Adam(W) step on the CPU, in one pass over memory: lora_lab/kernels/cpu_adam8bit.py compiles
  * this file (plain C99, no torch headers) and calls `lora_lab_adam8bit_step` on a tensor's data pointers.
  *
- * Block by block (the blocks of lora_lab/functional/blockwise.py): dequantize m and v (code table x block
- * absmax), the Adam(W) update of the parameter (fp32 or bf16, math in fp32), the blocks' new absmax, and the
- * codes of the nearest map entries. It computes exactly what the PyTorch path computes
- * (functional/adam.py's adam_step_ with torch's fused CPU Adam kernel on an AVX2 build of torch), bit for
- * bit: the same roundings in the same order (where torch's kernel uses a fused multiply-add, fmaf here; the
- * file is compiled with -ffp-contract=off so that nothing else is fused), the same nearest-code tables.
+ * Block by block (the blocks of lora_lab/functional/blockwise.py), the block held in L1: dequantize m and v
+ * (map[code] x block absmax), the Adam(W) update of the parameter (fp32 or bf16, math in fp32) while the
+ * new moments' absmax are taken, then the codes of the nearest map entries. Three bodies of the same
+ * arithmetic: AVX-512 (16 lanes), AVX2 (8 lanes), plain C (the compiler vectorizes it where it can, e.g.
+ * aarch64; on x86 the fallback for CPUs without AVX2); `path` picks one, 0 the fastest the CPU has.
  *
- * torch's kernel computes the update in two forms: vectors of `vec` for all but the last (len mod vec)
- * values of each call, plain C++ for those; the PyTorch path calls it once per chunk of `chunk` values
- * (a whole number of blocks). Only the placement of fused multiply-adds differs between the two forms.
+ * Rounding: that of torch's fused Adam kernel's vector body (aten/src/ATen/native/cpu/FusedAdamKernel.cpp
+ * as built for AVX2 and AVX-512: where it fuses a multiply-add, fmaf here; the file is compiled with
+ * -ffp-contract=off so that nothing else is fused) for every value; the PyTorch path (functional/adam.py)
+ * pads its chunks so that torch's kernel never runs its scalar tail, and takes a zero block's absmax as
+ * +0.0, so the two agree bit for bit where torch's CPU capability is AVX2 or AVX512.
+ *
+ * Nearest code: one lookup per value in a packed table (built by cpu_adam8bit.py from blockwise.py's
+ * rounding tables): for y = x / absmax, r = bits(|y|) - bits(2^-K); index 1 + (r >> 16) (0 for r < 0: all
+ * |y| < 2^-K round alike, but for keep_nonzero's 0 / not 0), + N for a negative y; entry = base << 16 |
+ * t, code = base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared
+ * within the bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LORA_LAB_X86 1
+#include <immintrin.h>
+#endif
 
 typedef struct {
-    float w, coeff, b2, c2, bc2s, eps, neg_step, step_size, decay, wd;
+    float coeff, b2, c2, bc2s, eps, neg_step, decay, wd;
     int small, adamw, l2;
 } hyper;
+
+/* Per map, for the AVX-512 body: the map's 256 floats as 4 planes of bytes (plane q: byte q of each), for
+ * lookups of 64 codes by vpermi2b. */
+typedef struct {
+    uint8_t planes[4][256];
+} lookup;
+
+typedef struct {
+    const float *map;    /* 256 map values */
+    const int32_t *pack; /* 2 n entries: [0, n) |y| >= 0, [n, 2n) y negative */
+    int32_t n, lo;       /* entries per sign, bits of 2^-K */
+    const lookup *look;  /* for the AVX-512 body */
+} table;
+
+typedef struct {
+    void *param;
+    const void *grad;
+    uint8_t *m_codes, *v_codes;
+    float *m_absmax, *v_absmax;
+    int p16, g16; /* bf16 (else fp32) */
+    float *pg;    /* scratch of the plain C body: 2 bs floats */
+} tensors;
 
 static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -30,116 +63,408 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* The update of values [j0, j1) of a block: p, g in fp32; m, v dequantized in place, updated in place. */
-static inline void update_vec(const hyper *h, float *restrict p, const float *restrict g,
-                              float *restrict m, float *restrict v, int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; j++) {
-        float pj = p[j], gj = g[j];
-        if (h->l2) gj = fmaf(pj, h->wd, gj);
-        float mj = fmaf(h->coeff, gj - m[j], h->small ? m[j] : gj);
-        float cg = h->c2 * gj;
-        float vj = fmaf(cg, gj, v[j] * h->b2);
-        float den = sqrtf(vj) / h->bc2s + h->eps;
-        float t = (h->neg_step * mj) / den;
-        p[j] = h->adamw ? pj * h->decay + t : pj + t;
+static void make_lookup(lookup *l, const float *map) {
+    for (int i = 0; i < 256; i++) {
+        uint32_t u = f32_bits(map[i]);
+        for (int q = 0; q < 4; q++) l->planes[q][i] = (uint8_t)(u >> (8 * q));
+    }
+}
+
+/* ------------------------------------------------------------------------------- plain C (one value) */
+
+static inline void update_one(const hyper *h, float *p, float g, float *m, float *v) {
+    float pj = *p, gj = g;
+    if (h->l2) gj = fmaf(pj, h->wd, gj);
+    float mj = fmaf(h->coeff, gj - *m, h->small ? *m : gj);
+    float vj = fmaf(h->c2 * gj, gj, *v * h->b2);
+    float den = sqrtf(vj) / h->bc2s + h->eps;
+    float t = (h->neg_step * mj) / den;
+    *p = (h->adamw ? pj * h->decay : pj) + t;
+    *m = mj;
+    *v = vj;
+}
+
+static inline uint8_t code_one(const int32_t *pack, int32_t n, int32_t lo, float y) {
+    uint32_t u = f32_bits(y), mag = u & 0x7FFFFFFFu;
+    int32_t r = (int32_t)mag - lo;
+    int32_t i = r < 0 ? 0 : (r >> 16) + 1;
+    i = i < n - 1 ? i : n - 1;
+    uint32_t cmp = r < 0 ? (mag != 0) : ((uint32_t)r & 0xFFFFu), neg = 0u - (u >> 31); /* all ones if y < 0 */
+    uint32_t e = (uint32_t)pack[i + (int32_t)(neg & (uint32_t)n)];
+    cmp ^= neg & 0xFFFFu;
+    return (uint8_t)((e >> 16) + (cmp > (e & 0xFFFFu)));
+}
+
+static inline float load_p(const tensors *a, int64_t i) {
+    return a->p16 ? bf16_f32(((const uint16_t *)a->param)[i]) : ((const float *)a->param)[i];
+}
+static inline float load_g(const tensors *a, int64_t i) {
+    return a->g16 ? bf16_f32(((const uint16_t *)a->grad)[i]) : ((const float *)a->grad)[i];
+}
+static inline void store_p(const tensors *a, int64_t i, float p) {
+    if (a->p16) ((uint16_t *)a->param)[i] = f32_bf16(p);
+    else ((float *)a->param)[i] = p;
+}
+
+/* Values [j0, len) of the block at i0 (its absmax am, av), one at a time: new moments into m, v; returns
+ * max |m| and max v through mx, vx. */
+static inline void update_values(const hyper *h, const tensors *a, const table *tm, const table *tv,
+                                 int64_t i0, int64_t j0, int64_t len, float am, float av,
+                                 float *m, float *v, float *mx, float *vx) {
+    for (int64_t j = j0; j < len; j++) {
+        float p = load_p(a, i0 + j), mj = tm->map[a->m_codes[i0 + j]] * am;
+        float vj = tv->map[a->v_codes[i0 + j]] * av;
+        update_one(h, &p, load_g(a, i0 + j), &mj, &vj);
+        store_p(a, i0 + j, p);
         m[j] = mj;
         v[j] = vj;
+        float am_j = fabsf(mj);
+        *mx = am_j > *mx ? am_j : *mx;
+        *vx = vj > *vx ? vj : *vx;
     }
 }
 
-static void update_tail(const hyper *h, float *p, const float *g, float *m, float *v, int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; j++) {
-        float pj = p[j], gj = g[j], mj = m[j];
-        if (h->l2) gj = fmaf(pj, h->wd, gj);
-        mj = h->small ? fmaf(h->w, gj - mj, mj) : gj - (gj - mj) * (1.0f - h->w);
-        float cg = h->c2 * gj;
-        float vj = fmaf(v[j], h->b2, cg * gj);
-        float den = sqrtf(vj) / h->bc2s + h->eps;
-        float t = (h->step_size * mj) / den;
-        p[j] = h->adamw ? pj * h->decay - t : pj - t;
-        m[j] = mj;
-        v[j] = vj;
-    }
+static inline void codes_values(const table *t, const float *restrict x, float s, uint8_t *restrict codes,
+                                int64_t j0, int64_t len) {
+    const int32_t *restrict pack = t->pack, n = t->n, lo = t->lo; /* out of the codes' alias set */
+    for (int64_t j = j0; j < len; j++) codes[j] = code_one(pack, n, lo, x[j] / s);
 }
 
-/* Codes of x[0, len) / absmax: base[top 16 bits] + (x > threshold[top 16 bits]), as blockwise.py's
- * quantize_blocks (its tables are handed in). Returns the block's absmax. is_signed: 0 unsigned map, 1 or 2
- * signed (which of torch.maximum's two loops made the absmax: only the sign of a zero absmax differs). */
-static float quantize(const float *restrict x, int64_t len, int64_t bs, int is_signed,
-                      const int32_t *restrict base, const float *restrict thr, uint8_t *restrict codes) {
-    float hi = 0.0f, lo = 0.0f, absmax;
-    if (len < bs || len == 0) { hi = 0.0f; lo = 0.0f; } /* a ragged block is zero-padded */
-    else { hi = x[0]; lo = x[0]; }
+static inline uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; } /* ordered as |x| */
+
+/* The block as loops the compiler vectorizes (each a pass over the block in L1, no branch inside). */
+static void block_plain(const hyper *h, const tensors *a, const table *tm, const table *tv, int64_t i0,
+                        int64_t len, float *restrict m, float *restrict v) {
+    float *restrict p = a->pg, *restrict g = a->pg + len;
+    const uint8_t *restrict mc = a->m_codes + i0, *restrict vc = a->v_codes + i0;
+    const float am = m[-1], av = v[-1];
     for (int64_t j = 0; j < len; j++) {
-        hi = x[j] > hi ? x[j] : hi;
-        lo = x[j] < lo ? x[j] : lo;
+        m[j] = tm->map[mc[j]] * am;
+        v[j] = tv->map[vc[j]] * av;
     }
-    if (is_signed == 2) absmax = hi > -lo ? hi : -lo; /* torch.maximum(amax, -amin), vectorised: on a tie */
-    else if (is_signed) absmax = -lo > hi ? -lo : hi; /* the second (-0.0 for a block of zeros); in its */
-    else absmax = hi;                                 /* scalar tail the first (+0.0) */
-    float s = absmax > 0.0f ? absmax : 1.0f;
+    if (a->p16) for (int64_t j = 0; j < len; j++) p[j] = bf16_f32(((const uint16_t *)a->param)[i0 + j]);
+    else memcpy(p, (const float *)a->param + i0, (size_t)len * 4);
+    if (a->g16) for (int64_t j = 0; j < len; j++) g[j] = bf16_f32(((const uint16_t *)a->grad)[i0 + j]);
+    else memcpy(g, (const float *)a->grad + i0, (size_t)len * 4);
+    const hyper hc = *h;
+    for (int64_t j = 0; j < len; j++) update_one(&hc, p + j, g[j], m + j, v + j);
+    if (a->p16) for (int64_t j = 0; j < len; j++) ((uint16_t *)a->param)[i0 + j] = f32_bf16(p[j]);
+    else memcpy((float *)a->param + i0, p, (size_t)len * 4);
+    uint32_t mx = 0, vx = 0; /* max |m|, max v (>= +0.0) by their bits: +0.0 for a block of zeros */
     for (int64_t j = 0; j < len; j++) {
-        float y = x[j] / s;
-        uint32_t t = f32_bits(y) >> 16;
-        codes[j] = (uint8_t)(base[t] + (y > thr[t]));
+        mx = abs_bits(m[j]) > mx ? abs_bits(m[j]) : mx;
+        vx = abs_bits(v[j]) > vx ? abs_bits(v[j]) : vx;
     }
-    return absmax;
+    m[-1] = bits_f32(mx);
+    v[-1] = bits_f32(vx);
+    codes_values(tm, m, mx ? m[-1] : 1.0f, a->m_codes + i0, 0, len);
+    codes_values(tv, v, vx ? v[-1] : 1.0f, a->v_codes + i0, 0, len);
 }
 
-/* Returns 0. param/grad: fp32 (dtype code 0) or bf16 (1); scratch: 4 * bs floats. */
+#ifdef LORA_LAB_X86
+/* ------------------------------------------------------------------------------- AVX2 (8 lanes) */
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline __m256 load_p8(const tensors *a, int64_t i) {
+    if (!a->p16) return _mm256_loadu_ps((const float *)a->param + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->param + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2 static inline __m256 load_g8(const tensors *a, int64_t i) {
+    if (!a->g16) return _mm256_loadu_ps((const float *)a->grad + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->grad + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2 static inline void store_p8(const tensors *a, int64_t i, __m256 p) {
+    if (!a->p16) { _mm256_storeu_ps((float *)a->param + i, p); return; }
+    __m256i u = _mm256_castps_si256(p);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)((uint16_t *)a->param + i), _mm_packus_epi32(lo, hi));
+}
+
+AVX2 static inline __m256i codes8(const table *t, __m256 y) {
+    const __m256i ffff = _mm256_set1_epi32(0xFFFF), one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+    __m256i u = _mm256_castps_si256(y), mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i r = _mm256_sub_epi32(mag, _mm256_set1_epi32(t->lo));
+    __m256i neg = _mm256_cmpgt_epi32(zero, r);
+    __m256i i = _mm256_max_epi32(_mm256_add_epi32(_mm256_srai_epi32(r, 16), one), zero);
+    i = _mm256_min_epi32(i, _mm256_set1_epi32(t->n - 1));
+    __m256i sgn = _mm256_srai_epi32(u, 31);
+    i = _mm256_add_epi32(i, _mm256_and_si256(sgn, _mm256_set1_epi32(t->n)));
+    __m256i cmp = _mm256_blendv_epi8(_mm256_and_si256(r, ffff), _mm256_min_epu32(mag, one), neg);
+    cmp = _mm256_xor_si256(cmp, _mm256_and_si256(sgn, ffff));
+    __m256i e = _mm256_i32gather_epi32((const int *)t->pack, i, 4);
+    __m256i gt = _mm256_cmpgt_epi32(cmp, _mm256_and_si256(e, ffff)); /* both < 2^16: signed compare */
+    return _mm256_sub_epi32(_mm256_srli_epi32(e, 16), gt);
+}
+
+AVX2 static inline void store_codes8(uint8_t *out, __m256i c) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i b = _mm256_shuffle_epi8(c, pick);
+    __m128i v = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storel_epi64((__m128i *)out, v);
+}
+
+AVX2 static inline __m256 dequant8(const table *t, const uint8_t *codes, __m256 absmax) {
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm256_mul_ps(_mm256_i32gather_ps(t->map, c, 4), absmax);
+}
+
+AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, const table *tv, int64_t i0,
+                            int64_t len, float *m, float *v) {
+    const __m256 coeff = _mm256_set1_ps(h->coeff), b2 = _mm256_set1_ps(h->b2), c2 = _mm256_set1_ps(h->c2),
+                 bc2s = _mm256_set1_ps(h->bc2s), eps = _mm256_set1_ps(h->eps),
+                 neg_step = _mm256_set1_ps(h->neg_step), decay = _mm256_set1_ps(h->adamw ? h->decay : 1.0f),
+                 wd = _mm256_set1_ps(h->wd), sign = _mm256_set1_ps(-0.0f);
+    const __m256 am = _mm256_set1_ps(m[-1]), av = _mm256_set1_ps(v[-1]);
+    __m256 mx = _mm256_setzero_ps(), vx = _mm256_setzero_ps();
+    int64_t j = 0, vec_end = len - len % 8;
+    for (; j < vec_end; j += 8) {
+        __m256 p = load_p8(a, i0 + j), g = load_g8(a, i0 + j);
+        __m256 mj = dequant8(tm, a->m_codes + i0 + j, am), vj = dequant8(tv, a->v_codes + i0 + j, av);
+        if (h->l2) g = _mm256_fmadd_ps(p, wd, g);
+        mj = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, mj), h->small ? mj : g);
+        vj = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(vj, b2));
+        __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vj), bc2s), eps);
+        __m256 t = _mm256_div_ps(_mm256_mul_ps(neg_step, mj), den);
+        if (h->adamw) p = _mm256_mul_ps(p, decay);
+        store_p8(a, i0 + j, _mm256_add_ps(p, t));
+        _mm256_storeu_ps(m + j, mj);
+        _mm256_storeu_ps(v + j, vj);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, mj));
+        vx = _mm256_max_ps(vx, vj);
+    }
+    float mxs[8], vxs[8], mmax = 0.0f, vmax = 0.0f;
+    _mm256_storeu_ps(mxs, mx);
+    _mm256_storeu_ps(vxs, vx);
+    for (int k = 0; k < 8; k++) {
+        mmax = mxs[k] > mmax ? mxs[k] : mmax;
+        vmax = vxs[k] > vmax ? vxs[k] : vmax;
+    }
+    update_values(h, a, tm, tv, i0, vec_end, len, m[-1], v[-1], m, v, &mmax, &vmax);
+    m[-1] = mmax;
+    v[-1] = vmax;
+    float ms = mmax > 0.0f ? mmax : 1.0f, vs = vmax > 0.0f ? vmax : 1.0f;
+    const __m256 msv = _mm256_set1_ps(ms), vsv = _mm256_set1_ps(vs);
+    for (j = 0; j < vec_end; j += 8) {
+        store_codes8(a->m_codes + i0 + j, codes8(tm, _mm256_div_ps(_mm256_loadu_ps(m + j), msv)));
+        store_codes8(a->v_codes + i0 + j, codes8(tv, _mm256_div_ps(_mm256_loadu_ps(v + j), vsv)));
+    }
+    codes_values(tm, m, ms, a->m_codes + i0, vec_end, len);
+    codes_values(tv, v, vs, a->v_codes + i0, vec_end, len);
+}
+
+/* ------------------------------------------------------------------------------- AVX-512 (16 lanes) */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma")))
+
+/* Whole vectors (k all ones, `full`) by plain loads and stores: masked ones are slow on some CPUs (Zen 4). */
+AVX512 static inline __m512 load_16(const void *base, int is16, int64_t i, __mmask16 k, int full) {
+    if (!is16) {
+        const float *at = (const float *)base + i;
+        return full ? _mm512_loadu_ps(at) : _mm512_maskz_loadu_ps(k, at);
+    }
+    const uint16_t *at = (const uint16_t *)base + i;
+    __m256i h = full ? _mm256_loadu_si256((const __m256i *)at) : _mm256_maskz_loadu_epi16(k, at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AVX512 static inline void store_p16(const tensors *a, int64_t i, __m512 p, __mmask16 k, int full) {
+    if (!a->p16) {
+        if (full) _mm512_storeu_ps((float *)a->param + i, p);
+        else _mm512_mask_storeu_ps((float *)a->param + i, k, p);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(p);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    __m256i h = _mm512_cvtepi32_epi16(r);
+    uint16_t *at = (uint16_t *)a->param + i;
+    if (full) _mm256_storeu_si256((__m256i *)at, h);
+    else _mm256_mask_storeu_epi16(at, k, h);
+}
+AVX512 static inline void store_codes16(uint8_t *at, __m512i c, __mmask16 k, int full) {
+    __m128i b = _mm512_cvtepi32_epi8(c);
+    if (full) _mm_storeu_si128((__m128i *)at, b);
+    else _mm_mask_storeu_epi8(at, k, b);
+}
+
+
+/* map[codes[0, 64)] * absmax into out[0, 64). */
+AVX512 static inline void dequant64(const lookup *l, const uint8_t *codes, float absmax, float *out) {
+    static const uint8_t order[64] = { /* byte 16 lane + 4 r + i <- code 16 r + 4 lane + i */
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23,
+        36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes));
+    __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int q = 0; q < 4; q++) {
+        const uint8_t *t = l->planes[q];
+        __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 64));
+        __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), c, _mm512_loadu_si512(t + 192));
+        b[q] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    __m512 s = _mm512_set1_ps(absmax);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), s));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), s));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), s));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), s));
+}
+
+/* The codes of 16 values y (see the top of the file). */
+AVX512 static inline __m512i codes16(const table *t, __m512 y) {
+    const __m512i ffff = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+    __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i r = _mm512_sub_epi32(mag, _mm512_set1_epi32(t->lo));
+    __mmask16 neg = _mm512_cmplt_epi32_mask(r, zero);
+    __m512i i = _mm512_max_epi32(_mm512_add_epi32(_mm512_srai_epi32(r, 16), one), zero);
+    i = _mm512_min_epi32(i, _mm512_set1_epi32(t->n - 1));
+    __m512i sgn = _mm512_srai_epi32(u, 31);
+    i = _mm512_add_epi32(i, _mm512_and_si512(sgn, _mm512_set1_epi32(t->n)));
+    __m512i cmp = _mm512_mask_min_epu32(_mm512_and_si512(r, ffff), neg, mag, one);
+    cmp = _mm512_xor_si512(cmp, _mm512_and_si512(sgn, ffff));
+    __m512i e = _mm512_i32gather_epi32(i, t->pack, 4);
+    __mmask16 gt = _mm512_cmpgt_epi32_mask(cmp, _mm512_and_si512(e, ffff));
+    __m512i c = _mm512_srli_epi32(e, 16);
+    return _mm512_mask_add_epi32(c, gt, c, one);
+}
+
+AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
+    return _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, t->map, 4), absmax);
+}
+
+typedef struct { __m512 coeff, b2, c2, bc2s, eps, neg_step, decay, wd, mx, vx; } consts16;
+
+/* The update of 16 values at j of the block at i0 (those of k): m, v (dequantized) updated in place, and
+ * their maxima. */
+AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c, int64_t i0, int64_t j,
+                                   float *m, float *v, __mmask16 k, int full) {
+    __m512 p = load_16(a->param, a->p16, i0 + j, k, full), g = load_16(a->grad, a->g16, i0 + j, k, full);
+    __m512 mj = _mm512_loadu_ps(m + j), vj = _mm512_loadu_ps(v + j);
+    if (h->l2) g = _mm512_fmadd_ps(p, c->wd, g);
+    mj = _mm512_fmadd_ps(c->coeff, _mm512_sub_ps(g, mj), h->small ? mj : g);
+    vj = _mm512_fmadd_ps(_mm512_mul_ps(c->c2, g), g, _mm512_mul_ps(vj, c->b2));
+    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), c->bc2s), c->eps);
+    __m512 t = _mm512_div_ps(_mm512_mul_ps(c->neg_step, mj), den);
+    if (h->adamw) p = _mm512_mul_ps(p, c->decay);
+    store_p16(a, i0 + j, _mm512_add_ps(p, t), k, full);
+    _mm512_storeu_ps(m + j, mj); /* the scratch has room for whole vectors */
+    _mm512_storeu_ps(v + j, vj);
+    c->mx = _mm512_mask_max_ps(c->mx, k, c->mx, _mm512_abs_ps(mj));
+    c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
+}
+
+AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
+                                int64_t i0, int64_t len, float *m, float *v) {
+    consts16 c = {_mm512_set1_ps(h->coeff), _mm512_set1_ps(h->b2), _mm512_set1_ps(h->c2),
+                  _mm512_set1_ps(h->bc2s), _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step),
+                  _mm512_set1_ps(h->decay), _mm512_set1_ps(h->wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t whole = len - len % 16, j = 0;
+    __mmask16 rest = (__mmask16)((1u << (len % 16)) - 1u);
+    for (; j + 64 <= len; j += 64) {
+        dequant64(tm->look, a->m_codes + i0 + j, m[-1], m + j);
+        dequant64(tv->look, a->v_codes + i0 + j, v[-1], v + j);
+    }
+    for (; j < len; j += 16) {
+        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
+        _mm512_storeu_ps(m + j, dequant16(tm, a->m_codes + i0 + j, _mm512_set1_ps(m[-1]), k));
+        _mm512_storeu_ps(v + j, dequant16(tv, a->v_codes + i0 + j, _mm512_set1_ps(v[-1]), k));
+    }
+    for (j = 0; j < whole; j += 16) update16(h, a, &c, i0, j, m, v, 0xFFFF, 1);
+    if (rest) update16(h, a, &c, i0, whole, m, v, rest, 0);
+    float mmax = _mm512_reduce_max_ps(c.mx), vmax = _mm512_reduce_max_ps(c.vx);
+    mmax = mmax > 0.0f ? mmax : 0.0f; /* +0.0 for a block of zeros */
+    vmax = vmax > 0.0f ? vmax : 0.0f;
+    m[-1] = mmax;
+    v[-1] = vmax;
+    const __m512 ms = _mm512_set1_ps(mmax > 0.0f ? mmax : 1.0f);
+    const __m512 vs = _mm512_set1_ps(vmax > 0.0f ? vmax : 1.0f);
+    for (j = 0; j < len; j += 16) {
+        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
+        __m512i cm = codes16(tm, _mm512_div_ps(_mm512_loadu_ps(m + j), ms));
+        __m512i cv = codes16(tv, _mm512_div_ps(_mm512_loadu_ps(v + j), vs));
+        store_codes16(a->m_codes + i0 + j, cm, k, j < whole);
+        store_codes16(a->v_codes + i0 + j, cv, k, j < whole);
+    }
+}
+#endif
+
+/* 1 plain C, 2 AVX2, 3 AVX-512: those this CPU runs, as bits (1 << path). */
+int lora_lab_adam8bit_paths(void) {
+    int out = 1 << 1;
+#ifdef LORA_LAB_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out |= 1 << 2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") && (out & (1 << 2)))
+        out |= 1 << 3;
+#endif
+    return out;
+}
+
+typedef void (*block_fn)(const hyper *, const tensors *, const table *, const table *, int64_t, int64_t,
+                         float *, float *);
+
+/* Returns the path that ran, or -1 for a path this CPU lacks. param/grad: fp32 (dtype code 0) or bf16 (1);
+ * scratch: 4 * (bs + 16) floats; path: 0 the fastest, 1 plain C, 2 AVX2, 3 AVX-512. */
 int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int grad_dtype,
                            uint8_t *m_codes, float *m_absmax, uint8_t *v_codes, float *v_absmax,
-                           int64_t n, int64_t bs, int64_t chunk, int64_t vec,
-                           const float *m_map, const float *v_map,
-                           const int32_t *m_base, const float *m_thr, const int32_t *v_base, const float *v_thr,
+                           int64_t n, int64_t bs, const float *m_map, const float *v_map,
+                           const int32_t *m_pack, const int32_t *v_pack, int32_t pack_n, int32_t pack_lo,
                            float *scratch, double lr, double beta1, double beta2, double eps, double wd,
-                           double step, int decoupled) {
+                           double step, int decoupled, int path) {
+    int paths = lora_lab_adam8bit_paths();
+    if (path == 0) path = paths & (1 << 3) ? 3 : paths & (1 << 2) ? 2 : 1;
+    if (path < 1 || path > 3 || !(paths & (1 << path))) return -1;
+    block_fn block = block_plain;
+#ifdef LORA_LAB_X86
+    if (path == 2) block = block_avx2;
+    if (path == 3) block = block_avx512;
+#endif
     hyper h;
     step = (double)(float)step; /* torch's kernel reads its step tensor as a float */
     double bias1 = 1.0 - pow(beta1, step), bias2 = 1.0 - pow(beta2, step), step_size = lr / bias1;
-    h.w = (float)(1.0 - beta1);
-    h.small = fabsf(h.w) < 0.5f;
-    h.coeff = h.small ? h.w : h.w - 1.0f;
+    float w = (float)(1.0 - beta1);
+    h.small = fabsf(w) < 0.5f;
+    h.coeff = h.small ? w : w - 1.0f;
     h.b2 = (float)beta2;
     h.c2 = (float)(1.0 - beta2);
     h.bc2s = (float)sqrt(bias2);
     h.eps = (float)eps;
     h.neg_step = (float)(-step_size);
-    h.step_size = (float)step_size;
     h.decay = (float)(1.0 - lr * wd);
     h.wd = (float)wd;
     h.adamw = decoupled && wd != 0.0;
     h.l2 = !decoupled && wd != 0.0;
-    float *p = scratch, *g = scratch + bs, *m = scratch + 2 * bs, *v = scratch + 3 * bs;
-    float *p32 = (float *)param;
-    uint16_t *p16 = (uint16_t *)param;
-    const float *g32 = (const float *)grad;
-    const uint16_t *g16 = (const uint16_t *)grad;
+    tensors a = {param, grad, m_codes, v_codes, m_absmax, v_absmax, param_dtype == 1, grad_dtype == 1,
+                 scratch + 2 * (bs + 16)};
+    lookup looks[2];
+    if (path == 3) {
+        make_lookup(&looks[0], m_map);
+        make_lookup(&looks[1], v_map);
+    }
+    table tm = {m_map, m_pack, pack_n, pack_lo, &looks[0]}, tv = {v_map, v_pack, pack_n, pack_lo, &looks[1]};
+    /* scratch: [am] m[bs + 15] [av] v[bs + 15]: the absmax in and out beside each block's moments */
+    float *m = scratch + 1, *v = scratch + bs + 17;
     int64_t n_blocks = (n + bs - 1) / bs;
     for (int64_t b = 0; b < n_blocks; b++) {
         int64_t i0 = b * bs, len = n - i0 < bs ? n - i0 : bs;
-        float am = m_absmax[b], av = v_absmax[b];
-        const uint8_t *mc = m_codes + i0, *vc = v_codes + i0;
-        for (int64_t j = 0; j < len; j++) {
-            m[j] = m_map[mc[j]] * am;
-            v[j] = v_map[vc[j]] * av;
-        }
-        if (param_dtype == 0) memcpy(p, p32 + i0, (size_t)len * 4);
-        else for (int64_t j = 0; j < len; j++) p[j] = bf16_f32(p16[i0 + j]);
-        if (grad_dtype == 0) memcpy(g, g32 + i0, (size_t)len * 4);
-        else for (int64_t j = 0; j < len; j++) g[j] = bf16_f32(g16[i0 + j]);
-        int64_t c0 = i0 / chunk * chunk, c1 = c0 + chunk < n ? c0 + chunk : n;
-        int64_t split = c1 - (c1 - c0) % vec - i0;
-        split = split < 0 ? 0 : split > len ? len : split;
-        update_vec(&h, p, g, m, v, 0, split);
-        update_tail(&h, p, g, m, v, split, len);
-        if (param_dtype == 0) memcpy(p32 + i0, p, (size_t)len * 4);
-        else for (int64_t j = 0; j < len; j++) p16[i0 + j] = f32_bf16(p[j]);
-        /* torch.maximum's vector loop takes 16 values at a time, of the chunk's absmax */
-        int64_t chunk_blocks = (c1 - c0 + bs - 1) / bs, k = (i0 - c0) / bs;
-        int m_sign = k < chunk_blocks - chunk_blocks % 16 ? 2 : 1;
-        m_absmax[b] = quantize(m, len, bs, m_sign, m_base, m_thr, m_codes + i0);
-        v_absmax[b] = quantize(v, len, bs, 0, v_base, v_thr, v_codes + i0);
+        m[-1] = m_absmax[b];
+        v[-1] = v_absmax[b];
+        block(&h, &a, &tm, &tv, i0, len, m, v);
+        m_absmax[b] = m[-1];
+        v_absmax[b] = v[-1];
     }
-    return 0;
+    return path;
 }

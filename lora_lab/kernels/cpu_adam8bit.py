@@ -1,17 +1,22 @@
 """The 8-bit Adam(W) step on the CPU as one C function (cpu_adam8bit.c beside it), compiled at first use.
 
-    cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step, hp, chunk_blocks) -> bool
+    cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step, hp, path=None) -> bool
     library()   -> the loaded library, or None (then the reason was logged, once per process)
+    paths()     -> the bodies this CPU runs, fastest first: "avx512", "avx2", "plain"
     cache_dir() -> $LORA_LAB_NATIVE_CACHE, else lora_lab's cache folder (fileio.cache_root()) / "native"
 
 The PyTorch path (functional/adam.py's `adam_step_`) runs ~20 ops a chunk, each a pass over memory, six of
 them table lookups; the C function does the whole update in one pass, block by block, on one thread (a
-second thread gains little and collapses when another process keeps a core busy: lora_lab.threads). Its
-results equal the PyTorch path's bit for bit (codes, absmax, parameter; tests/kernels/test_cpu_adam8bit.py)
-on an AVX2 build of torch, whose fused Adam kernel it reproduces rounding for rounding; elsewhere (another
-capability, no C compiler, a failed compile, a tensor it does not take) the PyTorch path runs.
+second thread gains little and collapses when another process keeps a core busy: lora_lab.threads). It has
+three bodies of the same arithmetic: AVX-512 and AVX2 (x86-64, chosen at run time by what the CPU has) and
+plain C the compiler vectorizes (any other CPU); $LORA_LAB_ADAM8BIT_PATH (or `path`) forces one. Each
+rounds as torch's fused Adam kernel's vector body on AVX2 and AVX512 (the PyTorch path keeps torch's kernel
+off its scalar tail), so its results equal the PyTorch path's bit for bit there
+(tests/kernels/test_cpu_adam8bit.py, for both capabilities); where torch's kernel rounds otherwise (its
+DEFAULT capability, other CPUs) they differ by its rounding. No C compiler, a failed compile or a tensor it
+does not take: the PyTorch path runs.
 
-The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~0.7 s of CPU) into
+The library is compiled by $CC (else `cc`) from the C source alone (no torch headers: ~1 s of CPU) into
 the cache folder, keyed by a hash of the source and the flags; a second process loads it. Nothing read from
 disk runs unless it is the library compiled here from this source: beside the library a JSON file (read as
 JSON only) holds its key and the sha256 of its bytes; a library of another key, with other bytes, not owned
@@ -45,8 +50,13 @@ from ..torch_private import is_fake
 
 SOURCE = Path(__file__).with_name("cpu_adam8bit.c")
 CACHE_ENV = "LORA_LAB_NATIVE_CACHE"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-shared", "-fPIC")
-VECTOR = {"AVX2": 8}  # torch CPU capabilities whose fused Adam kernel the C reproduces: its vector width
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-shared", "-fPIC")
+PATH_ENV = "LORA_LAB_ADAM8BIT_PATH"
+PATHS = {"avx512": 3, "avx2": 2, "plain": 1}  # the C's bodies, fastest first: its `path` codes
+# torch CPU capabilities whose fused Adam kernel rounds as the C step (its vector body on every value, the
+# PyTorch path padding its chunks): there the two agree bit for bit; elsewhere within the rounding
+EXACT_CAPABILITIES = ("AVX2", "AVX512")
+PACK_BINADES = 24  # the packed nearest-code table's buckets: |y| in [2^-24, 1], 128 a binade; below, one
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data_ptr() is their memory
 COMPILE_SECONDS = 120
@@ -56,6 +66,10 @@ compiled_here = 0  # how many times this process compiled the library (a test re
 
 class NativeBuildError(LoraLabError, RuntimeError):
     """The C step could not be built or loaded here (its message is the reason logged)."""
+
+
+class NativePathError(LoraLabError, ValueError):
+    """$LORA_LAB_ADAM8BIT_PATH (or `path`) names a body that does not exist or that this CPU cannot run."""
 
 
 def cache_dir() -> Path:
@@ -74,12 +88,6 @@ def library_key() -> str:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The C step, built or read from the cache once per process; None (reason logged once) if it cannot."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in VECTOR or platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info("lora_lab: the 8-bit Adam step runs its PyTorch path: the C step reproduces torch's %s "
-                 "fused Adam kernel, this torch's is %s on %s", "/".join(VECTOR), capability,
-                 platform.machine())
-        return None
     try:
         lib = ctypes.CDLL(str(_built_library()))
     except (NativeBuildError, OSError) as e:
@@ -88,8 +96,34 @@ def library() -> ctypes.CDLL | None:
     f = lib.lora_lab_adam8bit_step
     f.restype = ctypes.c_int
     f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
-                  + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_double] * 6 + [ctypes.c_int])
+                  + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 2 + [ctypes.c_void_p]
+                  + [ctypes.c_double] * 6 + [ctypes.c_int] * 2)
+    lib.lora_lab_adam8bit_paths.restype = ctypes.c_int
+    lib.lora_lab_adam8bit_paths.argtypes = []
     return lib
+
+
+def paths() -> list[str]:
+    """The C step's bodies this CPU runs, fastest first ([] where the library cannot be built)."""
+    lib = library()
+    bits = lib.lora_lab_adam8bit_paths() if lib is not None else 0
+    return [name for name, code in PATHS.items() if bits & (1 << code)]
+
+
+def chosen_path(path: str | None = None) -> str:
+    """The body the step runs: `path`, else $LORA_LAB_ADAM8BIT_PATH, else the fastest this CPU has; a name
+    that is not a body, or one this CPU cannot run, is refused (NativePathError)."""
+    name = path if path is not None else os.environ.get(PATH_ENV, "").strip() or None
+    have = paths()
+    if not have:
+        raise NativeBuildError("the C step cannot be built here (its reason was logged)")
+    if name is None:
+        return have[0]
+    if name not in PATHS:
+        raise NativePathError(f"${PATH_ENV} (or path) must be one of {', '.join(PATHS)}, got {name!r}")
+    if name not in have:
+        raise NativePathError(f"${PATH_ENV} (or path) {name!r}: this CPU runs {', '.join(have)}")
+    return name
 
 
 def _built_library() -> Path:
@@ -164,31 +198,60 @@ def _takes(param, grad, m, m_absmax, v, v_absmax, block_size: int) -> bool:
             and m_absmax.numel() == v_absmax.numel() == n_blocks and n > 0)
 
 
+def packed_table(signed: bool, keep_nonzero: bool = False) -> torch.Tensor:
+    """blockwise.py's nearest-code tables (`rounding_tables`) packed as the C reads them: int32 (2 n,), n =
+    PACK_BINADES * 128 + 2 entries a sign, entry = base << 16 | t (see cpu_adam8bit.c). Entry 0 stands for
+    every |y| < 2^-PACK_BINADES (asserted: they share one code, but for keep_nonzero's exact 0)."""
+    return _packed(signed, keep_nonzero)
+
+
+@functools.cache
+def _packed(signed: bool, keep_nonzero: bool) -> torch.Tensor:
+    base, thr = rounding_tables(signed, keep_nonzero)
+    base, bits = base.long(), thr.view(torch.int32).long() & 0xFFFFFFFF
+    first = (127 - PACK_BINADES) << 7  # the top 16 bits of 2^-PACK_BINADES
+    n = PACK_BINADES * 128 + 2
+    out = torch.empty(2 * n, dtype=torch.int64)
+    for sign in (0, 1):
+        tops = torch.arange(first, first + n - 1) | sign << 15
+        finite = thr[tops].isfinite()
+        assert bool((bits[tops] >> 16 == tops)[finite].all()), "a threshold outside its bucket"
+        low = (bits[tops] & 0xFFFF) ^ (0xFFFF if sign else 0)  # a negative y's order reversed
+        out[sign * n + 1: (sign + 1) * n] = base[tops] << 16 | torch.where(finite, low, 0xFFFF)
+        below = torch.arange(first) | sign << 15
+        code, inf = int(base[below[1]]), thr[below[1:]].isinf()
+        assert bool((base[below[1:]] == code).all() and inf.all()), "tiny values that round apart"
+        if thr[below[0]].isinf():
+            assert int(base[below[0]]) == code, "tiny values that round apart"
+            out[sign * n] = code << 16 | 0xFFFF
+        else:  # keep_nonzero's bucket of +0.0: exactly 0 -> base, above -> base + 1
+            assert sign == 0 and float(thr[below[0]]) == 0.0 and int(base[below[0]]) + 1 == code
+            out[sign * n] = int(base[below[0]]) << 16
+    return out.to(torch.int32)
+
+
 @functools.cache
 def _tables() -> tuple[torch.Tensor, ...]:
-    """The maps and nearest-code tables of the PyTorch path (functional/blockwise.py), as the C reads them."""
-    m_base, m_thr = rounding_tables(True)
-    v_base, v_thr = rounding_tables(False, keep_nonzero=True)
-    return (dynamic_map(True).contiguous(), dynamic_map(False).contiguous(), m_base.to(torch.int32),
-            m_thr.contiguous(), v_base.to(torch.int32), v_thr.contiguous())
+    """The maps and packed nearest-code tables of the PyTorch path (functional/blockwise.py)."""
+    return (dynamic_map(True).contiguous(), dynamic_map(False).contiguous(), packed_table(True),
+            packed_table(False, keep_nonzero=True))
 
 
-def cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step: int, hp, chunk_blocks: int) -> bool:
+def cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step: int, hp, path: str | None = None) -> bool:
     """One Adam(W) step of `param` with 8-bit moments, in place, by the C function; False (nothing done) where
-    it cannot run (no library, tensors it does not take): then run the PyTorch path. chunk_blocks: the PyTorch
-    path's chunk (functional/adam.py's CHUNK_BLOCKS), where torch's kernel changes form."""
+    it cannot run (no library, tensors it does not take): then run the PyTorch path. path: the body (PATHS),
+    else $LORA_LAB_ADAM8BIT_PATH, else the fastest this CPU has."""
     if not _takes(param, grad, m, m_absmax, v, v_absmax, hp.block_size):
         return False
     lib = library()
     if lib is None:
         return False
     bs, n = hp.block_size, param.numel()
-    chunk = min(chunk_blocks * bs, -(-n // bs) * bs)
-    scratch = torch.empty(4 * bs, dtype=torch.float32)
-    tables = _tables()
-    lib.lora_lab_adam8bit_step(
+    scratch = torch.empty(4 * (bs + 16), dtype=torch.float32)
+    ran = lib.lora_lab_adam8bit_step(
         param.data_ptr(), DTYPES[param.dtype], grad.data_ptr(), DTYPES[grad.dtype], m.data_ptr(),
-        m_absmax.data_ptr(), v.data_ptr(), v_absmax.data_ptr(), n, bs, chunk,
-        VECTOR[torch.backends.cpu.get_cpu_capability()], *(t.data_ptr() for t in tables), scratch.data_ptr(),
-        hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, float(step), int(hp.decoupled))
+        m_absmax.data_ptr(), v.data_ptr(), v_absmax.data_ptr(), n, bs, *(t.data_ptr() for t in _tables()),
+        PACK_BINADES * 128 + 2, (127 - PACK_BINADES) << 23, scratch.data_ptr(), hp.lr, hp.beta1, hp.beta2,
+        hp.eps, hp.weight_decay, float(step), int(hp.decoupled), PATHS[chosen_path(path)])
+    assert ran > 0, "the C step refused a path chosen_path allowed"
     return True

@@ -19,7 +19,8 @@ def first_step_state(learner, device: str = "cpu") -> None:
     torch's Adam and AdamW step as they would on `device`: on CUDA, torch's default is the foreach step
     (`torch.optim.optimizer._default_to_fused_or_foreach`), which holds one temporary the size of every
     exp_avg_sq at once; on the CPU, a loop over the parameters. Fake tensors are CPU tensors of a subclass,
-    for which torch would pick the loop, so the planned device's choice is set on the groups."""
+    for which torch would pick the loop, so the planned device's choice is set on the groups (unless the
+    optimizer was made fused, as the trainer's adamw is: one pass, no temporaries, on either device)."""
     optimizer = learner.optimizer
     if isinstance(optimizer, Adam8bit) or type(optimizer).__name__ == "Prodigy":
         zero_at_init = {id(p) for n, p in learner.named if n.endswith(".up")}  # LoRA's B starts at zero
@@ -33,8 +34,8 @@ def first_step_state(learner, device: str = "cpu") -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        for group in optimizer.param_groups:
-            group["foreach"] = device == "cuda"
+        for group in optimizer.param_groups:  # a fused step (the trainer's adamw) holds no temporaries
+            group["foreach"] = device == "cuda" and not group.get("fused")
         # torch's own lazy state initialization, without the first step's arithmetic (a dozen ops a
         # parameter, a few seconds at real size): the same tensors (step, exp_avg, exp_avg_sq, ...)
         for group in optimizer.param_groups:
