@@ -54,6 +54,10 @@ ANSWERS: dict[str, dict[int, Answer]] = {
                   "-2.0: autograd applies 2x exactly, and the tangent's slope is the same number."),
         2: Answer("x.grad after (x**2).backward() twice, at x = 2", float, near(8.0, abs_=1e-9),
                   "8.0: each backward adds its 4 into .grad; zero_grad() is what resets it."),
+        3: Answer("how far float32's central difference lands from 2x at FD_STEP = 1e-6, X = 2", float,
+                  between(0.019, 1.9),
+                  "0.19 (it gives 3.8147): f(x+h) - f(x-h) keeps only the last few of float32's 7 digits; "
+                  "float64 keeps 16, so its rounding error is about 1e-10."),
         4: Answer("dy/dw for y = sin(w x + b) at the defaults (W = 3, X = 2, B = 1)", float,
                   near(math.cos(7.0) * 2.0, rel=1e-3),
                   f"cos(u) x = cos(7) * 2 = {math.cos(7.0) * 2.0:.4f}; "
@@ -78,7 +82,7 @@ def check_exercise(notebook: str, n: int, value: Any) -> bool:
                             f"checkable: {sorted(table) or 'none'}")
     ex = table[n]
     if value is None:
-        print(f"Exercise {n}: predict {ex.question}; put your prediction in the cell and run it again.")
+        print(f"Exercise {n}: predict {ex.question} (your prediction in place of None).")
         return False
     if not _fits(value, ex.kind):
         raise ExerciseError(f"check_exercise: {notebook} exercise {n} takes a {ex.kind.__name__} "

@@ -21,7 +21,7 @@ def test_no_prediction_yet_asks_for_one(capsys):
 
 @pytest.mark.parametrize("args, words", [
     (("99_none", 1, 1.0), "no notebook"),
-    (("01_autograd", 3, 1.0), "no checkable exercise 3"),
+    (("01_autograd", 5, 1.0), "no checkable exercise 5"),
     (("01_autograd", 1, "minus two"), "takes a float"),
     (("01_autograd", 1, True), "takes a float"),
     (("01_autograd", 1, float("nan")), "takes a float"),
@@ -40,6 +40,8 @@ def test_every_stored_answer_is_well_formed():
 
 
 def test_01_answers_are_what_autograd_computes():
+    x32, h = torch.tensor(2.0), 1e-6
+    assert ANSWERS["01_autograd"][3].held(abs(((x32 + h) ** 2 - (x32 - h) ** 2).item() / (2 * h) - 4.0))
     x = torch.tensor(-1.0, requires_grad=True)
     (x**2).backward()
     assert ANSWERS["01_autograd"][1].held(x.grad.item())
