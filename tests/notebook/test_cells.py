@@ -8,7 +8,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 MAX_CELL_LINES = 20  # every line of a code cell, blank and comment lines included
-HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (rust )?design|project notes", re.I)
+HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (?:rust )?design|project notes", re.I)
 
 
 def _notebooks():
@@ -35,6 +35,7 @@ def test_the_rules_catch_what_they_name(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_markdown_cell("as the original Rust design did"),
                 nbformat.v4.new_code_cell("\n".join(["x = 1"] * 21))]
-    assert len(HISTORY.findall(nb.cells[0].source)) == 2
+    assert HISTORY.findall(nb.cells[0].source) == ["original Rust design"]
+    assert len(HISTORY.findall("Candle's Var, make_var; see docs/measurements.md")) == 3
     assert len(nb.cells[1].source.splitlines()) > MAX_CELL_LINES
     assert not HISTORY.search("a trusted candlestick chart; rustic")
