@@ -63,6 +63,19 @@ ANSWERS: dict[str, dict[int, Answer]] = {
                   f"cos(u) x = cos(7) * 2 = {math.cos(7.0) * 2.0:.4f}; "
                   "the graph's PowBackward0 becomes SinBackward0."),
     },
+    "02_frozen_and_trainable": {
+        1: Answer("the share of values that train with the first layer frozen, at HIDDEN = 16 (a fraction)", float,
+                  near(170 / 12730, rel=0.1),
+                  "0.0134: the head's 16 x 10 + 10 = 170 values, of 784 x 16 + 16 + 170 = 12,730."),
+        2: Answer("backward FLOPs with both layers trainable at SIZE = 8, as a fraction of SIZE = 28's", float,
+                  near(10752 / 102912, rel=0.15),
+                  "0.104: the first layer's weight gradient (2 x batch x inputs x HIDDEN) is most of backward, "
+                  "and it shrinks with the 64 inputs of 784; the frozen row's count (the head only) stays."),
+        3: Answer("the test accuracy of a frozen random first layer with a trained head, at HIDDEN = 1024", float,
+                  between(0.92, 0.97),
+                  "about 0.95 (0.93-0.96 over seeds 0-2; 0.89 at HIDDEN = 128): more random features, more "
+                  "for the head to combine; the gap to the trained network shrinks to about 3 points."),
+    },
     # 07-11: their tables are added on the 07-11 branch
     "07_diffusion_lora": {},
     "08_memory_plan": {},
