@@ -71,9 +71,10 @@ def accuracy_and_digits(title: str, accuracies: Mapping[str, Sequence[float]], d
             ax.bar(i + 0.4 * (j - 0.5), a, width=0.4, color=f"C{j}",
                    label=f"digits {tasks[j]}" if i == 0 else None)
     ax.set_xticks(range(len(accuracies)), list(accuracies))
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.3)  # room above the bars for the legend
+    ax.set_yticks([0, 0.5, 1])
     ax.set_ylabel("test accuracy")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     ax.set_title(title, fontsize=8)
     for a, img, label in zip(digit_axes, digits, labels):
         a.imshow(img.reshape(side, side).numpy(), cmap="gray_r")
