@@ -1,0 +1,100 @@
+"""The notebooks' exercises, checked: the learner writes a prediction, `check_exercise` says whether it held.
+
+    check_exercise("03_lora_dora", 1, 4)   # prints the verdict and what a run shows; returns True or False
+
+Each exercise's answer was measured by running the notebook as the exercise says (the parameters it names,
+the rest at their defaults) and is stored here with the tolerance a prediction may miss it by. `ANSWERS`
+holds one table per notebook; an exercise without an entry has no checkable single answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LoraLabError
+
+
+class ExerciseError(LoraLabError, ValueError):
+    """An exercise that does not exist, or a prediction of the wrong kind."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One exercise: what to predict, how a prediction is judged, and what a run shows."""
+
+    question: str  # the quantity to predict, one line
+    kind: type  # the type a prediction must have: float (ints accepted), int, str or bool
+    held: Callable[[Any], bool]  # whether a prediction matches what a run shows
+    answer: str  # what a run shows, and why
+
+
+def near(value: float, rel: float = 0.0, abs_: float = 0.0) -> Callable[[Any], bool]:
+    """A prediction within `rel` (relative) or `abs_` (absolute) of `value`."""
+    return lambda p: math.isclose(float(p), value, rel_tol=rel, abs_tol=abs_)
+
+
+def between(low: float, high: float) -> Callable[[Any], bool]:
+    """A prediction in [low, high]."""
+    return lambda p: low <= float(p) <= high
+
+
+def one_of(*choices: Any) -> Callable[[Any], bool]:
+    """A prediction equal to one of `choices` (strings compared without case or surrounding spaces)."""
+    def norm(v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v
+    return lambda p: norm(p) in {norm(c) for c in choices}
+
+
+ANSWERS: dict[str, dict[int, Answer]] = {
+    "01_autograd": {
+        1: Answer("dy/dx of x^2 at X = -1.0", float, near(-2.0, abs_=1e-9),
+                  "-2.0: autograd applies 2x exactly, and the tangent's slope is the same number."),
+        2: Answer("x.grad after (x**2).backward() twice, at x = 2", float, near(8.0, abs_=1e-9),
+                  "8.0: each backward adds its 4 into .grad; zero_grad() is what resets it."),
+        3: Answer("how far float32's central difference lands from 2x at FD_STEP = 1e-6, X = 2", float,
+                  between(0.019, 1.9),
+                  "0.19 (it gives 3.8147): f(x+h) - f(x-h) keeps only the last few of float32's 7 digits; "
+                  "float64 keeps 16, so its rounding error is about 1e-10."),
+        4: Answer("dy/dw for y = sin(w x + b) at the defaults (W = 3, X = 2, B = 1)", float,
+                  near(math.cos(7.0) * 2.0, rel=1e-3),
+                  f"cos(u) x = cos(7) * 2 = {math.cos(7.0) * 2.0:.4f}; "
+                  "the graph's PowBackward0 becomes SinBackward0."),
+    },
+    # 07-11: their tables are added on the 07-11 branch
+    "07_diffusion_lora": {},
+    "08_memory_plan": {},
+    "09_quantized_base": {},
+    "10_training_machinery": {},
+    "11_knobs": {},
+}
+
+
+def check_exercise(notebook: str, n: int, value: Any) -> bool:
+    """Print whether the prediction `value` for exercise `n` of `notebook` held, and what a run shows."""
+    table = ANSWERS.get(notebook)
+    if table is None:
+        raise ExerciseError(f"check_exercise: no notebook {notebook!r}; known: {', '.join(ANSWERS)}")
+    if n not in table:
+        raise ExerciseError(f"check_exercise: {notebook} has no checkable exercise {n}; "
+                            f"checkable: {sorted(table) or 'none'}")
+    ex = table[n]
+    if value is None:
+        print(f"Exercise {n}: predict {ex.question} (your prediction in place of None).")
+        return False
+    if not _fits(value, ex.kind):
+        raise ExerciseError(f"check_exercise: {notebook} exercise {n} takes a {ex.kind.__name__} "
+                            f"({ex.question}), got {value!r}")
+    held = bool(ex.held(value))
+    print(f"Exercise {n}: your prediction {value!r} {'held' if held else 'did not hold'}. {ex.answer}")
+    return held
+
+
+def _fits(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    if kind is float:
+        return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, kind)
