@@ -31,8 +31,8 @@ def tile_label(digit: int, confidence: float, like_a_digit: bool) -> str:
 
 def caption(reader: StrictReader) -> str:
     """The line under a grid that says what a tile's title means."""
-    return (f"Title: the digit the strict reader reads and its confidence (how many of its {reader.k} nearest real "
-            f"digits agree); green: the digit asked for, confidence >= {STRICT_CONFIDENCE}. "
+    return (f"Title: the digit the strict reader reads and its confidence (how many of its {reader.k} "
+            f"nearest real digits agree); green: the digit asked for, confidence >= {STRICT_CONFIDENCE}. "
             f"'no digit': farther from every real digit than 99% of real digits are from theirs.")
 
 
@@ -56,7 +56,8 @@ def reading_grid(rows: dict[str, torch.Tensor], asked, reader: StrictReader, tit
         for c in range(n):
             ax = axes[r, c]
             _tile(ax, images[c])
-            text = tile_label(reading.digit[c].item(), reading.confidence[c].item(), reading.like_a_digit[c].item())
+            text = tile_label(reading.digit[c].item(), reading.confidence[c].item(),
+                              reading.like_a_digit[c].item())
             ax.set_title(text, fontsize=9, color=READ if ok[c] else NOT_READ)
             for side in ax.spines.values():
                 side.set_color(READ if ok[c] else NOT_READ)
@@ -80,7 +81,7 @@ def tiles_read(rows: dict[str, torch.Tensor], asked, reader: StrictReader) -> di
 
 
 def show_strip(ax, strip, steps, row_labels) -> None:
-    """A run's strip (an (H, W, 3) array: one column of prompts per sampled step) with steps and prompts named."""
+    """A run's strip (an (H, W, 3) array: one column of prompts per sampled step), steps and prompts named."""
     ax.imshow(strip, interpolation="nearest")
     column, row = (strip.shape[1] - 1) / len(steps), (strip.shape[0] - 1) / len(row_labels)
     ax.set_xticks([column * (i + 0.5) for i in range(len(steps))], [str(s) for s in steps])
@@ -127,9 +128,9 @@ def strength_slider(sample_at, picture, reader: StrictReader, prompts: list[str]
         with shown:
             shown.clear_output(wait=True)
             display(picture(img))
-            said = f"{read.digit.item()} ({read.confidence.item():.1f})" if read.like_a_digit.item() else "no digit"
-            print(f"'{prompts[digit.value]}', strength {strength.value:.2f}, seed {seeds[0]}: the strict reader "
-                  f"reads {said}")
+            said = tile_label(read.digit.item(), read.confidence.item(), read.like_a_digit.item())
+            print(f"'{prompts[digit.value]}', strength {strength.value:.2f}, seed {seeds[0]}: the strict "
+                  f"reader reads {said}")
 
     def new_seed(_):
         seeds[0] += 1
