@@ -56,7 +56,9 @@ def paired_figure(results: dict, metrics: dict[str, str], off_scale: dict[str, f
     import matplotlib.pyplot as plt  # the notebooks extra
 
     knobs = [(m, n) for m, n in results if n != DEFAULT]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 0.42 * len(knobs) + 1.6), sharey=True)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 0.42 * len(knobs) + 1.6), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     colour = {"higher": "C3", "lower": "C0", "same": "0.55"}
     for ax, (metric, title) in zip(axes, metrics.items()):
         limit = off_scale[metric]
@@ -65,11 +67,14 @@ def paired_figure(results: dict, metrics: dict[str, str], off_scale: dict[str, f
             c = colour[verdict(d)]
             inside = [x for x in d if abs(x) <= limit]
             ax.plot(inside, [row] * len(inside), "o", color=c, alpha=0.75)
-            for x in (x for x in d if abs(x) > limit):
-                edge = limit * 0.97 * (1 if x > 0 else -1)
-                ax.plot([edge], [row], ">" if x > 0 else "<", color=c, ms=9)
-                ax.annotate(f"{x:+.2f}", (edge, row), xytext=(-4 if x > 0 else 4, 6),
-                            textcoords="offset points", ha="right" if x > 0 else "left", fontsize=7, color=c)
+            for side in (1, -1):  # the values beyond the axis on each side: one triangle, every value written
+                out = [x for x in d if x * side > limit]
+                if out:
+                    edge = limit * 0.97 * side
+                    ax.plot([edge], [row], ">" if side > 0 else "<", color=c, ms=9)
+                    ax.annotate("off scale: " + ", ".join(f"{x:+.2f}" for x in out), (edge, row),
+                                xytext=(-6 * side, 7), textcoords="offset points",
+                                ha="right" if side > 0 else "left", fontsize=7, color=c)
         ax.axvline(0, color="k", lw=0.8)
         ax.set_xlim(-limit, limit)
         ax.set_title(f"{title}: knob - default", fontsize=9)

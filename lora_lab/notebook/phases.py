@@ -68,7 +68,7 @@ def phase_bars(plans: dict, budget: int, title: str):
         ax.set_xlim(0, top)
         ax.set_title(model, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("GiB of tensors at the phase's peak (predicted; a card adds its own overhead)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SEGMENTS]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SEGMENTS.values()]
     fig.legend(handles + [plt.Line2D([], [], color="red", ls="--")], [*SEGMENTS, "the card"], fontsize=8,
                loc="lower center", ncol=3, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(title, fontsize=10)

@@ -12,8 +12,7 @@ HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (?
 
 
 def _notebooks():
-    # TODO(teach-b, 07-11): drop this filter when the 07-11 branch is merged; its notebooks meet the same rules
-    return [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.stem[:2] < "07"]
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
