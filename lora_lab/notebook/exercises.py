@@ -75,7 +75,18 @@ ANSWERS: dict[str, dict[int, Answer]] = {
                   "but (exercise 1) not because the empty prompt kept the base's style: that explanation "
                   "fails."),
     },
-    "08_memory_plan": {},
+    "08_memory_plan": {
+        1: Answer("the phase that sets SDXL's peak at 1024 px with CHECKPOINTING = False", str,
+                  one_of("train step", "the train step", "training step"),
+                  "the train step, 13.4 GiB (5.7 with checkpointing): the saved activations grow from 0.54 "
+                  "to 8.4 GiB, every block's kept for backward. It still fits 24 GiB."),
+        2: Answer("Flux's frozen weights in GiB with BASE_QUANTIZATION = 'nf4' (bf16: 22.2 GiB)", float,
+                  near(5.72, rel=0.15),
+                  "5.7 GiB: half a byte a weight plus the blocks' scales, the layers NF4 does not store "
+                  "(norms, embeddings) kept in bf16. The training step then takes 10.3 GiB and the run's "
+                  "peak is the cache phase, 10.5 GiB: it fits 16 GiB (SimpleTuner quotes about 9 GB for an "
+                  "NF4 base)."),
+    },
     "09_quantized_base": {
         1: Answer("int8's mean relative loss gap to the fp32 run, over the whole run (NF4's: 0.0116)", float,
                   between(0.0012, 0.0047),

@@ -82,7 +82,7 @@ def paired_figure(results: dict, metrics: dict[str, str], off_scale: dict[str, f
     axes[0].set_yticks(range(len(knobs)), [f"{m}: {n}" for m, n in knobs])
     axes[0].invert_yaxis()
     handles = [plt.Line2D([], [], marker="o", ls="", color=c) for c in colour.values()]
-    fig.legend(handles, [f"{v} (every seed)" if v != "same" else "same: not every seed on one side" for v in colour],
-               loc="lower center", ncol=3, fontsize=8)
+    names = [f"{v} (every seed)" if v != "same" else "same: not every seed on one side" for v in colour]
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig

@@ -47,8 +47,8 @@ def phase_bars(plans: dict, budget: int, title: str):
     """One panel per model (plans: {model: plan}), one bar per phase in SEGMENTS, totals printed."""
     import matplotlib.pyplot as plt  # the notebooks extra
 
-    fig, axes = plt.subplots(len(plans), 1, figsize=(10, 0.3 + 1.7 * len(plans)), sharex=True, squeeze=False)
-    top = max(budget, *(p.peak for p in plans.values())) / GiB * 1.18
+    fig, axes = plt.subplots(len(plans), 1, figsize=(11, 0.3 + 1.7 * len(plans)), sharex=True, squeeze=False)
+    top = max(budget, *(p.peak for p in plans.values())) / GiB * 1.45  # room for the labels
     for ax, (model, plan) in zip(axes[:, 0], plans.items()):
         segments = phase_segments(plan)
         phases = list(segments)
@@ -69,8 +69,9 @@ def phase_bars(plans: dict, budget: int, title: str):
         ax.set_title(model, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("GiB of tensors at the phase's peak (predicted; a card adds its own overhead)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SEGMENTS.values()]
-    fig.legend(handles + [plt.Line2D([], [], color="red", ls="--")], [*SEGMENTS, "the card"], fontsize=8,
-               loc="lower center", ncol=3, bbox_to_anchor=(0.5, 0.0))
+    handles.append(plt.Line2D([], [], color="red", ls="--"))
+    fig.legend(handles, [*SEGMENTS, f"the card: {budget / GiB:g} GiB"], fontsize=8, loc="lower center",
+               ncol=3, bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
