@@ -541,7 +541,7 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     assert "TrainConfig.dataset=" in capsys.readouterr().err
     data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=3,
                         BATCH_SIZE=4, SAMPLE_STEPS=2, RATE_SAMPLES_PER_DIGIT=1, MIN_INVERTED=0.0,
-                        MIN_TILES_READ=0)
+                        MIN_DIGIT_RATE=0.0, MIN_TILES_READ=0)
     assert data["passed"], data.get("error") or data["claims"]
     assert not run_notebook.bare_results("09_quantized_base")
     n = data["numbers"]
