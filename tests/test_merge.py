@@ -251,6 +251,7 @@ def test_notebook_04_lora_files(run_notebook):
     assert n["modules_style"] == 32 and n["modules_detail"] == 48 and n["locon_modules"] == 16
     assert n["max_abs_merged_vs_runtime"] < 1e-5 and n["max_abs_diffusers_vs_lora_lab"] < 1e-4
     assert n["sweep_relative_change"][1] > n["sweep_relative_change"][0]
+    assert not run_notebook.bare_results("04_lora_files")  # every cell shows only what it prints or draws
 
 
 def test_a_linear_lora_fits_a_1x1_conv_and_back():

@@ -11,6 +11,7 @@ they teach on.
                    learned), and the strict reader of each tile
     tiles.py       samples drawn as a person reads them, each tile with the strict reader's reading
     exercises.py   `check_exercise(notebook, n, prediction)`: whether a learner's prediction held
+    widgets.py     `slider_view(draw)`: a figure under a slider (once, as an image, in a batch run)
 
 digits.py, effect.py and tiles.py are imported by name (`from lora_lab.notebook.digits import load_digits`):
 they pull scikit-learn (and effect.py diffusers, tiles.py matplotlib), which a notebook that only records

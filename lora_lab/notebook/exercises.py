@@ -63,6 +63,68 @@ ANSWERS: dict[str, dict[int, Answer]] = {
                   f"cos(u) x = cos(7) * 2 = {math.cos(7.0) * 2.0:.4f}; "
                   "the graph's PowBackward0 becomes SinBackward0."),
     },
+    "02_frozen_and_trainable": {
+        1: Answer("the share of values that train with the first layer frozen, at HIDDEN = 16 (a fraction)",
+                  float,
+                  near(170 / 12730, rel=0.1),
+                  "0.0134: the head's 16 x 10 + 10 = 170 values, of 784 x 16 + 16 + 170 = 12,730."),
+        2: Answer("backward FLOPs with both layers trainable at SIZE = 8, as a fraction of SIZE = 28's",
+                  float,
+                  near(10752 / 102912, rel=0.15),
+                  "0.104: the first layer's weight gradient (2 x batch x inputs x HIDDEN) is most of "
+                  "backward, and it shrinks with the 64 inputs of 784; the frozen row's count (the head "
+                  "only) stays."),
+        3: Answer("the test accuracy of a frozen random first layer with a trained head, at HIDDEN = 1024",
+                  float,
+                  between(0.92, 0.97),
+                  "about 0.95 (0.93-0.96 over seeds 0-2; 0.89 at HIDDEN = 128): more random features, more "
+                  "for the head to combine; the gap to the trained network shrinks to about 3 points."),
+    },
+    "03_lora_dora": {
+        1: Answer("the smallest rank within 2 points of the best (SWEEP_SEEDS = [0, 1, 2], "
+                  "RANKS = [1, 2, 4, 16, 32])",
+                  int, one_of(8),
+                  "8: mean accuracy 0.70, 0.88, 0.94, 0.96, 0.94, 0.97 at ranks 1, 2, 4, 8, 16, 32; past "
+                  "rank 8 the seeds differ by more than the ranks do, while the trainable share keeps "
+                  "doubling (29% -> 118%)."),
+        4: Answer("LoRA's test accuracy on 5-9 at strength t = 0.5 (a fraction)",
+                  float, near(0.69, abs_=0.08),
+                  "0.69 (and 0.00 on 0-4): half the adapter is not half the task; it already takes all of "
+                  "the old task away (the head's 5-9 logits overtake 0-4's early) and gives two thirds of "
+                  "the new."),
+    },
+    "04_lora_files": {
+        3: Answer("the factor the style LoRA's effect changes by once its alpha tensors are deleted "
+                  "(RANK 4, ALPHA 2)",
+                  float, near(2.0, rel=0.01),
+                  "2.0: without an alpha every module is read at scale 1 (kohya's rule, whatever the rank), "
+                  "instead of alpha / rank = 0.5: the change B A counts twice as much."),
+        4: Answer("the relative change ||y - y_base|| / ||y_base|| at LoRA 2's strength 2 (LoRA 1 at 0.8)",
+                  float,
+                  near(0.73, rel=0.15),
+                  "0.73 (and 0.68 at -1), not 2 x 0.5 = 1.0: the UNet is not linear in a LoRA's strength "
+                  "(the change passes through norms and activations), and LoRA 1's change adds to it."),
+    },
+    "05_memory": {
+        1: Answer("the share of the activation bytes checkpointing keeps at N_BLOCKS = 24 (a fraction)",
+                  float, near(0.0713, rel=0.15),
+                  "0.071, as at 12 blocks: the bytes kept (one input per block) and the unchecked bytes (a "
+                  "block's activations per block) both grow with the blocks; only the head's share shrinks."),
+        3: Answer("the 8-bit state's bytes per parameter for a 64 x 64 weight (STATE_WIDTH = 64)", float,
+                  near(2.03125, rel=0.02),
+                  "2.03 = 2 codes + one fp32 absmax per 256 values, as for a large weight: 4096 values is "
+                  "just enough for 8-bit moments; at 63 x 63 (3969 values) the moments stay fp32, 8 bytes."),
+    },
+    "06_kernels": {
+        1: Answer("how many programs the hand launch runs at TOKENS = 64, DEMO_BLOCK_M = 16", int, one_of(4),
+                  "4 = ceil(64 / 16), and no row masked off (64 is a multiple of 16); at TOKENS = 1, one "
+                  "program with 15 rows masked off."),
+        3: Answer("the first wrong row of xa when the grid is one program short "
+                  "(TOKENS = 41, DEMO_BLOCK_M = 16)",
+                  int, one_of(32),
+                  "32: programs 0 and 1 write rows 0-31; rows 32-40 belonged to the missing program 2 and "
+                  "hold whatever torch.empty left there."),
+    },
     # 07-11: their tables are added on the 07-11 branch
     "07_diffusion_lora": {
         1: Answer("the share of the empty prompt's samples drawn inverted with the LoRA, CAPTION_DROPOUT = 0",

@@ -332,6 +332,7 @@ def test_notebook_06_kernels(run_notebook):
     assert numbers["lora_rel_err_y"] <= 3e-2 and numbers["dora_rel_err_dm"] <= 3e-2
     assert numbers["adam_codes_identical"] >= 0.999
     assert numbers["gpu_table_measured"] is False  # GPU_TABLE=False: never timed in the tests
+    assert not run_notebook.bare_results("06_kernels")  # every cell shows only what it prints or draws
 
 
 @pytest.mark.parametrize("cls_name", ["Adam8bit", "AdamW8bit"])

@@ -690,3 +690,5 @@ def test_notebook_03_smoke(run_notebook, monkeypatch):
     assert n["LoRA trainable"] == 8 * (96 + 64 + 42) and n["DoRA trainable"] == 8 * (96 + 64 + 42) + 74
     assert n["LoRA frozen"] == n["DoRA frozen"] == 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
     assert n["LoRA unmerge max_rel_weight_error"] < 1e-6 and n["DoRA unmerge max_rel_weight_error"] < 1e-6
+    assert n["tiny_lora_vs_library_max_rel_output_diff"] <= 1e-5  # TinyLoRA, built by hand, = LoRALinear
+    assert not run_notebook.bare_results("03_lora_dora")  # every cell shows only what it prints or draws

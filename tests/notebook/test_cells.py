@@ -8,7 +8,8 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 MAX_CELL_LINES = 20  # every line of a code cell, blank and comment lines included
-HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (?:rust )?design|project notes", re.I)
+HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (?:rust )?design|project notes",
+                     re.I)
 
 
 def _notebooks():
