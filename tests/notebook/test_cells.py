@@ -13,8 +13,7 @@ HISTORY = re.compile(r"\brust\b|\bcandle\b|make_var|measurements\.md|original (?
 
 
 def _notebooks():
-    # TODO(07-11 branch): drop this filter when the 07-11 branch merges; its notebooks meet the same rules
-    return [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.stem[:2] < "07"]
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)

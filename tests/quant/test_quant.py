@@ -539,9 +539,9 @@ def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     assert cli_main(["train", "--base-quantization", "nf4", "--dataset", str(tmp_path / "none"),
                      "--output", out]) == 2
     assert "TrainConfig.dataset=" in capsys.readouterr().err
-    data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=3, COMPARE_STEPS=2,
+    data = run_notebook("09_quantized_base", FEATURES=512, TOKENS=8, REPS=1, TRAIN_STEPS=3,
                         BATCH_SIZE=4, SAMPLE_STEPS=2, RATE_SAMPLES_PER_DIGIT=1, MIN_INVERTED=0.0,
-                        MIN_TILES_READ=0)
+                        MIN_DIGIT_RATE=0.0, MIN_TILES_READ=0)
     assert data["passed"], data.get("error") or data["claims"]
     assert not run_notebook.bare_results("09_quantized_base")
     n = data["numbers"]
