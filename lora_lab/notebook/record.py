@@ -240,7 +240,7 @@ class Record:
     def summary(self) -> tuple[str, str]:
         """The claims as a small table: (plain text, HTML)."""
         held = sum(c["held"] for c in self.claims.values())
-        where = report_dir() / f"{self.name}.json"
+        where = f"{report_dir().name}/{self.name}.json"  # no absolute path in an executed notebook
         head = f"{self.name}: {held} of {len(self.claims)} claims held (results: {where})"
         rows = [(("PASS" if c["held"] else "FAIL"), k, c["detail"]) for k, c in self.claims.items()]
         width = max((len(k) for _, k, _ in rows), default=0)

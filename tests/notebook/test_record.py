@@ -132,6 +132,7 @@ def test_record_finish_writes_json_then_fails_on_a_failed_claim(tmp_path, monkey
         nb.finish()
     text, table = nb.summary()
     assert text.splitlines()[0].startswith("demo: 1 of 2 claims held")
+    assert f"(results: {tmp_path.name}/demo.json)" in text and str(tmp_path.parent) not in text  # no abs path
     assert "PASS  holds" in text and "FAIL  does not hold  because" in text
     assert table.count("<tr>") == 3 and "because" in table
     data = json.loads((tmp_path / "demo.json").read_text())
