@@ -25,9 +25,10 @@ from .run import OverLimit
 # The order `fit_vram` tries options in, cheapest in time first: no recomputation before recomputation,
 # fp32 Adam (fastest step) before 8-bit. In memory the order is the reverse, for the same run otherwise and in
 # every phase (`_at_most`): 8-bit AdamW's state (1 byte a moment and a float per block) is smaller than fp32
-# AdamW's (4 bytes), and its step's temporaries are not larger; checkpointing keeps the blocks' inputs instead
-# of their activations. Both are checked phase by phase on every kind (tests/planning/test_fit.py), so fit
-# plans the option of least memory second and, where it does not fit, no other.
+# AdamW's (4 bytes), and its step's temporaries are not larger; full checkpointing keeps the blocks' inputs
+# instead of their activations (other policies are not ordered against none). Both are checked phase by
+# phase on every kind (tests/planning/test_fit.py), so fit plans the option of least memory second and,
+# where it does not fit, no other.
 CHECKPOINTING_ORDER = (False, True)
 OPTIMIZER_ORDER = ("adamw", "adamw8bit")
 
@@ -137,7 +138,7 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
 
     try:
         chosen = _fastest_fitting(vram, [(ck, opt) for ck in CHECKPOINTING_ORDER for opt in optimizers],
-                                  micro, plan)
+                                  micro, plan, checkpointing)
         chosen = chosen or _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, optimizers[-1],
                                          planned)
     except OverLimit as e:  # the phases before the adapter: every option has them
@@ -160,34 +161,33 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
            "(full, every_k, budget:F)"))
 
 
-def _at_most(a: tuple, b: tuple) -> bool:
+def _at_most(a: tuple, b: tuple, policy: bool | str = True) -> bool:
     """Whether variant a = (checkpointing, optimizer) peaks at most where b does in every phase of the same
-    run (`MEMORY_ORDER`)."""
-    return a[0] >= b[0] and (a[1] == b[1] or (a[1], b[1]) == ("adamw8bit", "adamw"))
+    run (the orders above `CHECKPOINTING_ORDER`); checkpointing's order is the full policy's (`policy`)."""
+    checkpointing = a[0] == b[0] or (policy in (True, "full") and a[0] and not b[0])
+    return checkpointing and (a[1] == b[1] or (a[1], b[1]) == ("adamw8bit", "adamw"))
 
 
-def _fastest_fitting(vram: int, variants: list[tuple], micro: list[int], plan) -> MemoryPlan | None:
+def _fastest_fitting(vram: int, variants: list[tuple], micro: list[int], plan, policy) -> MemoryPlan | None:
     """The first of `variants` (time order) whose smallest micro-batch fits, at its largest micro-batch that
-    fits; None where none fits. The fastest is planned first, then the last, the one of least memory
-    (`_at_most` every other): where it does not fit, no other does, and none is planned; the others in
-    time order, but for one that needs at least the memory of one that did not fit."""
+    fits; None where none fits. The fastest is planned first, then the last, the one of least memory (with
+    full checkpointing at most every other, `_at_most`), then the others in time order but for one that needs
+    at least the memory of one that did not fit: where the least does not fit, none of them is planned."""
     smallest = micro[-1]
     first = plan(*variants[0], smallest)
     chosen = (variants[0], first) if first.fits(vram) else None
     if chosen is None and len(variants) > 1:
         least = plan(*variants[-1], smallest)
-        if not least.fits(vram):
-            return None
-        failed = [variants[0]]
+        failed = [variants[0]] + ([] if least.fits(vram) else [variants[-1]])
         for v in variants[1:-1]:
-            if any(_at_most(f, v) for f in failed):
+            if any(_at_most(f, v, policy) for f in failed):
                 continue
             p = plan(*v, smallest)
             if p.fits(vram):
                 chosen = v, p
                 break
             failed.append(v)
-        chosen = chosen or (variants[-1], least)
+        chosen = chosen or ((variants[-1], least) if least.fits(vram) else None)
     if chosen is None:
         return None
     # the largest micro-batch that fits: the peak grows with the batch, so search down from the top

@@ -55,6 +55,9 @@ from .optstate import first_step_state
 
 CPU = torch.device("cpu")  # the fake device every planned tensor is on
 BEFORE_OPTIONS = ("cache", "load")  # the phases before the adapter: the same for every option fit chooses
+# checkpointing policies whose blocks each keep and recompute alike (not every_k's or a budget's: those choose
+# by a block's place), so the training step replays identical blocks with them as without
+REPLAYED_POLICIES = (None, "full", "selective")
 
 
 class OverLimit(Exception):
@@ -98,13 +101,16 @@ def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "aut
     Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...);
     OverLimit where the cache or load phase exceeds `limit` bytes (the plan stops there).
 
-    Without checkpointing or block swapping, the training step replays the blocks between the first and the
-    last of each run of identical transformer blocks (`blocks.replayed_blocks`, checked to the byte by every
-    plan); where the check fails, the run is planned again with every block running."""
+    Without block swapping, and without checkpointing or with a policy that checkpoints each block alike
+    (`REPLAYED_POLICIES`: a replay's backward window holds the block's recomputation), the training step
+    replays the blocks between the first and the last of each run of identical transformer blocks
+    (`blocks.replayed_blocks`, checked to the byte by every plan); where the check fails, the run is planned
+    again with every block running."""
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
     options = dict(device=device, attention=attention, checkpoint_options=checkpoint_options, limit=limit)
-    if not (config.checkpointing_policy() or checkpoint_options or config.blocks_to_swap):
+    replayable = config.checkpointing_policy() in REPLAYED_POLICIES
+    if replayable and not (checkpoint_options or config.blocks_to_swap):
         try:
             return _plan_once(config, replay=True, **options)
         except Unreplayable:

@@ -62,7 +62,8 @@ def test_fit_chooses_what_planning_every_option_chooses(plans, monkeypatch):
 
 
 def test_fit_plans_nothing_past_the_least_memory_where_it_does_not_fit(monkeypatch):
-    """The fastest option and the one of least memory do not fit: the two others are not planned."""
+    """The fastest option and the one of least memory do not fit: with full checkpointing the two others are
+    not planned."""
     calls = []
 
     def fake(config, **kw):
@@ -77,6 +78,10 @@ def test_fit_plans_nothing_past_the_least_memory_where_it_does_not_fit(monkeypat
     with pytest.raises(planner.PlanError, match="smallest predicted peak is 100 B"):
         fit_vram(50, "sdxl")
     assert calls == [(False, "adamw"), (True, "adamw8bit")]
+    calls.clear()  # another policy is not ordered against no checkpointing: 8-bit without it is planned
+    with pytest.raises(planner.PlanError, match="smallest predicted peak is 100 B"):
+        fit_vram(50, "sdxl", checkpointing="selective")
+    assert calls == [(False, "adamw"), ("selective", "adamw8bit"), (False, "adamw8bit")]
 
 
 def test_a_plan_stops_after_loading_where_the_phases_before_the_options_exceed_its_limit(plans):
