@@ -3,6 +3,7 @@
     python benchmarks/bench_plan_speed.py                      # this checkout: each target once
     python benchmarks/bench_plan_speed.py --against ../main    # and another checkout, interleaved
     python benchmarks/bench_plan_speed.py --rounds 2 --only plan,fit
+    python benchmarks/bench_plan_speed.py --orders             # fit's memory orders at real size (SDXL 1024)
 
 Rows (SDXL, real size, 1024 px, rank 16, a plan's defaults: CUDA's rules, bf16):
     plan     plan_memory("sdxl", resolution=1024, rank=16)                      target <= 20 s
@@ -71,6 +72,42 @@ def result_key(what: str, out: str) -> str:
     return hashlib.sha256(out.encode()).hexdigest()[:10]
 
 
+def orders() -> None:
+    """The four options fit chooses between, SDXL 1024 rank 16 planned in full (this process): each memory
+    order `fit._at_most` relies on, phase by phase; fit's choice (given the four plans: what it skips is
+    never looked at) against the fastest that fits, for a card at each peak and just below (below the least:
+    block swapping, planned)."""
+    from lora_lab.planning import PlanError, fit, fit_vram, plan_memory
+    from lora_lab.planning.run import BEFORE_OPTIONS
+
+    kw = {"resolution": 1024, "rank": 16}
+    variants = [(ck, opt) for ck in fit.CHECKPOINTING_ORDER for opt in fit.OPTIMIZER_ORDER]
+    full = {v: plan_memory("sdxl", gradient_checkpointing=v[0], optimizer=v[1], cache=False, **kw)
+            for v in variants}
+    print("| option | " + " | ".join(full[variants[0]].phases) + " |")
+    for v, p in full.items():
+        print(f"| {v} | " + " | ".join(str(n) for n in p.phases.values()) + " |")
+    for a in variants:
+        for b in variants:
+            if a != b and fit._at_most(a, b):
+                held = all(full[a].phases[ph] <= full[b].phases[ph] for ph in full[a].phases)
+                print(f"{a} at most {b} in every phase: {'yes' if held else 'NO'}")
+    same = all(p.phases[ph] == full[variants[0]].phases[ph] for p in full.values() for ph in BEFORE_OPTIONS)
+    print(f"cache and load the same in every option: {'yes' if same else 'NO'}")
+    for vram in sorted({p.peak + d for p in full.values() for d in (0, -1)}):
+        expected = next((full[v] for v in variants if full[v].fits(vram)), None)
+        t = time.perf_counter()
+        try:
+            chosen = fit_vram(vram, "sdxl", plans=list(full.values()), **kw).chosen
+        except PlanError:
+            chosen = None
+        swapped = chosen is not None and chosen.options["blocks_to_swap"]  # the last resort, past the four
+        ok = chosen is expected or (expected is None and swapped)
+        print(f"fit {vram} B: {'nothing fits' if chosen is None else fit._label(chosen.options)}, "
+              f"{time.perf_counter() - t:.1f} s, the same as planning every option: {'yes' if ok else 'NO'}",
+              flush=True)
+
+
 def main() -> None:
     import torch
 
@@ -79,7 +116,10 @@ def main() -> None:
                     help="another checkout (e.g. ../main) timed interleaved with this one")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--only", default="plan,fit,dry-run", help="comma-separated rows (plan, fit, dry-run)")
+    ap.add_argument("--orders", action="store_true", help="fit's memory orders at real size (see orders())")
     args = ap.parse_args()
+    if args.orders:
+        return orders()
     checkouts = [HERE, *(p.resolve() for p in args.against)]
     rows = [r.strip() for r in args.only.split(",")]
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
