@@ -76,7 +76,7 @@ def orders() -> None:
     """The four options fit chooses between, SDXL 1024 rank 16 planned in full (this process): each memory
     order `fit._at_most` relies on, phase by phase; fit's choice (given the four plans: what it skips is
     never looked at) against the fastest that fits, for a card at each peak and just below (below the least:
-    block swapping, planned)."""
+    tiled decoding or block swapping, planned)."""
     from lora_lab.planning import PlanError, fit, fit_vram, plan_memory
     from lora_lab.planning.run import BEFORE_OPTIONS
 
@@ -101,8 +101,9 @@ def orders() -> None:
             chosen = fit_vram(vram, "sdxl", plans=list(full.values()), **kw).chosen
         except PlanError:
             chosen = None
-        swapped = chosen is not None and chosen.options["blocks_to_swap"]  # the last resort, past the four
-        ok = chosen is expected or (expected is None and swapped)
+        # past the four: samples decoded in tiles where only sampling does not fit, then blocks swapped
+        beyond = chosen is not None and (chosen.options["blocks_to_swap"] or chosen.options["vae_tiling"])
+        ok = chosen is expected or (expected is None and beyond)
         print(f"fit {vram} B: {'nothing fits' if chosen is None else fit._label(chosen.options)}, "
               f"{time.perf_counter() - t:.1f} s, the same as planning every option: {'yes' if ok else 'NO'}",
               flush=True)
