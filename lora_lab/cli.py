@@ -288,12 +288,13 @@ def add_train_parser(sub, flag_defaults: bool = True) -> argparse.ArgumentParser
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    config = _run_config(args)
+    config, plan = _run_config(args), None
     if args.vram is not None:
-        config, why = fit_config(config, args.vram)
+        config, why, plan = fit_config(config, args.vram)
         print(f"lora-lab train --vram {args.vram}: {why}")
-    if args.dry_run:
-        print(plan_memory(config).table())
+    if args.dry_run:  # the plan fit chose is this run's (the same options), not planned again
+        same = plan is not None and plan.options == plan_options(config)
+        print((plan if same else plan_memory(config)).table())
         return 0
     config.validate()  # a bad flag's error comes alone, before the line below
     if config.base_dtype == "auto" and os.environ.get("RANK", "0") == "0":

@@ -401,7 +401,7 @@ def test_plan_plans_the_flags_it_is_given(monkeypatch, capsys):
     from lora_lab.planning import planner
 
     planned = []
-    monkeypatch.setattr(planner, "_plan", lambda config, options: planned.append(config) or
+    monkeypatch.setattr(planner, "_plan", lambda config, options, *_: planned.append(config) or
                         planner.MemoryPlan("sdxl", "real", options, "flash", dict.fromkeys(
                             ("cache", "load", "train step", "save", "sample"), 1), {"frozen weights": 1}, 1,
                             "cache", "backward", 0, 0, resolution=1024, base_dtype="bf16"))
@@ -422,7 +422,7 @@ def test_plan_of_a_run_file_is_the_plan_of_the_same_flags(tmp_path, monkeypatch)
     from lora_lab.planning import planner
 
     planned = []
-    monkeypatch.setattr(planner, "_plan", lambda config, options: planned.append((config, options)) or
+    monkeypatch.setattr(planner, "_plan", lambda config, options, *_: planned.append((config, options)) or
                         planner.MemoryPlan(options["model"], "real", options, "flash", dict.fromkeys(
                             ("cache", "load", "train step", "save", "sample"), 1), {"frozen weights": 1}, 1,
                             "cache", "backward", 0, 0, resolution=256, base_dtype="bf16"))

@@ -20,9 +20,15 @@ from typing import Any
 from ..diffusion.config import TrainConfig
 from . import planner
 from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes
+from .run import OverLimit
 
 # The order `fit_vram` tries options in, cheapest in time first: no recomputation before recomputation,
-# fp32 Adam (fastest step) before 8-bit.
+# fp32 Adam (fastest step) before 8-bit. In memory the order is the reverse, for the same run otherwise and in
+# every phase (`_at_most`): 8-bit AdamW's state (1 byte a moment and a float per block) is smaller than fp32
+# AdamW's (4 bytes), and its step's temporaries are not larger; full checkpointing keeps the blocks' inputs
+# instead of their activations (other policies are not ordered against none). Both are checked phase by
+# phase on every kind (tests/planning/test_fit.py), so fit plans the option of least memory second and,
+# where it does not fit, no other.
 CHECKPOINTING_ORDER = (False, True)
 OPTIMIZER_ORDER = ("adamw", "adamw8bit")
 
@@ -88,14 +94,16 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
 
     Variants are tried in order of their time cost: no checkpointing before checkpointing (it adds a
     forward), fp32 AdamW before 8-bit AdamW (its step is the cheaper one) when both fit (a run with another
-    optimizer, Prodigy or Adafactor, keeps it); within those,
-    the largest micro-batch (a power of two dividing the effective batch) that fits, with gradient
-    accumulation making up the rest. Where only the sample phase does not fit, the same variant with the
-    samples decoded in tiles (vae_tiling) is planned. Raises PlanError naming the smallest peak found and
-    what sets it when nothing fits. `plans` are plans already made (e.g. the table `lora-lab plan` prints):
-    one whose options are those of a variant tried is used as it is, not planned again. checkpointing: the
-    policy of the variants with checkpointing (default: the run's own, else "full"). attention,
-    checkpoint_options: `plan_memory`'s.
+    optimizer, Prodigy or Adafactor, keeps it); within those, the largest micro-batch (a power of two
+    dividing the effective batch) that fits, with gradient accumulation making up the rest. Where only the
+    sample phase does not fit, the same variant with the samples decoded in tiles (vae_tiling) is planned.
+    Options that cannot fit are not planned: the one of least memory is planned second
+    (`_fastest_fitting`), and a plan stops after its load phase where that phase or the cache phase (the
+    same in every option) does not fit. Raises PlanError naming the smallest peak found and what sets it (or
+    the phase before the options that does not fit) when nothing fits. `plans` are plans already made (e.g.
+    the table `lora-lab plan` prints): one whose options are those of a variant tried is used as it is, not
+    planned again. checkpointing: the policy of the variants with checkpointing (default: the run's own,
+    else "full"). attention, checkpoint_options: `plan_memory`'s.
     """
     vram = parse_bytes(vram)
     for key in ("gradient_checkpointing", "grad_accum"):
@@ -115,32 +123,34 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
         variant = replace(config, **changes)
         options = planner.plan_options(variant, attention, checkpoint_options)
         p = next((q for q in plans if q.options == options), None) or planner.plan_memory(
-            variant, attention=attention, checkpoint_options=checkpoint_options)
+            variant, attention=attention, checkpoint_options=checkpoint_options, limit=vram)
         tried.append(p)
         return p
 
-    for ckpt in CHECKPOINTING_ORDER:
-        for opt in optimizers:
-            def plan(b, ckpt=ckpt, opt=opt):
-                kw = {"batch_size": b, "grad_accum": batch_size // b,
-                      "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt}
-                p = planned(**kw)
-                others = [v for phase, v in p.phases.items() if phase != "sample"]
-                if not p.fits(vram) and not config.vae_tiling and max(others) <= vram:
-                    p = planned(**kw, vae_tiling=True)  # only sampling did not fit: decode in tiles
-                return p
-            smallest = plan(micro[-1])
-            if not smallest.fits(vram):
-                continue
-            # the largest micro-batch that fits: the peak grows with the batch, so search down from the top
-            for b in micro[:-1]:
-                p = plan(b)
-                if p.fits(vram):
-                    return FitResult(vram, p, tried)
-            return FitResult(vram, smallest, tried)
-    swapped = _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, optimizers[-1], planned)
-    if swapped is not None:
-        return FitResult(vram, swapped, tried)
+    def plan(ckpt, opt, b) -> MemoryPlan:
+        kw = {"batch_size": b, "grad_accum": batch_size // b,
+              "gradient_checkpointing": ckpt and checkpointing, "optimizer": opt}
+        p = planned(**kw)
+        others = [v for phase, v in p.phases.items() if phase != "sample"]
+        if not p.fits(vram) and not config.vae_tiling and max(others) <= vram:
+            p = planned(**kw, vae_tiling=True)  # only sampling did not fit: decode in tiles
+        return p
+
+    try:
+        chosen = _fastest_fitting(vram, [(ck, opt) for ck in CHECKPOINTING_ORDER for opt in optimizers],
+                                  micro, plan, checkpointing)
+        chosen = chosen or _fit_swapping(vram, config, micro[-1], batch_size, checkpointing, optimizers[-1],
+                                         planned)
+    except OverLimit as e:  # the phases before the adapter: every option has them
+        phase = max(e.phases, key=e.phases.get)
+        what = "the text encoders and VAE encoding the data" if phase == "cache" else "the denoiser loaded"
+        raise PlanError(
+            f"nothing fits {format_bytes(vram)}: the {phase} phase alone peaks at "
+            f"{format_bytes(e.phases[phase])} ({what}), before anything fit chooses (checkpointing, "
+            "optimizer, micro-batch, blocks swapped) applies; lower the resolution, quantize the base "
+            "(--base-quantization nf4), or use a larger GPU") from None
+    if chosen is not None:
+        return FitResult(vram, chosen, tried)
     best = min(tried, key=lambda p: p.peak)
     raise PlanError(
         f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
@@ -149,6 +159,40 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
         + ("" if checkpointing in (True, "full")
            else f", or a checkpointing policy that keeps less than {checkpointing} "
            "(full, every_k, budget:F)"))
+
+
+def _at_most(a: tuple, b: tuple, policy: bool | str = True) -> bool:
+    """Whether variant a = (checkpointing, optimizer) peaks at most where b does in every phase of the same
+    run (the orders above `CHECKPOINTING_ORDER`); checkpointing's order is the full policy's (`policy`)."""
+    checkpointing = a[0] == b[0] or (policy in (True, "full") and a[0] and not b[0])
+    return checkpointing and (a[1] == b[1] or (a[1], b[1]) == ("adamw8bit", "adamw"))
+
+
+def _fastest_fitting(vram: int, variants: list[tuple], micro: list[int], plan, policy) -> MemoryPlan | None:
+    """The first of `variants` (time order) whose smallest micro-batch fits, at its largest micro-batch that
+    fits; None where none fits. The fastest is planned first, then the last, the one of least memory (with
+    full checkpointing at most every other, `_at_most`), then the others in time order but for one that needs
+    at least the memory of one that did not fit: where the least does not fit, none of them is planned."""
+    smallest = micro[-1]
+    first = plan(*variants[0], smallest)
+    chosen = (variants[0], first) if first.fits(vram) else None
+    if chosen is None and len(variants) > 1:
+        least = plan(*variants[-1], smallest)
+        failed = [variants[0]] + ([] if least.fits(vram) else [variants[-1]])
+        for v in variants[1:-1]:
+            if any(_at_most(f, v, policy) for f in failed):
+                continue
+            p = plan(*v, smallest)
+            if p.fits(vram):
+                chosen = v, p
+                break
+            failed.append(v)
+        chosen = chosen or ((variants[-1], least) if least.fits(vram) else None)
+    if chosen is None:
+        return None
+    # the largest micro-batch that fits: the peak grows with the batch, so search down from the top
+    v, p = chosen
+    return next((q for q in (plan(*v, b) for b in micro[:-1]) if q.fits(vram)), p)
 
 
 def _fit_swapping(vram: int, config: TrainConfig, micro: int, batch_size: int, checkpointing, optimizer: str,
@@ -203,9 +247,9 @@ def _swappable_blocks(config: TrainConfig) -> int:
     return len(swappable(denoiser, kind.checkpoint_blocks()))
 
 
-def fit_config(config: TrainConfig, vram: int | str) -> tuple[TrainConfig, str]:
+def fit_config(config: TrainConfig, vram: int | str) -> tuple[TrainConfig, str, MemoryPlan]:
     """`lora-lab train --vram`: the TrainConfig with gradient_checkpointing, optimizer, batch_size, grad_accum
     (and vae_tiling, blocks_to_swap) chosen by `fit_vram` for its base on its device;
-    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why)."""
+    config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why, its plan)."""
     result = fit_vram(vram, config)
-    return replace(config, **result.settings), result.reason()
+    return replace(config, **result.settings), result.reason(), result.chosen

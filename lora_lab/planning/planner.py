@@ -248,15 +248,18 @@ def plan_device(config: TrainConfig) -> str:
 
 
 def plan_memory(run: TrainConfig | str = "sdxl", *, size: str = "real", attention: str = "auto",
-                checkpoint_options: dict | None = None, cache: bool = True, **fields) -> MemoryPlan:
+                checkpoint_options: dict | None = None, cache: bool = True, limit: int | None = None,
+                **fields) -> MemoryPlan:
     """Predict the peak memory of each phase of the run lora_lab's trainer makes of a `TrainConfig` (`run`),
     or of `plan_config(run, size=size, **fields)`; PlanError for a run the trainer would refuse.
 
     Planning options beside the run: attention auto | flash | efficient | math | native (see
     `planning/fakedevice.py`); checkpoint_options (keywords for `enable_checkpointing` beside the config's
     policy); cache: read the plan back from the plan cache on disk where it is there, and write it there
-    (`planning/cache.py`; $LORA_LAB_PLAN_CACHE=off turns it off everywhere). The device whose rules apply
-    is the config's (`plan_device`); nothing runs on it."""
+    (`planning/cache.py`; $LORA_LAB_PLAN_CACHE=off turns it off everywhere); limit: bytes past which the
+    plan stops after its load phase, raising `run.OverLimit` (the phases before the adapter do not fit:
+    nothing fit chooses can). The device whose rules apply is the config's (`plan_device`); nothing runs on
+    it."""
     t0 = time.perf_counter()
     config = run_config(run, size, fields)
     options = plan_options(config, attention, checkpoint_options)
@@ -270,7 +273,7 @@ def plan_memory(run: TrainConfig | str = "sdxl", *, size: str = "real", attentio
         # the options read back must be these (JSON keeps them as they are: names, numbers, bools, None)
         if plan is not None and plan.options == options:
             return replace(plan, seconds=time.perf_counter() - t0, cached=True)
-    plan = _plan(config, options)
+    plan = _plan(config, options, limit)
     plan.seconds = time.perf_counter() - t0
     if key:
         store_plan(key, plan.to_dict())
@@ -293,7 +296,7 @@ def plan_options(config: TrainConfig, attention: str = "auto", checkpoint_option
             "attention": attention, "checkpoint_options": dict(checkpoint_options or {})}
 
 
-def _plan(config: TrainConfig, options: dict[str, Any]) -> MemoryPlan:
+def _plan(config: TrainConfig, options: dict[str, Any], limit: int | None = None) -> MemoryPlan:
     """plan_memory's plan of a config, made on fake tensors."""
     try:
         with warnings.catch_warnings():
@@ -301,7 +304,7 @@ def _plan(config: TrainConfig, options: dict[str, Any]) -> MemoryPlan:
             # real tensors that does not apply (the plan counts what the rules compute)
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             run = plan_run(config, device=options["device"], attention=options["attention"],
-                           checkpoint_options=options["checkpoint_options"])
+                           checkpoint_options=options["checkpoint_options"], limit=limit)
     except LoraLabError as e:  # what the trainer refuses for this base (rank, resolution, ...)
         raise PlanError(f"plan_memory: {e}") from e
     phases = dict(run.phases)

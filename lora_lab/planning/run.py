@@ -54,6 +54,19 @@ from .fakedevice import DeviceRules, fake_device
 from .optstate import first_step_state
 
 CPU = torch.device("cpu")  # the fake device every planned tensor is on
+BEFORE_OPTIONS = ("cache", "load")  # the phases before the adapter: the same for every option fit chooses
+# checkpointing policies whose blocks each keep and recompute alike (not every_k's or a budget's: those choose
+# by a block's place), so the training step replays identical blocks with them as without
+REPLAYED_POLICIES = (None, "full", "selective")
+
+
+class OverLimit(Exception):
+    """A plan stopped after its load phase: the phases before the adapter (`BEFORE_OPTIONS`) exceed the limit
+    given, so no option of the adapter, optimizer, checkpointing, batch or swapping fits. `phases`: theirs."""
+
+    def __init__(self, phases: dict[str, int]):
+        super().__init__(phases)
+        self.phases = phases
 
 
 @dataclass
@@ -80,20 +93,24 @@ def storage_bytes(tensors) -> int:
 
 
 def plan_run(config: TrainConfig, *, device: str = "cuda", attention: str = "auto",
-             checkpoint_options: dict | None = None) -> RunPeaks:
+             checkpoint_options: dict | None = None, limit: int | None = None) -> RunPeaks:
     """Run the trainer's stages for `config` on fake tensors under the rules of `device` ("cuda": its
     attention kernels and autocast; "cpu") and return each phase's peak of device memory. The examples the
     run caches are read from the config's data as the trainer reads them (`examples.count_examples`);
     checkpoint_options: keywords for `enable_checkpointing` beside the config's policy.
-    Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...).
+    Raises what the trainer raises for a config it cannot run (TrainConfigError, ModelLoadError, ...);
+    OverLimit where the cache or load phase exceeds `limit` bytes (the plan stops there).
 
-    Without checkpointing or block swapping, the training step replays the blocks between the first and the
-    last of each run of identical transformer blocks (`blocks.replayed_blocks`, checked to the byte by every
-    plan); where the check fails, the run is planned again with every block running."""
+    Without block swapping, and without checkpointing or with a policy that checkpoints each block alike
+    (`REPLAYED_POLICIES`: a replay's backward window holds the block's recomputation), the training step
+    replays the blocks between the first and the last of each run of identical transformer blocks
+    (`blocks.replayed_blocks`, checked to the byte by every plan); where the check fails, the run is planned
+    again with every block running."""
     config = replace(config, device="cpu", progress=False,
                      optimizer="adamw8bit" if config.optimizer == "bnb-adamw8bit" else config.optimizer)
-    options = dict(device=device, attention=attention, checkpoint_options=checkpoint_options)
-    if not (config.checkpointing_policy() or checkpoint_options or config.blocks_to_swap):
+    options = dict(device=device, attention=attention, checkpoint_options=checkpoint_options, limit=limit)
+    replayable = config.checkpointing_policy() in REPLAYED_POLICIES
+    if replayable and not (checkpoint_options or config.blocks_to_swap):
         try:
             return _plan_once(config, replay=True, **options)
         except Unreplayable:
@@ -112,9 +129,10 @@ class PlannedRun(TrainingRun):
     shapes_only = True
 
     def __init__(self, config: TrainConfig, *, device: str, attention: str, checkpoint_options: dict | None,
-                 replay: bool):
+                 replay: bool, limit: int | None = None):
         super().__init__(config)
         self.planned_device, self.checkpoint_options, self.replay = device, checkpoint_options, replay
+        self.limit = limit
         self.on_host = device != "cpu"  # where the dataset's cache and the released encoders go
         self.tracker = LiveBytes()
         self.rules = DeviceRules(attention, device, cuda_autocast=device == "cuda")
@@ -183,6 +201,12 @@ class PlannedRun(TrainingRun):
         same = EncodedExamples(data.latents, data.embeds, data.captions, data.sizes)
         return RunData(data, same if counts.reg is not None else None,
                        same if counts.held_out or counts.validation is not None else None)
+
+    def add_adapter(self) -> None:
+        before = {p: self.tracker.phase_peaks[p] for p in BEFORE_OPTIONS}
+        if self.limit is not None and max(before.values()) > self.limit:
+            raise OverLimit(before)
+        super().add_adapter()
 
     def host_copies(self) -> contextlib.AbstractContextManager:
         return self.tracker.elsewhere()  # the swapped blocks' host copies

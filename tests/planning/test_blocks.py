@@ -125,13 +125,15 @@ def deep_sdxl(tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_plan_is_the_same_with_the_middle_blocks_replayed(deep_sdxl, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, "full", "selective"])
+def test_a_plan_is_the_same_with_the_middle_blocks_replayed(deep_sdxl, monkeypatch, checkpointing):
     """An SDXL UNet with runs of 6 identical blocks, planned for CUDA (bf16 autocast: its cache of weight
-    casts) with two micro-batches: every field of the plan (each phase, the step's parts, the saved
-    activations, the attention kernels) is the same with the middle blocks replayed as with every block
-    running, and the replayed plan is not one made again after a failed check."""
+    casts) with two micro-batches, without checkpointing and with each per-block policy (the recomputation
+    runs inside the backward window a replay reproduces): every field of the plan (each phase, the step's
+    parts, the saved activations, the attention kernels) is the same with the middle blocks replayed as with
+    every block running, and the replayed plan is not one made again after a failed check."""
     kw = dict(TINY, size=str(deep_sdxl), resolution=16, cache=False, device="cuda", mixed_precision="bf16",
-              grad_accum=2)
+              grad_accum=2, gradient_checkpointing=checkpointing)
     calls, plans = [], []
     _count_replays(monkeypatch, calls)
     monkeypatch.setattr(run, "_plan_once", lambda *a, real=run._plan_once, **k: plans.append(k["replay"])
@@ -141,3 +143,14 @@ def test_a_plan_is_the_same_with_the_middle_blocks_replayed(deep_sdxl, monkeypat
     monkeypatch.setattr(run, "replayed_blocks", lambda *a: contextlib.nullcontext())
     every = plan_memory("sdxl", **kw)
     assert {**vars(replayed), "seconds": 0} == {**vars(every), "seconds": 0}
+
+
+def test_a_policy_that_chooses_by_a_blocks_place_plans_every_block(deep_sdxl, monkeypatch):
+    """every_k checkpoints segments of k block calls: the blocks of a run do not do alike, so none is
+    replayed (the plan runs every block from the start, not after a failed check)."""
+    plans = []
+    monkeypatch.setattr(run, "_plan_once", lambda *a, real=run._plan_once, **k: plans.append(k["replay"])
+                        or real(*a, **k))
+    plan_memory("sdxl", **dict(TINY, size=str(deep_sdxl), resolution=16, cache=False,
+                               gradient_checkpointing="every_k"))
+    assert plans == [False]
