@@ -262,6 +262,7 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
 # ----------------------------------------------------------------------------- notebook 07
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
 def test_notebook_07_runs_for_each_model(run_notebook, model):
     """Small parameters: the mechanics claims must hold (the quality targets need the full run,

@@ -1,9 +1,9 @@
-"""`make test-quick` runs `pytest -m "not slow"`: every folder of lora_lab/ keeps at least one quick test there.
+"""`make test-quick` runs `pytest -m "not slow"`: every folder of lora_lab/ keeps at least one quick test.
 
 A test is slow when it is marked `@pytest.mark.slow` (its class, or its module by `pytestmark`, likewise); the
-slow ones are the longest of `pytest --durations=0` (docs/measurements.md, "Test tiers"). A folder's quick
-tests are the unmarked tests in tests/<folder>/; a folder without a test folder of its own (functional/, whose
-maths the layers, kernels and optimizer tests check) is covered by the quick tests of the files that import it.
+slow ones are the longest of `pytest --durations` (docs/measurements.md, "Test tiers"). A folder's quick tests
+are the unmarked tests in tests/<folder>/; a folder without a test folder of its own (functional/, whose maths
+the layers, kernels and optimizer tests check) is covered by the quick tests of the files that import it.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def imported_folders(tree: ast.Module) -> set[str]:
 
 
 def quick_coverage(tests: Path) -> dict[str, list[str]]:
-    """{folder: its quick tests as "file::name"}: those in tests/<folder>/, else those of files importing it."""
+    """{folder: its quick tests as "file::name"}: in tests/<folder>/, else those of the files importing it."""
     own: dict[str, list[str]] = {f: [] for f in FOLDERS}
     importing: dict[str, list[str]] = {f: [] for f in FOLDERS}
     for path in sorted(tests.rglob("test_*.py")):
@@ -89,7 +89,8 @@ def test_the_checker_sees_slow_marks(tmp_path):
         "@pytest.mark.slow\nclass TestB:\n    def test_b(self):\n        pass\n")
     (tmp_path / "lora" / "test_c.py").write_text("import pytest\npytestmark = [pytest.mark.slow]\n\n"
                                                  "def test_c():\n    pass\n")
-    (tmp_path / "test_optim.py").write_text("from lora_lab.functional import adam\n\ndef test_d():\n    pass\n")
+    (tmp_path / "test_optim.py").write_text("from lora_lab.functional import adam\n\n"
+                                            "def test_d():\n    pass\n")
     coverage = quick_coverage(tmp_path)
     assert coverage["lora"] == [] and coverage["functional"] == ["test_optim.py::test_d"]
     (tmp_path / "lora" / "test_c.py").write_text("def test_c():\n    pass\n")

@@ -259,12 +259,14 @@ def test_every_notebook_ends_with_exercises():
         assert "predict" in text.lower(), f"{path.name}: the exercises ask for a prediction"
 
 
+@pytest.mark.slow
 def test_notebook_01_autograd(run_notebook):
     data = run_notebook("01_autograd", X=3.0)
     assert data["passed"], data
     assert data["numbers"]["dy_dx"] == 6.0
 
 
+@pytest.mark.slow
 def test_notebook_02_frozen_and_trainable(run_notebook):
     data = run_notebook("02_frozen_and_trainable")  # the defaults: the >= 0.90 claim, for real
     assert data["passed"], data
@@ -276,6 +278,7 @@ def test_notebook_02_frozen_and_trainable(run_notebook):
     assert n["backward_flops"]["first layer frozen"] < n["backward_flops"]["both trainable"] / 10
 
 
+@pytest.mark.slow
 def test_notebook_10_training_machinery(run_notebook, monkeypatch):
     """Small runs: the mixed-precision, accumulation, kill-and-resume and CLI claims all hold."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -288,6 +291,7 @@ def test_notebook_10_training_machinery(run_notebook, monkeypatch):
     assert killed and all(name.startswith("step_") for name in killed)
 
 
+@pytest.mark.slow
 def test_notebook_11_knobs(run_notebook, monkeypatch):
     """Tiny runs (one seed, 2 steps of batch 2, one sampler step): every knob's run trains on the shared
     encoding and is measured, the table and figure are made, the mechanics claims hold (the effects need the

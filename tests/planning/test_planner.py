@@ -297,6 +297,7 @@ def test_bad_options_are_clear_errors(monkeypatch):
         plan_memory("sd3", size="tiny", resolution=100000)
 
 
+@pytest.mark.slow
 def test_notebook_08_memory_plan(run_notebook):
     data = run_notebook("08_memory_plan", MODELS=[], SWEEP_RESOLUTIONS=[],
                         VALIDATE=[["sd3", False, "adamw", "no"]])

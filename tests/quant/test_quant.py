@@ -529,6 +529,7 @@ def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(t
     assert (sample(bf16, prompt, seed=0, steps=4) - ours).abs().max() < 0.1  # bf16 rounding only
 
 
+@pytest.mark.slow
 def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     from lora_lab.cli import main as cli_main
 
