@@ -97,7 +97,12 @@ def _plan(fields: dict, folders: dict) -> tuple:
     return _PLANS[key]
 
 
-@pytest.mark.parametrize("name", sorted(CHANGES))
+# make test-quick plans these fields both ways; the others (two tiny plans each, a few seconds) are slow
+QUICK_CHANGES = {"rank", "sample_steps"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_CHANGES else pytest.mark.slow)
+                                  for n in sorted(CHANGES)])
 def test_a_field_that_changes_memory_changes_the_plan(name, folders):
     base, changed = CHANGES[name]
     assert _plan(base, folders) != _plan(changed, folders), f"{name}: the plan did not change"
