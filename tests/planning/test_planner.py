@@ -357,6 +357,7 @@ def test_dora_locon_and_fp16_are_planned():
     assert more.options["mixed_precision"] == "fp16"
 
 
+@pytest.mark.slow
 def test_quantized_base_is_planned_as_stored(tmp_path):
     """base_quantization: the frozen weights are counted as `quantize_base` stores them (the same bytes as a
     quantized meta build), the int8 plan stays within the tolerance of a real trainer step on an int8 base,
@@ -380,6 +381,7 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
     assert plans["nf4"].options["base_quantization"] == "nf4"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "flux"])
 def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
     """The planner's default: CUDA rules, bf16 autocast, fake tensors. Selective and budgets record the
