@@ -97,8 +97,8 @@ def _plan(fields: dict, folders: dict) -> tuple:
     return _PLANS[key]
 
 
-# make test-quick plans these fields both ways; the others (two tiny plans each, a few seconds) are slow
-QUICK_CHANGES = {"rank", "sample_steps"}
+# make test-quick plans this field both ways; the others (a tiny plan each, a few seconds) are slow
+QUICK_CHANGES = {"rank"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_CHANGES else pytest.mark.slow)

@@ -29,6 +29,7 @@ TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 @pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"),
                                               ("sdxl", True, "adamw8bit", "bf16")])
+@pytest.mark.slow
 def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
     measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8,
                                                  gradient_checkpointing=ckpt, optimizer=opt,
@@ -42,6 +43,7 @@ def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, m
     assert plan.attention == "native (cpu)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,quantization", [("sdxl", None), ("sd3", "nf4")])
 def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, quantization):
     """Each phase of a real run of the trainer (caching, loading, the steps, saving, sampling), measured with
@@ -55,6 +57,7 @@ def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, qu
         assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
 
 
+@pytest.mark.slow
 def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_path):
     """The EMA's fp32 copy (train step, save) and the text encoders kept on the device with their LoRA (its
     weights, grads and optimizer state; the captions through them at each step): every phase of a real run
@@ -74,6 +77,7 @@ def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_pat
     assert plan.parts["resident (VAE, text encoders)"] > 0  # kept on the device, not released after caching
 
 
+@pytest.mark.slow
 def test_saved_activations_equal_saved_activation_bytes():
     """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real
     tensors."""
