@@ -284,6 +284,7 @@ def test_notebook_07_runs_for_each_model(run_notebook, model):
 # ------------------------------------------------------------------------ DoRA, LoCon and the memory features
 
 
+@pytest.mark.slow
 def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_trains(dataset, tmp_path):
     """Gradient checkpointing recomputes the same activations: the trained adapter must not change.
     bf16 / fp16 autocast must train to a finite loss near fp32's (8-bit AdamW, DoRA and LoCon on)."""
@@ -438,6 +439,7 @@ def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(d
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, steps + 1))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_dataset(dataset, tmp_path):
     import shutil
 

@@ -209,6 +209,7 @@ def _counting_plan_run(monkeypatch, peak_of=None):
     return calls
 
 
+@pytest.mark.slow
 def test_fit_reuses_the_plans_it_is_given(monkeypatch):
     """fit_vram(plans=...): an option already planned (same options) is not planned again; another one is."""
     calls = _counting_plan_run(monkeypatch)
@@ -309,6 +310,7 @@ def test_notebook_08_memory_plan(run_notebook):
     assert data["numbers"]["validation_worst_error"] <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     from lora_lab.cli import main
 
@@ -319,6 +321,7 @@ def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before training started
 
 
+@pytest.mark.slow
 def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     from lora_lab.cli import main
 
@@ -329,6 +332,7 @@ def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_real_size_dry_run_plans_the_base_in_the_dtype_it_names(tmp_path, capsys):
     """`train --dry-run --base real:sd15 --base-dtype bf16`: the published SD1.5 UNet (859.5M parameters)
     planned in bf16 (2 bytes each), no weight file opened, nothing written."""
@@ -353,6 +357,7 @@ def test_keeping_the_encoders_on_the_device_costs_exactly_their_bytes():
     assert kept.options["keep_encoders"] is True
 
 
+@pytest.mark.slow
 def test_dora_locon_and_fp16_are_planned():
     kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4}
     plain = plan_memory("sd15", mixed_precision="no", **kw)
@@ -400,6 +405,7 @@ def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
     assert saved["budget:0.3"] <= 0.3 * saved["none"] * 1.02
 
 
+@pytest.mark.slow
 def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(monkeypatch, capsys):
     """plan_memory(gradient_checkpointing="selective") plans selective (the trainer's spelling), not whole
     blocks; `lora-lab plan --gradient-checkpointing POLICY` plans its checkpointed options with that
@@ -424,6 +430,7 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
     assert "or a checkpointing policy that keeps less than selective" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_plan_leaves_the_quantized_formats_tables_real():
     """A plan quantizes a base on fake tensors; the formats' cached lookup tables must be real ones after it
     (made first inside the plan they were fake, and every later NF4 quantization in the process was wrong)."""
