@@ -125,6 +125,7 @@ def test_samples_png_reuses_step_0_and_the_last_step_and_shows_what_sampling_afr
     assert np.abs(top - bottom).max() > 8
 
 
+@pytest.mark.slow
 def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -140,6 +141,7 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     assert [e.step for e in events.Images("samples")] == [0, 3, 6]
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_same_draws_every_time_at_fixed_timesteps(run):
     out, config, result = run
     assert validation_timesteps(DDPM()).tolist() == [62, 187, 312, 437, 562, 687, 812, 937]

@@ -187,6 +187,7 @@ def _tiny_notebook(path, claim_src):
     return path
 
 
+@pytest.mark.slow
 def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")  # a batch shell's setting must not reach the kernel
     good = _tiny_notebook(tmp_path / "tiny.ipynb", "N == 3")
@@ -324,6 +325,7 @@ def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, m
     assert not batch_run()
 
 
+@pytest.mark.slow
 def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path, capfd):
     """`--jobs 2`: two notebooks in two worker processes at once; the records come back in the order asked,
     each with its wall time, and a failed claim in one does not hide the other's pass."""
