@@ -1,7 +1,7 @@
 # Two commands: `make run` (set-up + every notebook through papermill into reports/)
-# and `make test` (set-up + pytest); `make report` writes reports/index.html, `make lab` opens the workbook,
-# `make test-lab` tests it in a browser. Both are idempotent: set-up runs again only when
-# pyproject.toml or constraints.txt change.
+# and `make test` (set-up + pytest; `make test-quick`: without the slow tests); `make report` writes
+# reports/index.html, `make lab` opens the workbook, `make test-lab` tests it in a browser. Both are
+# idempotent: set-up runs again only when pyproject.toml or constraints.txt change.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -21,7 +21,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 # No MPLBACKEND here: a kernel that inherits one shows no figure inline in JupyterLab. The runner
 # gives its kernels the inline backend (figures in the executed copies); pytest draws with Agg.
 
-.PHONY: setup run report test test-lab lab lint gpu clean
+.PHONY: setup run report test test-quick test-lab lab lint gpu clean
 
 setup: $(STAMP) $(VENV)/cache
 
@@ -50,6 +50,11 @@ report: setup
 # The browser test (tests/notebook/test_lab.py) runs here too where Chromium is installed, else it is skipped.
 test: setup
 	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
+
+# The inner loop: every folder's quick tests, the slow ones (marked `slow`: the longest of
+# `pytest --durations=0`) left out; at most 3 minutes on 2 cores. `make test` runs them all.
+test-quick: setup
+	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 # The workbook in a real browser: JupyterLab on a free loopback port, driven by Playwright on
 # Debian's Chromium (installed here with apt-get when missing and we are root); fails, not skips,

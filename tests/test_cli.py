@@ -120,6 +120,7 @@ def test_an_error_message_of_several_lines_is_printed_on_one(files, monkeypatch,
     assert (err.count("\n") == 1 and err.startswith("lora-lab: error: ")
             and "ConnectError An error happened" in err)
 
+@pytest.mark.slow
 def test_exit_code_of_the_real_process(files):
     r = subprocess.run([sys.executable, "-m", "lora_lab.cli", "inspect", str(files / "nope.safetensors")],
                        capture_output=True, text=True, timeout=120, check=False)
@@ -289,6 +290,7 @@ def test_temp_files_of_a_killed_write_are_removed_at_the_next_write(files, monke
     assert synced[-2:] == [("replace", False), ("fsync", True)]
 
 
+@pytest.mark.slow
 def test_inspect_under_an_address_space_limit_is_one_error_line(tmp_path):
     """A file that declares a 512 GiB tensor (sparse on disk), inspected under `ulimit -v` 4 GiB: mapping it
     fails with ENOMEM, which is the project's one-line error, exit 2 (it was a 17-line MemoryError)."""
@@ -361,6 +363,7 @@ def test_convert_with_the_files_own_base_or_none_still_works(files, capsys):
     assert load_lora(out).base == "sd15"
 
 
+@pytest.mark.slow
 def test_a_reader_that_closes_the_pipe_is_not_an_error(files):
     """`lora-lab inspect F | head`: the reader goes away; the command printed `lora-lab: error: [Errno 32]
     Broken pipe` and exited 2."""

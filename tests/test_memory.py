@@ -119,6 +119,7 @@ def test_optimizer_state_bytes_looks_inside_tensor_subclasses(monkeypatch):
     assert optimizer_state_bytes(opt) == expected  # not 4 bytes a value, as the subclass's dtype claims
 
 
+@pytest.mark.slow
 def test_notebook_05_memory(run_notebook):
     data = run_notebook(
         "05_memory", N_BLOCKS=8, WIDTH=32, HIDDEN=64, BATCH=8, STATE_WIDTH=128, STEPS=30,

@@ -244,6 +244,7 @@ def test_unmatched_modules_and_bad_arguments():
         apply_loras(nn.Linear(2, 2), [], mode="fused")
 
 
+@pytest.mark.slow
 def test_notebook_04_lora_files(run_notebook):
     data = run_notebook("04_lora_files", STEPS=2, SWEEP=[0.0, 1.0])
     assert data["passed"], data.get("error") or data["claims"]

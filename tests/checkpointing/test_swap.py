@@ -63,6 +63,7 @@ def test_swap_refuses_too_many_blocks_and_wrong_order():
         enable_block_swap(model, kind.checkpoint_blocks(), 1, "cpu")
 
 
+@pytest.mark.slow
 def test_training_with_swapping_has_the_same_losses(digits_folder, tmp_path):
     from lora_lab.diffusion import TrainConfig, TrainConfigError, train
 
@@ -75,6 +76,7 @@ def test_training_with_swapping_has_the_same_losses(digits_folder, tmp_path):
         TrainConfig(blocks_to_swap=2)
 
 
+@pytest.mark.slow
 def test_plan_counts_swapped_blocks_off_the_device():
     """The plan's frozen weights lose the swapped blocks' bytes, and it says the bytes each step copies:
     those blocks twice (forward, recomputation)."""

@@ -32,6 +32,7 @@ def dataset(digits_folder) -> Path:
     return digits_folder(5, first=10)  # 5 examples, global batch 2: batches cross epoch boundaries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["sd3"])
 def test_two_processes_match_one_with_the_same_global_batch(dataset, tmp_path, model):
     # A random tiny base (data/base/sd3 is trained: Adam's normalized first steps amplify the summation-order

@@ -97,6 +97,7 @@ def _plan(fields: dict, folders: dict) -> tuple:
     return _PLANS[key]
 
 
+@pytest.mark.slow  # a tiny plan per field (the first with the baseline): one field alone took 22 s
 @pytest.mark.parametrize("name", sorted(CHANGES))
 def test_a_field_that_changes_memory_changes_the_plan(name, folders):
     base, changed = CHANGES[name]

@@ -103,6 +103,7 @@ def _tree(root: Path) -> dict[str, str]:
 # ----------------------------------------------------------------------------- links named like checkpoints
 
 
+@pytest.mark.slow
 def test_links_named_like_checkpoints_are_ignored_and_pruning_keeps_the_real_ones(dataset, tmp_path,
                                                                                monkeypatch):
     """--keep-checkpoints 1 with `step_latest.pt -> step_0000002.pt` and `step_0000099.pt -> a file outside`:
@@ -141,6 +142,7 @@ def test_links_named_like_checkpoints_are_ignored_and_pruning_keeps_the_real_one
     assert [json.loads(x)["step"] for x in (out / "loss.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_checkpoints_are_read_from_their_exact_names(three_checkpoints, tmp_path, dataset):
     """A link named for a later step is never the one resumed from; near-miss names are not checkpoints."""
     out = tmp_path / "out"
@@ -171,6 +173,7 @@ def _flip_in(path: Path, tensor: torch.Tensor, byte: int, mask: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_a_checkpoint_is_found_on_resume_and_the_run_ends_bit_for_bit(dataset, tmp_path):
     """One exponent bit of an adapter weight of the newest checkpoint, one of an Adam exp_avg_sq of the one
     before (each value still finite and small: only a checksum can tell): --resume names both, renames them
@@ -198,6 +201,7 @@ def test_a_flipped_bit_in_a_checkpoint_is_found_on_resume_and_the_run_ends_bit_f
     assert _same(_loras(out), want)
 
 
+@pytest.mark.slow
 def test_checksums_cover_every_entry_and_a_checkpoint_without_them_warns(three_checkpoints, tmp_path):
     good = three_checkpoints / "step_0000003.pt"
     state = torch.load(good, weights_only=True)
@@ -255,6 +259,7 @@ def test_load_checkpoint_refuses_weights_beyond_the_sane_bound(three_checkpoints
 # ----------------------------------------------------------------------------- paths compared by real path
 
 
+@pytest.mark.slow
 def test_resume_takes_the_same_reg_dataset_given_another_way(dataset, digits_folder, tmp_path, monkeypatch):
     """--reg-dataset given as a relative path, then through a symlink: the same folder, not a changed
     config."""

@@ -78,6 +78,7 @@ def _x0_shapes(monkeypatch) -> list:
     return shapes
 
 
+@pytest.mark.slow
 def test_buckets_train_mixed_sizes_without_cropping_square(folders, tmp_path, monkeypatch):
     shapes = _x0_shapes(monkeypatch)
     cfg = dict(model="sdxl", dataset=str(folders["mixed"]), resolution=24, steps=4, **FAST)
@@ -90,6 +91,7 @@ def test_buckets_train_mixed_sizes_without_cropping_square(folders, tmp_path, mo
     assert set(shapes) == {(12, 12)}
 
 
+@pytest.mark.slow
 def test_prior_preservation_adds_the_weighted_reg_loss(folders, tmp_path, monkeypatch):
     cfg = dict(model="sd3", dataset=str(folders["mixed"]), resolution=16, steps=3, **FAST)
     plain = train(TrainConfig(output=str(tmp_path / "plain"), **cfg))
@@ -115,6 +117,7 @@ def test_caption_dropout_swaps_in_the_empty_prompt():
     torch.testing.assert_close(out["pooled_prompt_embeds"], torch.tensor([[0.0] * 4, [1.0] * 4]))
 
 
+@pytest.mark.slow
 def test_the_base_dtype_goes_with_the_mixed_precision():
     """torch's autocast to one half precision fails on the other's inputs (the UNet's torch.cat): "auto"
     loads the base in fp16 on CUDA under fp16 mixed precision, and a bf16 base under fp16 (or the reverse) is

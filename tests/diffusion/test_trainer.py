@@ -130,6 +130,7 @@ def test_data_order_is_a_permutation_per_epoch():
 # ----------------------------------------------------------------------------- resume, NaN
 
 
+@pytest.mark.slow
 def test_killed_run_resumed_ends_bit_for_bit_like_an_uninterrupted_one(dataset, tmp_path):
     """SIGKILL a CLI run after its first checkpoint, resume it, compare with a run that was never stopped."""
     steps, every = 12, 4
@@ -167,6 +168,7 @@ def test_fresh_run_into_a_used_folder_and_resume_without_checkpoint_are_errors(d
                           **FAST))
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset, tmp_path, monkeypatch):
     from lora_lab.diffusion import objectives
 
@@ -195,6 +197,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(dataset
             and all(math.isfinite(x) for x in done.losses))
 
 
+@pytest.mark.slow
 def test_a_run_given_an_earlier_runs_cached_data_trains_exactly_as_if_it_encoded_them(dataset, tmp_path,
                                                                                     monkeypatch):
     """`train(config, cached=result.cached)`: the same losses and adapter bits without the cache phase's
@@ -222,6 +225,7 @@ def test_a_run_given_an_earlier_runs_cached_data_trains_exactly_as_if_it_encoded
 # ----------------------------------------------------------------------------- the files in diffusers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
 def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_path, model):
     """pipe.load_lora_weights(file) on a fresh pipeline samples the same image as the trained pipeline."""
@@ -262,6 +266,7 @@ def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_pa
 # ----------------------------------------------------------------------------- notebook 07
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
 def test_notebook_07_runs_for_each_model(run_notebook, model):
     """Small parameters: the mechanics claims must hold (the quality targets need the full run,
@@ -279,6 +284,7 @@ def test_notebook_07_runs_for_each_model(run_notebook, model):
 # ------------------------------------------------------------------------ DoRA, LoCon and the memory features
 
 
+@pytest.mark.slow
 def test_checkpointing_gives_the_same_dora_locon_adapter_and_mixed_precision_trains(dataset, tmp_path):
     """Gradient checkpointing recomputes the same activations: the trained adapter must not change.
     bf16 / fp16 autocast must train to a finite loss near fp32's (8-bit AdamW, DoRA and LoCon on)."""
@@ -399,6 +405,7 @@ def test_a_pipe_named_loss_jsonl_is_an_error_not_a_wait(dataset, tmp_path):
         train(TrainConfig(model="flux", dataset=str(dataset), output=str(out), steps=1, **FAST))
 
 
+@pytest.mark.slow
 def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(dataset, tmp_path):
     """The two newest checkpoints spoilt (a pickle that would run code, a truncated file) and the loss log's
     last line torn: --resume (through the CLI, via a symlink to the folder) warns, goes back to the newest
@@ -433,6 +440,7 @@ def test_resume_skips_bad_checkpoints_and_a_torn_log_line_and_ends_bit_for_bit(d
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, steps + 1))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_dataset(dataset, tmp_path):
     import shutil
 

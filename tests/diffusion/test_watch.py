@@ -81,6 +81,7 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_loss_log_has_the_train_and_validation_loss_lr_grad_norm_time_and_samples(run):
     out, config, result = run
     log = _log(out)
@@ -101,6 +102,7 @@ def test_loss_log_has_the_train_and_validation_loss_lr_grad_norm_time_and_sample
     assert (first - last).abs().max() > 0
 
 
+@pytest.mark.slow
 def test_samples_png_reuses_step_0_and_the_last_step_and_shows_what_sampling_afresh_shows(run, tmp_path):
     """A watched run's samples.png takes its base row from step 0's samples (the adapter as initialised adds
     nothing) and its LoRA row from the last step's: the same images as sampling both rows afresh at the end
@@ -123,6 +125,7 @@ def test_samples_png_reuses_step_0_and_the_last_step_and_shows_what_sampling_afr
     assert np.abs(top - bottom).max() > 8
 
 
+@pytest.mark.slow
 def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -138,6 +141,7 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     assert [e.step for e in events.Images("samples")] == [0, 3, 6]
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_same_draws_every_time_at_fixed_timesteps(run):
     out, config, result = run
     assert validation_timesteps(DDPM()).tolist() == [62, 187, 312, 437, 562, 687, 812, 937]
@@ -168,6 +172,7 @@ def test_held_out_images_are_never_trained_on_and_repeats_are_counted(run, folde
     assert ckpt["n_examples"] == len(data.train.paths)
 
 
+@pytest.mark.slow
 def test_a_lora_file_per_checkpoint_is_the_final_file_of_the_run_repeated_to_that_step(run, tmp_path, capfd):
     """lora_step_0000004 of the 6-step run = lora.safetensors of the run repeated from its config.json with
     the steps (and output) overridden; it loads in diffusers and gives that run's image. keep_checkpoints=2
@@ -352,6 +357,7 @@ def test_buckets_across_two_kohya_folders(digits_folder, tmp_path):
         before = sources_fingerprint(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_a_per_step_kohya_lora_file_of_sd3_and_flux_loads_in_diffusers(kind, digits_folder, tmp_path):
     """lora_step_0000002 of a 2-step run is the final lora.safetensors of that step and gives lora_lab's image

@@ -182,6 +182,7 @@ THIRD_PARTY = ("numpy", "safetensors.torch", "torch", "triton", "PIL.Image", "tq
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
 
 
+@pytest.mark.slow
 @needs_fork
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     failed, stderr = imports_alone(sorted(module_names(PACKAGE)), PACKAGE.parent,

@@ -324,6 +324,7 @@ def test_adam8bit_step_rejects_bad_state():
 # ----------------------------------------------------------------------------- notebook
 
 
+@pytest.mark.slow
 def test_notebook_06_kernels(run_notebook):
     data = run_notebook("06_kernels", TOKENS=9, IN_FEATURES=41, OUT_FEATURES=33, RANK=4, DTYPE="bfloat16",
                         ADAM_VALUES=3000, ADAM_STEPS=2, GPU_TABLE=False)

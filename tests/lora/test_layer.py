@@ -666,6 +666,7 @@ def test_from_weights_checks_shapes():
 # ----------------------------------------------------------------------------- notebook 03
 
 
+@pytest.mark.slow
 def test_notebook_03_smoke(run_notebook, monkeypatch):
     """Notebook 03 with a smaller model and fewer epochs: every claim holds, the numbers make sense."""
     # One torch thread in the notebook's kernel (the variable is inherited, and restored after the test):

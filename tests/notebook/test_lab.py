@@ -51,7 +51,7 @@ SAMPLE_WITHIN_S = 5.0
 
 # `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together:
 # one JupyterLab server and browser for the file's tests, which run in order
-pytestmark = pytest.mark.xdist_group("test_lab")
+pytestmark = [pytest.mark.xdist_group("test_lab"), pytest.mark.slow]  # 2+ minutes of browser
 
 
 def _skip_or_fail(reason: str):

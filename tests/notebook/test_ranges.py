@@ -152,6 +152,7 @@ SMALL_09 = {"FEATURES": 512, "TOKENS": 4, "RANK": 2, "REPS": 1, "USE_REFERENCES"
             "BATCH_SIZE": 2, "SAMPLE_STEPS": 1, "RATE_SAMPLES_PER_DIGIT": 1}
 
 
+@pytest.mark.slow
 def test_notebook_09_with_a_path_for_its_format_deletes_nothing(run_notebook, tmp_path):
     """`-p FORMAT "'fp32/../../victim'"` once a first run made 09_quantized_base_fp32/: the notebook removed
     the folder two levels above the reports folder. Now the parameter is refused before any cell runs."""
@@ -165,6 +166,7 @@ def test_notebook_09_with_a_path_for_its_format_deletes_nothing(run_notebook, tm
     assert _snapshot(tmp_path, {"reports", "cache"}) == before
 
 
+@pytest.mark.slow
 def test_notebook_09_never_trains_into_a_link_out_of_the_reports_folder(run_notebook, tmp_path):
     """Its run folder made a link to a folder elsewhere: the notebook wrote its training run through it."""
     reports, elsewhere = tmp_path / "reports", tmp_path / "elsewhere"

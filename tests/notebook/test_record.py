@@ -188,6 +188,7 @@ def _tiny_notebook(path, claim_src):
     return path
 
 
+@pytest.mark.slow
 def test_runner_records_pass_fail_and_bad_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")  # a batch shell's setting must not reach the kernel
     good = _tiny_notebook(tmp_path / "tiny.ipynb", "N == 3")
@@ -260,12 +261,14 @@ def test_every_notebook_ends_with_exercises():
         assert "predict" in text.lower(), f"{path.name}: the exercises ask for a prediction"
 
 
+@pytest.mark.slow
 def test_notebook_01_autograd(run_notebook):
     data = run_notebook("01_autograd", X=3.0)
     assert data["passed"], data
     assert data["numbers"]["dy_dx"] == 6.0
 
 
+@pytest.mark.slow
 def test_notebook_02_frozen_and_trainable(run_notebook):
     data = run_notebook("02_frozen_and_trainable")  # the defaults: the >= 0.90 claim, for real
     assert data["passed"], data
@@ -277,6 +280,7 @@ def test_notebook_02_frozen_and_trainable(run_notebook):
     assert n["backward_flops"]["first layer frozen"] < n["backward_flops"]["both trainable"] / 10
 
 
+@pytest.mark.slow
 def test_notebook_10_training_machinery(run_notebook, monkeypatch):
     """Small runs: the mixed-precision, accumulation, kill-and-resume and CLI claims all hold."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -289,6 +293,7 @@ def test_notebook_10_training_machinery(run_notebook, monkeypatch):
     assert killed and all(name.startswith("step_") for name in killed)
 
 
+@pytest.mark.slow
 def test_notebook_11_knobs(run_notebook, monkeypatch):
     """Tiny runs (one seed, 2 steps of batch 2, one sampler step): every knob's run trains on the shared
     encoding and is measured, the table and figure are made, the mechanics claims hold (the effects need the
@@ -321,6 +326,7 @@ def test_batch_run_is_set_only_inside_the_runners_kernel_environment(tmp_path, m
     assert not batch_run()
 
 
+@pytest.mark.slow
 def test_runner_runs_notebooks_side_by_side_and_keeps_their_order(tmp_path, capfd):
     """`--jobs 2`: two notebooks in two worker processes at once; the records come back in the order asked,
     each with its wall time, and a failed claim in one does not hide the other's pass."""

@@ -33,6 +33,7 @@ def test_one_block_of_each_run_of_identical_blocks_runs_and_all_come_back():
         pass
 
 
+@pytest.mark.slow
 def test_the_sample_phase_is_the_same_with_one_block_of_each_run(monkeypatch):
     """Tiny SDXL's UNet has stacks of 2 identical transformer blocks: the sample phase's peak (and every other
     phase) is the same when every block runs."""
@@ -125,6 +126,7 @@ def deep_sdxl(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, "full", "selective"])
 def test_a_plan_is_the_same_with_the_middle_blocks_replayed(deep_sdxl, monkeypatch, checkpointing):
     """An SDXL UNet with runs of 6 identical blocks, planned for CUDA (bf16 autocast: its cache of weight

@@ -26,7 +26,7 @@ from lora_lab.planning.measure import measure_phases
 
 # `--dist loadgroup` (the Makefile) spreads single tests over the workers; this file stays together: its
 # runs are measured once, on one worker
-pytestmark = pytest.mark.xdist_group("test_plan_matrix")
+pytestmark = [pytest.mark.xdist_group("test_plan_matrix"), pytest.mark.slow]  # ~2 min of runs
 
 TOLERANCE = 0.05  # the claim: each phase planned within 5% of its measured peak
 TRACKERS = ("torch", "live")  # PyTorch's MemTracker, lora_lab's LiveBytes

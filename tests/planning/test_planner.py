@@ -29,6 +29,7 @@ TOLERANCE = 0.05  # the claim: predicted peak within 5% of the measured peak
 
 @pytest.mark.parametrize("kind,ckpt,opt,mp", [("sd15", False, "adamw", "no"),
                                               ("sdxl", True, "adamw8bit", "bf16")])
+@pytest.mark.slow
 def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, mp):
     measured = measure_training_step(TrainConfig(model=kind, output=str(tmp_path), rank=8,
                                                  gradient_checkpointing=ckpt, optimizer=opt,
@@ -42,6 +43,7 @@ def test_predicted_peak_matches_a_real_trainer_step(tmp_path, kind, ckpt, opt, m
     assert plan.attention == "native (cpu)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,quantization", [("sdxl", None), ("sd3", "nf4")])
 def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, quantization):
     """Each phase of a real run of the trainer (caching, loading, the steps, saving, sampling), measured with
@@ -55,6 +57,7 @@ def test_every_phase_of_a_run_is_planned_within_the_tolerance(tmp_path, kind, qu
         assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
 
 
+@pytest.mark.slow
 def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_path):
     """The EMA's fp32 copy (train step, save) and the text encoders kept on the device with their LoRA (its
     weights, grads and optimizer state; the captions through them at each step): every phase of a real run
@@ -74,6 +77,7 @@ def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_pat
     assert plan.parts["resident (VAE, text encoders)"] > 0  # kept on the device, not released after caching
 
 
+@pytest.mark.slow
 def test_saved_activations_equal_saved_activation_bytes():
     """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real
     tensors."""
@@ -205,6 +209,7 @@ def _counting_plan_run(monkeypatch, peak_of=None):
     return calls
 
 
+@pytest.mark.slow
 def test_fit_reuses_the_plans_it_is_given(monkeypatch):
     """fit_vram(plans=...): an option already planned (same options) is not planned again; another one is."""
     calls = _counting_plan_run(monkeypatch)
@@ -298,6 +303,7 @@ def test_bad_options_are_clear_errors(monkeypatch):
         plan_memory("sd3", size="tiny", resolution=16384)
 
 
+@pytest.mark.slow
 def test_notebook_08_memory_plan(run_notebook):
     data = run_notebook("08_memory_plan", MODELS=[], SWEEP_RESOLUTIONS=[],
                         VALIDATE=[["sd3", False, "adamw", "no"]])
@@ -305,6 +311,7 @@ def test_notebook_08_memory_plan(run_notebook):
     assert data["numbers"]["validation_worst_error"] <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     from lora_lab.cli import main
 
@@ -316,6 +323,7 @@ def test_cli_train_vram_that_nothing_fits_is_a_clear_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before training started
 
 
+@pytest.mark.slow
 def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     from lora_lab.cli import main
 
@@ -326,6 +334,7 @@ def test_train_dry_run_prints_every_phase_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_real_size_dry_run_plans_the_base_in_the_dtype_it_names(tmp_path, capsys):
     """`train --dry-run --base real:sd15 --base-dtype bf16`: the published SD1.5 UNet (859.5M parameters)
     planned in bf16 (2 bytes each), no weight file opened, nothing written."""
@@ -350,6 +359,7 @@ def test_keeping_the_encoders_on_the_device_costs_exactly_their_bytes():
     assert kept.options["keep_encoders"] is True
 
 
+@pytest.mark.slow
 def test_dora_locon_and_fp16_are_planned():
     kw = {"size": "tiny", "device": "cpu", "base_dtype": "fp32", "rank": 4}
     plain = plan_memory("sd15", mixed_precision="no", **kw)
@@ -358,6 +368,7 @@ def test_dora_locon_and_fp16_are_planned():
     assert more.options["mixed_precision"] == "fp16"
 
 
+@pytest.mark.slow
 def test_quantized_base_is_planned_as_stored(tmp_path):
     """base_quantization: the frozen weights are counted as `quantize_base` stores them (the same bytes as a
     quantized meta build), the int8 plan stays within the tolerance of a real trainer step on an int8 base,
@@ -381,6 +392,7 @@ def test_quantized_base_is_planned_as_stored(tmp_path):
     assert plans["nf4"].options["base_quantization"] == "nf4"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sdxl", "sd3", "flux"])
 def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
     """The planner's default: CUDA rules, bf16 autocast, fake tensors. Selective and budgets record the
@@ -395,6 +407,7 @@ def test_every_checkpointing_policy_is_planned_under_the_gpu_rules(kind):
     assert saved["budget:0.3"] <= 0.3 * saved["none"] * 1.02
 
 
+@pytest.mark.slow
 def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(monkeypatch, capsys):
     """plan_memory(gradient_checkpointing="selective") plans selective (the trainer's spelling), not whole
     blocks; `lora-lab plan --gradient-checkpointing POLICY` plans its checkpointed options with that
@@ -419,6 +432,7 @@ def test_a_checkpointing_policy_is_planned_as_given_and_the_cli_plans_with_it(mo
     assert "or a checkpointing policy that keeps less than selective" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_plan_leaves_the_quantized_formats_tables_real():
     """A plan quantizes a base on fake tensors; the formats' cached lookup tables must be real ones after it
     (made first inside the plan they were fake, and every later NF4 quantization in the process was wrong)."""

@@ -493,6 +493,7 @@ def test_pissa_and_triton_refused_on_quantized_base():
 # ------------------------------------------------------------------------ training on the quantized tiny SDXL
 
 
+@pytest.mark.slow
 def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(tmp_path):
     """A few steps on the shipped tiny SDXL: NF4 and int8 bases give the fp32 base's losses to ~1%; the LoRA
     files have the same keys and shapes, and diffusers loads the NF4-trained file on the float base (fp32 and
@@ -529,6 +530,7 @@ def test_training_on_quantized_base_tracks_fp32_and_writes_the_float_base_file(t
     assert (sample(bf16, prompt, seed=0, steps=4) - ours).abs().max() < 0.1  # bf16 rounding only
 
 
+@pytest.mark.slow
 def test_cli_flag_and_notebook_09(run_notebook, tmp_path, capsys):
     from lora_lab.cli import main as cli_main
 
