@@ -34,7 +34,7 @@ def test_a_cached_plan_is_the_plan_made_again(plans_in):
 
 
 def _fake_plan(calls):
-    def plan(config, options):
+    def plan(config, options, limit=None):
         calls.append(options)
         phases = {"cache": 1, "load": 2, "train step": 5, "save": 2, "sample": 0}
         return planner.MemoryPlan(options["model"], str(options["size"]), options, "native (cpu)", phases,
