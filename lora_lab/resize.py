@@ -229,6 +229,7 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     """(weights, skeleton or None) of the denoiser in `path`: a diffusers pipeline folder, a component
     folder (config.json and safetensors), a single-file checkpoint, or a component's safetensors in diffusers'
     names."""
+    from .fileio import read_safetensors
     from .models.loading import FolderWeights, skeleton
     from .models.single_file import FileHeader, ModelLoadError, component_configs, detect, part_source
 
@@ -245,8 +246,8 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     header = FileHeader(path)
     try:
         found = detect(header)
-    except ModelLoadError:
-        return _FileWeights(path, header), None  # one component's weights under diffusers' names
+    except ModelLoadError:  # one component's weights under diffusers' names, memory-mapped
+        return TensorSource(read_safetensors(path)[0]), None
     if found.kind.name != kind.name:
         raise ResizeError(f"{path}: a {found.kind.name} checkpoint, not {kind.name}")
     import diffusers
@@ -256,19 +257,18 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     return part_source(kind, kind.component, model, header, {}, found), model
 
 
-class _FileWeights:
-    """A safetensors file's tensors by their own names, memory-mapped."""
+class TensorSource:
+    """A {name: tensor} mapping as a weights source (`keys()`, `tensor(name, like)`), as models.loading's
+    folder and single-file sources are."""
 
-    def __init__(self, path: Path, header):
-        from safetensors import safe_open
-
-        self._keys, self._file = set(header.shapes), safe_open(str(path), "pt")
+    def __init__(self, tensors):
+        self.tensors = tensors
 
     def keys(self) -> set[str]:
-        return self._keys
+        return set(self.tensors)
 
     def tensor(self, name: str, like) -> torch.Tensor:
-        return self._file.get_tensor(name)
+        return self.tensors[name]
 
 
 def _save(path: Path, lf: LoraFile, report: ResizeReport, what: dict, format: str, report_path,

@@ -14,7 +14,7 @@ from lora_lab.formats import LoraFile, LoraWeights, load_lora, save_lora
 from lora_lab.models import build_pipeline, model_kind
 from lora_lab.models.layouts import to_single_file
 from lora_lab.models.single_file import DENOISER_LAYOUT, DENOISER_PREFIX, component_rules
-from lora_lab.resize import ResizeError, choose_rank, extract_lora, resize_lora
+from lora_lab.resize import ResizeError, TensorSource, choose_rank, extract_lora, resize_lora
 from lora_lab.resize import denoiser_source as source
 
 
@@ -148,14 +148,14 @@ def test_extract_of_a_full_rank_change_reports_its_error(tmp_path):
     name = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"
     g = torch.Generator().manual_seed(0)
     tuned = {**base, name: base[name] + 0.01 * torch.randn(base[name].shape, generator=g)}
-    lf, report = extract_lora(_Dict(tuned), _Dict(base), "unet", rank=2)
+    lf, report = extract_lora(TensorSource(tuned), TensorSource(base), "unet", rank=2)
     (layer,) = report.layers
     s = torch.linalg.svdvals((tuned[name] - base[name]).double())
     assert layer.rank_from == len(s) and layer.rank == 2
     assert layer.kept == pytest.approx(float((s[:2] ** 2).sum() / (s ** 2).sum()), rel=1e-6)
     assert 0.5 < layer.frobenius_error < 1 and 0.5 < layer.probe_error < 1
     with pytest.raises(ResizeError, match="same weights"):
-        extract_lora(_Dict(base), _Dict(base), "unet", rank=2)
+        extract_lora(TensorSource(base), TensorSource(base), "unet", rank=2)
 
 
 @pytest.mark.parametrize("form", ["folder", "single_file"])
@@ -183,14 +183,3 @@ def test_extract_reads_diffusers_folders_and_single_files(tmp_path, form):
     for name, change in changes.items():
         torch.testing.assert_close(lf.modules["unet." + name.removesuffix(".weight")].delta(), change,
                                    atol=1e-6, rtol=1e-5)
-
-
-class _Dict:
-    def __init__(self, d):
-        self.d = d
-
-    def keys(self):
-        return set(self.d)
-
-    def tensor(self, name, like):
-        return self.d[name]
