@@ -50,7 +50,8 @@ import torch
 
 from lora_lab.diffusion import diffusion_loss, objective_for
 from lora_lab.diffusion.config import ATTENTION_TARGETS
-from lora_lab.diffusion.data import encode_dataset, global_batch_indices
+from lora_lab.diffusion.data import global_batch_indices
+from lora_lab.diffusion.encoded import encode_dataset
 from lora_lab.diffusion.step import denoising_loss, step_generator
 from lora_lab.diffusion.trainer import TrainConfig, add_adapter, make_optimizer, train
 from lora_lab.memory import optimizer_state_bytes, saved_activation_bytes

@@ -36,13 +36,11 @@ from .data import (
     CONTENTS_FINGERPRINT,
     IMAGE_EXTS,
     DatasetError,
-    EncodedExamples,
     ImageCaptionDataset,
     aspect_buckets,
-    encode_captions,
-    encode_examples,
     folder_fingerprint,
 )
+from .encoded import EncodedExamples, encode_captions, encode_examples
 
 KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")  # kohya's `10_style/`: 10 repeats of the images in it
 VALIDATION_SEED = 20_251_125  # the held-out split's seed: the same images held out whatever the run's seed

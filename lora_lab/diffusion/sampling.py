@@ -30,8 +30,8 @@ from ..merge import apply_loras
 from ..models import build_pipeline, default_resolution, denoiser, encode_prompts, shipped_base
 from ..models.kinds import kind_of, t5_length
 from ..modules import swap_module
-from .data import unconditional_embeds
 from .distributed import resolve_device
+from .encoded import unconditional_embeds
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
 # PIL too: Pillow is optional (the diffusion extra).

@@ -18,8 +18,8 @@ from ..models.bases import OpenedBase
 from ..models.loading import fill
 from .adapters import clip_encoders
 from .config import TrainConfig, TrainConfigError
-from .data import EncodedExamples
 from .distributed import DistEnv, resolve_device
+from .encoded import EncodedExamples
 from .encoders import Encoders
 from .sampling import prompt_inputs, sample_grid
 from .state import Learner, RunState, move_aside, restore, truncate_log, write_config

@@ -28,7 +28,8 @@ from ..precision import autocast
 # (tests inject a NaN loss)
 from . import objectives
 from .config import TrainConfig
-from .data import EncodedExamples, batch_indices
+from .data import batch_indices
+from .encoded import EncodedExamples
 from .losses import example_losses
 from .weighting import (
     debiased_weights,

@@ -59,9 +59,9 @@ from ..models.bases import open_base
 from ..precision import MixedPrecision
 from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
 from .config import TrainConfig, TrainConfigError
-from .data import unconditional_embeds
 from .datasets import RunData, encode_run_data, sources_fingerprint
 from .ema import AdapterEMA
+from .encoded import unconditional_embeds
 from .encoders import Encoders
 from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs

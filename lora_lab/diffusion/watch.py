@@ -33,8 +33,8 @@ import torch
 from ..fileio import atomic_write_bytes
 from ..models import ModelKind, denoiser
 from .config import TrainConfig
-from .data import EncodedExamples
 from .datasets import VALIDATION_SEED
+from .encoded import EncodedExamples
 from .objectives import DDPM, objective_for, shift_sigmas
 from .sampling import image_grid, sample
 from .step import denoising_loss

@@ -22,8 +22,6 @@ import torch
 
 from ..diffusion.config import TrainConfig
 from ..diffusion.data import (
-    ENCODE_BATCH,
-    ENCODE_PIXELS,
     IMAGE_EXTS,
     DatasetError,
     aspect_buckets,
@@ -31,10 +29,11 @@ from ..diffusion.data import (
     shown_size,
 )
 from ..diffusion.datasets import DataSource, check_disjoint, check_epoch, data_sources, kohya_sources, split
+from ..diffusion.encoded import ENCODE_BATCH, ENCODE_PIXELS
 
 
 class PlannedExamples:
-    """Examples of one size (h, w) with `distinct` different captions, as `diffusion.data.encode_examples`
+    """Examples of one size (h, w) with `distinct` different captions, as `diffusion.encoded.encode_examples`
     reads a dataset."""
 
     def __init__(self, n: int, size: tuple[int, int], distinct: int):

@@ -20,7 +20,7 @@ What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBy
 encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
 host copies made while saving. On the CPU the host is the device, and all of it counts. The examples are
 the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
-`diffusion.data.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
+`diffusion.encoded.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
 micro-batches at most (a third has the same memory as the second).
 """
 
@@ -35,9 +35,9 @@ import torch
 from ..checkpointing import block_swap, disable_checkpointing, enable_checkpointing
 from ..diffusion.adapters import clip_encoders
 from ..diffusion.config import TrainConfig
-from ..diffusion.data import EncodedExamples, encode_examples
 from ..diffusion.datasets import RunData
 from ..diffusion.distributed import DistEnv
+from ..diffusion.encoded import EncodedExamples, encode_examples
 from ..diffusion.objectives import objective_for
 from ..diffusion.sampling import vae_decoding
 from ..diffusion.stages import SAMPLE_PROMPTS

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from lora_lab.cli import build_parser
 from lora_lab.diffusion import TrainConfig, TrainConfigError, train
 from lora_lab.diffusion import step as trainer_step
-from lora_lab.diffusion.data import EncodedExamples, bucket_batch_indices
+from lora_lab.diffusion.data import bucket_batch_indices
+from lora_lab.diffusion.encoded import EncodedExamples
 
 SEED = 3
 FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
