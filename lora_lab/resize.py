@@ -90,10 +90,12 @@ def check_target(rank: int | None, energy: float | None) -> None:
 
 def choose_rank(s: torch.Tensor, rank: int | None, energy: float | None) -> int:
     """The rank to keep of singular values `s` (descending): `rank`, or the fewest keeping `energy` of
-    sum(s^2) (at most `rank` when both are given); at least 1, at most len(s)."""
+    sum(s^2) (at most `rank` when both are given); at least 1, at most len(s). No change (s all 0): 1."""
     k = len(s) if rank is None else min(rank, len(s))
     if energy is not None:
-        share = torch.cumsum(s.double() ** 2, 0) / (s.double() ** 2).sum().clamp_min(1e-300)
+        if not (s > 0).any():  # a layer training never moved (SD3's last add_q_proj): one rank holds it
+            return 1
+        share = torch.cumsum(s.double() ** 2, 0) / (s.double() ** 2).sum()
         k = min(k, int((share < energy - 1e-12).sum()) + 1)
     return max(1, k)
 

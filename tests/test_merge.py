@@ -246,10 +246,14 @@ def test_unmatched_modules_and_bad_arguments():
 
 @pytest.mark.slow
 def test_notebook_04_lora_files(run_notebook):
-    data = run_notebook("04_lora_files", STEPS=2, SWEEP=[0.0, 1.0])
+    data = run_notebook("04_lora_files", STEPS=2, SWEEP=[0.0, 1.0], STYLE_STEPS=40, RESIZE_RANKS=[4, 1],
+                        ENERGIES=[0.9])
     assert data["passed"], data.get("error") or data["claims"]
     n = data["numbers"]
     assert n["modules_style"] == 32 and n["modules_detail"] == 48 and n["locon_modules"] == 16
+    kept = [n["resize"][f"rank {k}"]["kept"] for k in (16, 4, 1)]  # the sd3 style LoRA resized
+    assert kept[0] > 1 - 1e-9 and kept[0] > kept[1] > kept[2] > 0.5 and n["style_survives_down_to_rank"] == 1
+    assert n["extract"]["layers"] == 38 and n["extract"]["numerical_ranks"] == [16]  # 1 of 39 never moved
     assert n["max_abs_merged_vs_runtime"] < 1e-5 and n["max_abs_diffusers_vs_lora_lab"] < 1e-4
     assert n["sweep_relative_change"][1] > n["sweep_relative_change"][0]
     assert not run_notebook.bare_results("04_lora_files")  # every cell shows only what it prints or draws

@@ -67,6 +67,7 @@ def test_energy_chooses_the_fewest_ranks_per_layer():
     s = torch.tensor([4.0, 2.0, 1.0, 0.5])  # squared: 16, 4, 1, 0.25 of 21.25: shares .753, .941, .988, 1
     assert [choose_rank(s, None, e) for e in (0.5, 0.76, 0.94, 0.95, 0.99)] == [1, 2, 2, 3, 4]
     assert choose_rank(s, 2, 0.99) == 2 and choose_rank(s, 9, None) == 4
+    assert choose_rank(torch.zeros(8), None, 0.9) == 1  # no change: one rank, not all 8 of zeros
     out, report = resize_lora(lora_file(), energy=0.9)
     assert all(r.kept >= 0.9 for r in report.layers)
     assert report.params < report.params_from
