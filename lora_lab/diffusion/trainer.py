@@ -61,7 +61,8 @@ from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
 from .config import TrainConfig, TrainConfigError
 from .datasets import RunData, encode_run_data, sources_fingerprint
 from .ema import AdapterEMA
-from .encoded import unconditional_embeds
+from .diskcache import open_disk_cache
+from .encoded import cached_call, unconditional_embeds
 from .encoders import Encoders
 from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs
@@ -207,16 +208,20 @@ class TrainingRun:
         VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the VAE
         back); then they leave the device (`--keep-encoders` keeps them)."""
         config = self.config
+        self.store = None if self.shapes_only else open_disk_cache(config, self.pipe, self.device, self.dtype)
         with self.encoders.on_device() as pipe:
             data, reg, val = self.encode_examples(pipe)
-            empty = unconditional_embeds(pipe) if config.caption_dropout else None
+            empty = cached_call(self.store, "unconditional", [], lambda: unconditional_embeds(pipe)) \
+                if config.caption_dropout else None
             prompts = self.sample_prompts(data.captions)
-            samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
+            samples = (prompts, cached_call(self.store, "prompts", prompts, lambda: prompt_inputs(pipe, prompts))
+                       ) if config.sample_steps else None
         return Cached(data, reg, empty, samples, val)
 
     def encode_examples(self, pipe) -> RunData:
-        """Every folder, the held-out examples, the caption variants (datasets.py)."""
-        return encode_run_data(pipe, self.config, self.resolution)
+        """Every folder, the held-out examples, the caption variants (datasets.py), through the disk cache
+        where the run has one (diskcache.py)."""
+        return encode_run_data(pipe, self.config, self.resolution, self.store)
 
     def sample_prompts(self, captions: list[str]) -> list[str]:
         """The prompts of the samples: the config's, else the first distinct captions of the dataset."""
