@@ -54,8 +54,8 @@ def child(args) -> None:
     torch.nn.modules.module.register_module_forward_hook(
         lambda m, a, o: calls.__setitem__(0, calls[0] + isinstance(m, encoders)))
     config = TrainConfig(model="sdxl", device="cpu", dataset=args.data, resolution=args.resolution,
-                         shuffle_captions=True, caption_variants=args.variants, sample_steps=0, progress=False,
-                         output=args.output, cache_dir=args.cache)
+                         shuffle_captions=True, caption_variants=args.variants, sample_steps=0,
+                         progress=False, output=args.output, cache_dir=args.cache)
     run = TrainingRun(config)
     run.setup()
     run.open_base()
@@ -64,7 +64,8 @@ def child(args) -> None:
     seconds = time.perf_counter() - t
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     kib = {k: int(status[k].split()[0]) for k in ("RssAnon", "RssFile")}
-    print(json.dumps({"seconds": seconds, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "peak_mib": peak,
                       "anon_mib": kib["RssAnon"] / 1024, "file_mib": kib["RssFile"] / 1024,
                       "calls": calls[0], "examples": len(run.data.latents)}))
 
@@ -107,7 +108,8 @@ def main() -> None:
     print(f"{args.images} images {args.resolution}x{args.resolution} PNG, {args.variants} caption variants "
           f"({examples} examples), tiny SDXL on the CPU, 1 thread; best of {args.rounds} interleaved rounds; "
           f"cache folder {size / 2**20:.1f} MiB")
-    print(f"{'run':<24} {'cache s':>8} {'peak RSS MiB':>13} {'anon MiB':>9} {'file MiB':>9} {'encoder calls':>14}")
+    print(f"{'run':<24} {'cache s':>8} {'peak RSS MiB':>13} {'anon MiB':>9} {'file MiB':>9} "
+          f"{'encoder calls':>14}")
     for mode, runs in rows.items():
         best = min(runs, key=lambda x: x["seconds"])
         print(f"{mode:<24} {best['seconds']:>8.2f} {min(x['peak_mib'] for x in runs):>13.1f} "

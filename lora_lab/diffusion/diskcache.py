@@ -7,8 +7,8 @@
     store.stats                                            # {"hits", "written", "rebuilt"}
 
 Layout: one safetensors file per encoder call, `DIR/<kind>/<key[:2]>/<key>.safetensors` (kind: images, text,
-prompts, unconditional), the key a sha256 of everything its tensors depend on, repeated in its metadata beside a
-blake2b checksum of its tensors' bytes:
+prompts, unconditional), the key a sha256 of everything its tensors depend on, repeated in its metadata
+beside a blake2b checksum of its tensors' bytes:
 
     every entry   CACHE_FORMAT, lora_lab's, torch's, diffusers' and transformers' versions, the device type
                   the encoders run on, the base dtype, the model kind
@@ -131,7 +131,8 @@ class DiskCache:
     def path(self, kind: str, key: str) -> Path:
         return self.folder / kind / key[:2] / f"{key}.safetensors"
 
-    def entry(self, kind: str, parts, compute: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def entry(self, kind: str, parts, compute: Callable[[], dict[str, torch.Tensor]]
+              ) -> dict[str, torch.Tensor]:
         """The tensors of the entry of `kind` whose inputs are `parts` (JSON): read mapped from the folder,
         else `compute()`d, written, and read back mapped."""
         encoders = {k: v for k, v in self.identity.items() if k not in ("vae", "text")}

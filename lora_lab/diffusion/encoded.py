@@ -4,8 +4,11 @@ API:
     EncodedExamples(latents, embeds, captions, sizes, paths=None, variants=1): what the training loop reads;
         .select(idx), .latents_of(idx), .embeds_of(idx, drop, empty, device, variant)
     encode_dataset(pipe, folder, resolution, ...) -> EncodedExamples of an image+caption folder
-    encode_examples(pipe, ds, seed=0, phase=None) -> EncodedExamples of a dataset (VAE in bounded groups)
-    encode_captions(pipe, captions) -> {key: (N, ...)} each distinct caption encoded once
+    encode_examples(pipe, ds, seed=0, phase=None, store=None) -> EncodedExamples of a dataset (VAE in bounded
+        groups: `image_groups`, each `encode_group`; every encoder call through the disk cache `store`)
+    encode_group(pipe, items, generator) -> {field: [one tensor per example]} of one VAE call
+    encode_captions(pipe, captions, store=None) -> {key: (N, ...)} each distinct caption encoded once
+    cached_call(store, kind, parts, compute) -> compute()'s tensors, through the disk cache where given
     unconditional_embeds(pipe) -> the pipeline's own negative-branch input, (1, ...)
     ENCODE_BATCH, ENCODE_PIXELS: the most images / pixels per encoder call (the planner reads them)
 """

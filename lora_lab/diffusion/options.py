@@ -48,9 +48,10 @@ def check_watch_fields(config, bad) -> None:
         bad("log_with", f"needs the {config.log_with} package, which is not installed (pip install "
             f"{config.log_with})")
     if config.cache_dir is not None and config.cache_to_disk:
-        bad("cache_to_disk", "and cache_dir both given: cache_to_disk is the folder <output>/cache, cache_dir "
-            "another: choose one")
-    if config.cache_dir is not None and Path(config.cache_dir).exists() and not Path(config.cache_dir).is_dir():
+        bad("cache_to_disk", "and cache_dir both given: cache_to_disk is the folder <output>/cache, "
+            "cache_dir another: choose one")
+    cache = config.cache_dir
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
         bad("cache_dir", "is a file, not a folder")
     for name in ("output", "dataset", "reg_dataset", "validation_dataset", "cache_dir"):
         if getattr(config, name) == "":  # Path("") is the current folder: a run into (or of) wherever it runs

@@ -60,8 +60,8 @@ from ..precision import MixedPrecision
 from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
 from .config import TrainConfig, TrainConfigError
 from .datasets import RunData, encode_run_data, sources_fingerprint
-from .ema import AdapterEMA
 from .diskcache import open_disk_cache
+from .ema import AdapterEMA
 from .encoded import cached_call, unconditional_embeds
 from .encoders import Encoders
 from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
@@ -211,11 +211,11 @@ class TrainingRun:
         self.store = None if self.shapes_only else open_disk_cache(config, self.pipe, self.device, self.dtype)
         with self.encoders.on_device() as pipe:
             data, reg, val = self.encode_examples(pipe)
-            empty = cached_call(self.store, "unconditional", [], lambda: unconditional_embeds(pipe)) \
+            store, prompts = self.store, self.sample_prompts(data.captions)
+            empty = cached_call(store, "unconditional", [], lambda: unconditional_embeds(pipe)) \
                 if config.caption_dropout else None
-            prompts = self.sample_prompts(data.captions)
-            samples = (prompts, cached_call(self.store, "prompts", prompts, lambda: prompt_inputs(pipe, prompts))
-                       ) if config.sample_steps else None
+            samples = None if not config.sample_steps else \
+                (prompts, cached_call(store, "prompts", prompts, lambda: prompt_inputs(pipe, prompts)))
         return Cached(data, reg, empty, samples, val)
 
     def encode_examples(self, pipe) -> RunData:

@@ -128,7 +128,7 @@ class MemoryPlan:
     moved_per_step: int = 0  # block swapping: host -> device bytes of one training step
     resolution: int = 0  # the image side planned (the config's, or its base's default)
     base_dtype: str = ""  # the frozen base's dtype as planned ("auto" resolved for the device)
-    host: dict[str, int] = field(default_factory=dict)  # each phase's host memory (`run.PlannedRun.host_bytes`)
+    host: dict[str, int] = field(default_factory=dict)  # each phase's host memory (`PlannedRun.host_bytes`)
 
     @classmethod
     def from_dict(cls, fields: dict) -> MemoryPlan:
@@ -137,7 +137,8 @@ class MemoryPlan:
             raise PlanError(f"not a memory plan's fields: {fields!r:.200}")
         counts = [fields["phases"], fields["parts"], fields["host"]]
         if not all(isinstance(c, dict) and all(isinstance(k, str) and type(v) is int for k, v in c.items())
-                   for c in counts) or not set(fields["phases"]) == set(fields["host"]) == set(PHASES):
+                   for c in counts) or set(fields["phases"]) != set(PHASES) or \
+                set(fields["host"]) not in (set(), set(PHASES)):
             raise PlanError("a memory plan's phases and parts must map names to integers of bytes")
         for name in ("peak", "saved_activations", "gradients", "moved_per_step", "resolution"):
             if type(fields[name]) is not int:
@@ -177,8 +178,10 @@ class MemoryPlan:
                 f"{o.get('mixed_precision')} autocast, {base}, attention {self.attention} (prediction)")
         width = max(map(len, [*self.parts, *PHASES])) + 2
         rows = [f"{'phase':<{width}} {'device':>12} {'host':>12}"]
-        rows += [f"{name:<{width}} {format_bytes(n) if n or name != 'sample' else 'none':>12} "
-                 f"{format_bytes(self.host[name]) if n or name != 'sample' else 'none':>12}"
+        def cell(n: int | None, name: str) -> str:
+            return "" if n is None else format_bytes(n) if n or name != "sample" else "none"
+
+        rows += [f"{name:<{width}} {cell(n, name):>12} {cell(self.host.get(name), name):>12}"
                  + ("   <- the peak" if name == self.peak_phase else "") for name, n in self.phases.items()]
         step = [f"  {name:<{width - 2}} {format_bytes(n):>12}" for name, n in self.parts.items()]
         swap = ([f"block swapping: {o['blocks_to_swap']} blocks in host memory, "
@@ -312,9 +315,9 @@ def _plan(config: TrainConfig, options: dict[str, Any], limit: int | None = None
                            checkpoint_options=options["checkpoint_options"], limit=limit)
     except LoraLabError as e:  # what the trainer refuses for this base (rank, resolution, ...)
         raise PlanError(f"plan_memory: {e}") from e
-    phases = dict(run.phases)
+    phases, host = dict(run.phases), dict(run.host)
     if not config.sample_steps:
-        phases["sample"] = 0
+        phases["sample"] = host["sample"] = 0
     peak_phase = max(phases, key=phases.get)
     used = "+".join(sorted(run.attention)) or "none"
     if used == "native":
@@ -324,4 +327,4 @@ def _plan(config: TrainConfig, options: dict[str, Any], limit: int | None = None
                       phases=phases, parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase,
                       step_phase=run.step_phase, saved_activations=run.saved_activations,
                       gradients=run.gradients, moved_per_step=run.moved_per_step, resolution=run.resolution,
-                      base_dtype=next(name for name, d in BASE_DTYPES.items() if d == dtype), host=run.host)
+                      base_dtype=next(name for name, d in BASE_DTYPES.items() if d == dtype), host=host)

@@ -165,8 +165,9 @@ class PlannedRun(TrainingRun):
         counted."""
         tracker = self.tracker
         tracker.track(_encoder_tensors(self.encoders))  # on the device now, also the parts no op reads
-        self.encoder_bytes = {name: storage_bytes((*m.parameters(), *m.buffers())) for name in self.encoders.names
-                              for m in [getattr(self.pipe, name)] if m is not None}
+        pipe = self.pipe
+        self.encoder_bytes = {name: storage_bytes((*m.parameters(), *m.buffers()))
+                              for name in self.encoders.names if (m := getattr(pipe, name)) is not None}
         self.counts = count_examples(self.config, self.resolution)
         start = tracker.current
         self.cached = self.encode_data()

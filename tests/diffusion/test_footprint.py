@@ -46,7 +46,7 @@ CHANGES = {
     "gradient_checkpointing": ({}, {"gradient_checkpointing": True}),
     "sample_steps": ({}, {"sample_steps": 0}),
     "sample_every": ({}, {"sample_every": 1}),
-    "cache_dir": ({}, {"cache_dir": "unused-cache"}),  # the latents mapped, not held: host (here: device) bytes
+    "cache_dir": ({}, {"cache_dir": "unused-cache"}),  # latents mapped, not held (CPU: the device's bytes)
     "cache_to_disk": ({}, {"cache_to_disk": True}),
 }
 # a field declared as changing memory that cannot change a tiny plan of the shipped base, and why
