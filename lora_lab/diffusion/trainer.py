@@ -22,7 +22,9 @@ each in the memory phase it belongs to:
                                                   text encoders and VAE on the host in the base dtype, the
                                                   denoiser's shapes only (checked: rank, resolution)
     "cache"       cache                           the text encoders and VAE on the device, the data encoded
-                                                  once (`encode_data`), then they leave the device
+                                                  once (`encode_data`; with --cache-dir each encoder call
+                                                  read from disk where cached: diskcache.py), then they
+                                                  leave the device
     "load"        load                            the denoiser's weights onto the device in the base dtype,
                                                   one module at a time, quantized as they arrive
     "train step"  add_adapter, start, train_loop  each step (`train_step`), and what the watch does after it
