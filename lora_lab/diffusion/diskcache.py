@@ -175,11 +175,14 @@ class DiskCache:
         return tensors
 
     def images(self, ds, start: int, stop: int, generator: torch.Generator,
-               compute: Callable[[], dict[str, list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
+               compute: Callable[[], dict[str, list[torch.Tensor]]], extra=()
+               ) -> dict[str, list[torch.Tensor]]:
         """The per-example tensors of images start..stop-1 of `ds` (one VAE call: `compute()`, {field: [one
-        tensor per image]}), and `generator` left in the state the call leaves it in."""
+        tensor per image]}), and `generator` left in the state the call leaves it in. `extra`: what else the
+        call's tensors depend on (JSON: an option, another file's `data.file_digest`)."""
         before = hashlib.blake2b(generator.get_state().numpy().data).hexdigest()
-        parts = [before, [[list(ds.sizes[i]), file_digest(ds.paths[i]).hex()] for i in range(start, stop)]]
+        parts = [before, [[list(ds.sizes[i]), file_digest(ds.paths[i]).hex()] for i in range(start, stop)],
+                 list(extra)]
 
         def flat() -> dict[str, torch.Tensor]:
             out = {f"{name}.{j}": t for name, ts in compute().items() for j, t in enumerate(ts)}

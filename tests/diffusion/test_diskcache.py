@@ -77,12 +77,12 @@ def test_a_second_run_reads_the_cache_and_trains_bit_for_bit(digits_folder, tmp_
     fields = dict(**RUN, **EVERY_ENTRY, dataset=data, sample_steps=0)
     plain = train(TrainConfig(**fields, output=str(tmp_path / "a")))
     cache = str(tmp_path / "cache")
-    with encoder_calls() as first:
-        train(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "b")))
+    with encoder_calls() as first:  # the first run's cache phase (its bits: the test below)
+        cache_phase(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "b")))
     with encoder_calls() as second:
         result = train(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "c")))
     assert first["n"] > 0 and second["n"] == 0, (first, second)
-    assert losses(tmp_path / "a") == losses(tmp_path / "b") == losses(tmp_path / "c")
+    assert losses(tmp_path / "a") == losses(tmp_path / "c")
     assert len(losses(tmp_path / "a")) == RUN["steps"]
     assert plain.outputs.keys() == result.outputs.keys()
 
