@@ -3,6 +3,7 @@
     planned = plan_run(TrainConfig(model="sdxl", base="real:sdxl", resolution=1024, ...), device="cuda")
     planned.phases    {"cache": bytes, "load": ..., "train step": ..., "save": ..., "sample": ...}
     planned.parts     the training step's peak in parts (frozen weights, adapter, optimizer state, ...)
+    planned.host      each phase's host memory beside it
 
 `PlannedRun` is the trainer's `TrainingRun` (`lora_lab.diffusion.trainer`): its `run()` goes through the
 same stages in the same order, and overrides only the hooks where a plan differs. The base is opened from its
@@ -16,9 +17,11 @@ saving holds the host copy of the adapter that `save_outputs` writes, and the sa
 They run under `fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned
 GPU's attention kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
 
-What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBytes.exclude`), the text
-encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
-host copies made while saving. On the CPU the host is the device, and all of it counts. The examples are
+What a GPU run keeps in host memory is not counted on the device: the dataset's cache (`LiveBytes.exclude`),
+the text encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does),
+and the host copies made while saving; each phase's host bytes count it apart (`RunPeaks.host`: the cache,
+less what a disk cache maps from its files, the parked encoders, swapped blocks). On the CPU the host is
+the device, and all of it counts. The examples are
 the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
 `diffusion.encoded.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
 micro-batches at most (a third has the same memory as the second).
