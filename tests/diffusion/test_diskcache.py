@@ -106,7 +106,7 @@ def test_the_cache_phase_is_the_same_without_the_cache_with_it_and_read_back(dig
 
 @pytest.mark.slow
 def test_a_changed_image_or_caption_rebuilds_only_its_encoder_call(digits_folder, tmp_path):
-    src = digits_folder(20)  # 32 x 32: two VAE calls (16 images, 4), two text calls (16 distinct captions, 4)
+    src = digits_folder(20)  # 32 x 32: two VAE calls (16 images, 4); one text call (10 distinct captions)
     data = tmp_path / "data"
     shutil.copytree(src, data)
     cache = str(tmp_path / "cache")
@@ -115,8 +115,8 @@ def test_a_changed_image_or_caption_rebuilds_only_its_encoder_call(digits_folder
     shutil.copy(src / "05.png", data / "02.png")  # image 2: the first VAE call
     (data / "18.txt").write_text("a digit, edited")  # a caption of the second text call
     changed = cache_phase(TrainConfig(**fields, output=str(tmp_path / "b")))
-    captions = len(set(changed.data.captions))
-    assert changed.store.stats == {"hits": 1 + (captions > 16), "written": 1 + 1, "rebuilt": 0}
+    assert len(set(changed.data.captions)) <= 16  # one text call, its captions changed: written again
+    assert changed.store.stats == {"hits": 1, "written": 1 + 1, "rebuilt": 0}  # the second VAE call read
     plain = cache_phase(TrainConfig(**{**fields, "cache_dir": None}, output=str(tmp_path / "c")))
     assert same_bits(plain, changed)  # the later VAE call's noise: the generator's state as stored
 
