@@ -211,6 +211,13 @@ class TrainConfig:
         metadata={"help": "recompute activations in backward: full | selective | every_k | budget:F (keep at "
                   "most the fraction F of the activation bytes) | none; true = full"},
     )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "cache the encoded data (latents, text embeddings) in this folder, one file per "
+                  "encoder call keyed by all it depends on, memory-mapped when read: a later run with the "
+                  "same base, data and settings reads them instead of encoding (default: off, in memory)"})
+    cache_to_disk: bool = field(
+        default=False, metadata={"help": "--cache-dir <output>/cache (a resumed run reads it)"})
     # a single-file base's parts, and block swapping (issue 31)
     clip_l: str | None = field(
         default=None, metadata={"help": "a single-file base's CLIP-L text encoder as a file (Flux; kohya's "

@@ -16,6 +16,7 @@ API:
         a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the
         file
     folder_fingerprint(folder) -> hex digest of the images' and captions' names, sizes and contents
+    file_digest(path) -> a blake2b of a file's bytes (a disk cache entry's key holds its images')
     to_rgb(img) -> the RGB image a PIL image shows (16-bit scaled to 8, alpha composited over white)
 
 Each image is resized (bicubic) so it covers its target size, then center-cropped to it. Without
@@ -228,12 +229,17 @@ def folder_fingerprint(folder: str | Path, caption_extension: str = ".txt") -> s
         suffix = p.suffix.lower()
         if p.is_file() and (suffix in IMAGE_EXTS or suffix == caption_extension):
             h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-            contents = hashlib.blake2b()
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    contents.update(chunk)
-            h.update(contents.digest())
+            h.update(file_digest(p))
     return h.hexdigest()
+
+
+def file_digest(path: str | Path) -> bytes:
+    """A blake2b of a file's bytes."""
+    contents = hashlib.blake2b()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            contents.update(chunk)
+    return contents.digest()
 
 
 def bucket_batches(sizes: list[tuple[int, int]], batch_size: int, seed: int, epoch: int,

@@ -26,7 +26,7 @@ import os
 import random
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -205,9 +205,10 @@ class RunData(NamedTuple):
     val: EncodedExamples | None
 
 
-def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
+def encode_run_data(pipe, config: TrainConfig, resolution: int, store=None) -> RunData:
     """Every source's distinct images once through the VAE and the text encoders (the held-out ones and the
-    validation folder's too), the training captions' variants encoded, the repeats expanded."""
+    validation folder's too), the training captions' variants encoded, the repeats expanded; each encoder
+    call through the disk cache `store` (`diskcache.DiskCache`) where given."""
     sources = data_sources(config)
     train_sources = [s for s in sources if not s.is_reg]
     images = open_images(train_sources, config, resolution)
@@ -217,22 +218,22 @@ def encode_run_data(pipe, config: TrainConfig, resolution: int) -> RunData:
         val_images = open_images(kohya_sources(Path(config.validation_dataset)), config, resolution)
         check_disjoint(images.paths, val_images.paths, config.validation_dataset)
     train_idx, val_idx = split(images.paths, config.validation_split)
-    encoded = encode_examples(pipe, images, config.seed)
-    train = with_variants(pipe, encoded.select(train_idx), config)
+    encoded = encode_examples(pipe, images, config.seed, store=store)
+    train = with_variants(pipe, encoded.select(train_idx), config, store)
     train = train.select([j for j, i in enumerate(train_idx) for _ in range(images.repeats[i])])
     val = encoded.select(val_idx) if val_idx else None
     if val_images is not None:
-        val = encode_examples(pipe, val_images, config.seed)
+        val = encode_examples(pipe, val_images, config.seed, store=store)
     reg_sources = [s for s in sources if s.is_reg]
     reg = None
     if reg_sources:
         reg_images = open_images(reg_sources, config, resolution)
-        reg_encoded = encode_examples(pipe, reg_images, config.seed)
+        reg_encoded = encode_examples(pipe, reg_images, config.seed, store=store)
         reg = reg_encoded.select([i for i in range(len(reg_images)) for _ in range(reg_images.repeats[i])])
     return RunData(train, reg, val)
 
 
-def with_variants(pipe, data: EncodedExamples, config: TrainConfig) -> EncodedExamples:
+def with_variants(pipe, data: EncodedExamples, config: TrainConfig, store=None) -> EncodedExamples:
     """`data` with `caption_variants` variants of each caption encoded (with caption shuffling or tag
     dropout; else `data` as it is). Variant v of example i: `caption_variant` from a generator seeded by
     (seed, i, v)."""
@@ -242,8 +243,8 @@ def with_variants(pipe, data: EncodedExamples, config: TrainConfig) -> EncodedEx
     captions = [caption_variant(c, random.Random(f"{config.seed}:{i}:{v}"), config.keep_tokens,
                                 config.shuffle_captions, config.tag_dropout)
                 for i, c in enumerate(data.captions) for v in range(n)]
-    embeds = encode_captions(pipe, captions)
-    return EncodedExamples(data.latents, embeds, data.captions, data.sizes, data.paths, n)
+    embeds = encode_captions(pipe, captions, store)
+    return replace(data, embeds=embeds, variants=n)
 
 
 def sources_fingerprint(config: TrainConfig) -> str:

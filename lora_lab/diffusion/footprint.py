@@ -40,6 +40,9 @@ MEMORY: dict[str, str | Callable | None] = {
     "gradient_checkpointing": lambda config: config.checkpointing_policy(),  # True is "full", "none" None
     # what the run writes and samples on the way
     "sample_steps": SET, "sample_every": SET, "vae_tiling": VALUE, "save_every": SET,
+    # the disk cache: the latents memory-mapped from its files, not held in host memory (the plan's host
+    # bytes); where it is does not matter
+    "cache_dir": SET, "cache_to_disk": VALUE,
     # nothing a run holds depends on these: numbers the step reads, schedules, bookkeeping
     "output": None, "steps": None, "lr": None, "schedule": None, "warmup_steps": None, "weight_decay": None,
     "noise_offset": None, "min_snr_gamma": None, "debiased_estimation": None, "timestep_sampling": None,

@@ -47,7 +47,13 @@ def check_watch_fields(config, bad) -> None:
     if config.log_with is not None and find_spec(config.log_with) is None:  # found now, not after a run
         bad("log_with", f"needs the {config.log_with} package, which is not installed (pip install "
             f"{config.log_with})")
-    for name in ("output", "dataset", "reg_dataset", "validation_dataset"):
+    if config.cache_dir is not None and config.cache_to_disk:
+        bad("cache_to_disk", "and cache_dir both given: cache_to_disk is the folder <output>/cache, "
+            "cache_dir another: choose one")
+    cache = config.cache_dir
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        bad("cache_dir", "is a file, not a folder")
+    for name in ("output", "dataset", "reg_dataset", "validation_dataset", "cache_dir"):
         if getattr(config, name) == "":  # Path("") is the current folder: a run into (or of) wherever it runs
             bad(name, "is empty: give a folder")
     check_output_outside_data(config, bad)
@@ -86,16 +92,22 @@ def input_paths(config) -> list[tuple[str, Path]]:
 def check_output_outside_data(config, bad) -> None:
     """The output folder is no input folder and inside none, nor the folder an input file is in
     (`input_paths`): the run would write into its inputs (config.json over a base's unet/config.json,
-    samples.png and checkpoints/ joining a data folder, its files beside a single-file base's). The
-    validation folder is no training folder and inside none: its images would be trained on."""
-    output = Path(config.output).resolve()
-    for name, path in input_paths(config):
-        if path.is_dir() and output.is_relative_to(path.resolve()):
-            bad("output", f"is inside the {name} folder {path}: the run's files (config.json, samples.png, "
-                "checkpoints/) would be written into an input; choose an output folder outside it")
-        if path.is_file() and output == path.parent.resolve():
-            bad("output", f"is the folder of the {name} file {path}: the run's files (config.json, "
-                "lora.safetensors, checkpoints/) would be written among its inputs; choose another folder")
+    samples.png and checkpoints/ joining a data folder, its files beside a single-file base's); the disk cache
+    folder (`cache_dir`) likewise. The validation folder is no training folder and inside none: its images
+    would be trained on."""
+    writes = {"output": "the run's files (config.json, samples.png, checkpoints/)",
+              "cache_dir": "the disk cache's entries"}
+    for field, what in writes.items():
+        if not isinstance(getattr(config, field), (str, Path)):
+            continue
+        written = Path(getattr(config, field)).resolve()
+        for name, path in input_paths(config):
+            if path.is_dir() and written.is_relative_to(path.resolve()):
+                bad(field, f"is inside the {name} folder {path}: {what} would be written into an input; "
+                    "choose a folder outside it")
+            if path.is_file() and written == path.parent.resolve():
+                bad(field, f"is the folder of the {name} file {path}: {what} would be written among its "
+                    "inputs; choose another folder")
     val = config.validation_dataset
     trained = [(name, path) for name, path in input_paths(config)
                if name in ("dataset", "datasets", "reg_dataset") and path.is_dir()]

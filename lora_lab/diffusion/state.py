@@ -51,7 +51,7 @@ CHECKPOINT_KEYS = {"step": int, "adapter": dict, "optimizer": dict, "scaler": di
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
                "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
-               "validation_dataset"}
+               "validation_dataset", "cache_dir", "cache_to_disk"}  # the disk cache: the same bits
 # Fields older checkpoints lack, with the value those runs had (0.1: fp32 bases, attention only; then more)
 BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0,
                   tag_dropout=0.0, caption_variants=8, min_snr_gamma=None, debiased_estimation=False,

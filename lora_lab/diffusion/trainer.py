@@ -22,7 +22,9 @@ each in the memory phase it belongs to:
                                                   text encoders and VAE on the host in the base dtype, the
                                                   denoiser's shapes only (checked: rank, resolution)
     "cache"       cache                           the text encoders and VAE on the device, the data encoded
-                                                  once (`encode_data`), then they leave the device
+                                                  once (`encode_data`; with --cache-dir each encoder call
+                                                  read from disk where cached: diskcache.py), then they
+                                                  leave the device
     "load"        load                            the denoiser's weights onto the device in the base dtype,
                                                   one module at a time, quantized as they arrive
     "train step"  add_adapter, start, train_loop  each step (`train_step`), and what the watch does after it
@@ -60,8 +62,9 @@ from ..precision import MixedPrecision
 from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
 from .config import TrainConfig, TrainConfigError
 from .datasets import RunData, encode_run_data, sources_fingerprint
+from .diskcache import open_disk_cache
 from .ema import AdapterEMA
-from .encoded import unconditional_embeds
+from .encoded import cached_call, unconditional_embeds
 from .encoders import Encoders
 from .optimizers import lr_factor, make_optimizer, param_groups, set_lr
 from .sampling import prompt_inputs
@@ -207,16 +210,20 @@ class TrainingRun:
         VAE on the device for it, and the sample prompts encoded too (so that sampling needs only the VAE
         back); then they leave the device (`--keep-encoders` keeps them)."""
         config = self.config
+        self.store = None if self.shapes_only else open_disk_cache(config, self.pipe, self.device, self.dtype)
         with self.encoders.on_device() as pipe:
             data, reg, val = self.encode_examples(pipe)
-            empty = unconditional_embeds(pipe) if config.caption_dropout else None
-            prompts = self.sample_prompts(data.captions)
-            samples = (prompts, prompt_inputs(pipe, prompts)) if config.sample_steps else None
+            store, prompts = self.store, self.sample_prompts(data.captions)
+            empty = cached_call(store, "unconditional", [], lambda: unconditional_embeds(pipe)) \
+                if config.caption_dropout else None
+            samples = None if not config.sample_steps else \
+                (prompts, cached_call(store, "prompts", prompts, lambda: prompt_inputs(pipe, prompts)))
         return Cached(data, reg, empty, samples, val)
 
     def encode_examples(self, pipe) -> RunData:
-        """Every folder, the held-out examples, the caption variants (datasets.py)."""
-        return encode_run_data(pipe, self.config, self.resolution)
+        """Every folder, the held-out examples, the caption variants (datasets.py), through the disk cache
+        where the run has one (diskcache.py)."""
+        return encode_run_data(pipe, self.config, self.resolution, self.store)
 
     def sample_prompts(self, captions: list[str]) -> list[str]:
         """The prompts of the samples: the config's, else the first distinct captions of the dataset."""

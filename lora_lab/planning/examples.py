@@ -29,7 +29,7 @@ from ..diffusion.data import (
     shown_size,
 )
 from ..diffusion.datasets import DataSource, check_disjoint, check_epoch, data_sources, kohya_sources, split
-from ..diffusion.encoded import ENCODE_BATCH, ENCODE_PIXELS
+from ..diffusion.encoded import image_groups
 
 
 class PlannedExamples:
@@ -65,19 +65,10 @@ class Part:
         return sum(h * w for h, w in self.sizes)
 
     def largest_group(self) -> tuple[int, tuple[int, int]]:
-        """The largest VAE call (in pixels) `encode_examples` makes of these images: (images, their size).
-        Its groups are consecutive images of one size, at most ENCODE_BATCH of them and ENCODE_PIXELS."""
-        best, start = (0, (0, 0)), 0
-        while start < len(self.sizes):
-            h, w = self.sizes[start]
-            most = min(ENCODE_BATCH, max(1, ENCODE_PIXELS // (h * w)))
-            stop = start + 1
-            while stop < min(start + most, len(self.sizes)) and self.sizes[stop] == self.sizes[start]:
-                stop += 1
-            if (stop - start) * h * w > best[0] * best[1][0] * best[1][1]:
-                best = (stop - start, (h, w))
-            start = stop
-        return best
+        """The largest VAE call (in pixels) `encode_examples` makes of these images: (images, their size),
+        of its calls (`encoded.image_groups`)."""
+        calls = [(stop - start, self.sizes[start]) for start, stop in image_groups(self.sizes)]
+        return max(calls, key=lambda c: c[0] * c[1][0] * c[1][1], default=(0, (0, 0)))
 
     def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool) -> None:
         for path, size, caption in _scan(source, resolution, buckets, skip_bad):

@@ -33,7 +33,7 @@ import inspect
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,9 @@ class MemoryPlan:
     keep_encoders), adapter weights, optimizer state, cached data (on the device only in a CPU run),
     gradients, activations saved for backward and live at the step's peak, and the working set at that peak
     (the backward's temporaries and recomputed activations: the rest). `step_phase`: forward, backward or
-    optimizer step, where in the step its peak is.
+    optimizer step, where in the step its peak is. host: each phase's host memory beside it (on the CPU the
+    same; on a GPU the dataset's cache, with a disk cache less its latents, which are mapped files' pages;
+    the text encoders and VAE while off the device; swapped blocks): host memory runs out first when caching.
     """
 
     model: str
@@ -126,15 +128,17 @@ class MemoryPlan:
     moved_per_step: int = 0  # block swapping: host -> device bytes of one training step
     resolution: int = 0  # the image side planned (the config's, or its base's default)
     base_dtype: str = ""  # the frozen base's dtype as planned ("auto" resolved for the device)
+    host: dict[str, int] = field(default_factory=dict)  # each phase's host memory (`PlannedRun.host_bytes`)
 
     @classmethod
     def from_dict(cls, fields: dict) -> MemoryPlan:
         """The plan `to_dict` gave (e.g. read back from the cache); PlanError where `fields` is not one."""
         if not isinstance(fields, dict) or set(fields) != set(cls.__dataclass_fields__):
             raise PlanError(f"not a memory plan's fields: {fields!r:.200}")
-        counts = [fields["phases"], fields["parts"]]
+        counts = [fields["phases"], fields["parts"], fields["host"]]
         if not all(isinstance(c, dict) and all(isinstance(k, str) and type(v) is int for k, v in c.items())
-                   for c in counts) or set(fields["phases"]) != set(PHASES):
+                   for c in counts) or set(fields["phases"]) != set(PHASES) or \
+                set(fields["host"]) not in (set(), set(PHASES)):
             raise PlanError("a memory plan's phases and parts must map names to integers of bytes")
         for name in ("peak", "saved_activations", "gradients", "moved_per_step", "resolution"):
             if type(fields[name]) is not int:
@@ -173,8 +177,12 @@ class MemoryPlan:
                 f"{o.get('grad_accum')} rank {o.get('rank')} {o.get('optimizer')} {ck + ' ' if ck else ''}"
                 f"{o.get('mixed_precision')} autocast, {base}, attention {self.attention} (prediction)")
         width = max(map(len, [*self.parts, *PHASES])) + 2
-        rows = [f"{name:<{width}} {format_bytes(n) if n or name != 'sample' else 'none':>12}"
-                + ("   <- the peak" if name == self.peak_phase else "") for name, n in self.phases.items()]
+        rows = [f"{'phase':<{width}} {'device':>12} {'host':>12}"]
+        def cell(n: int | None, name: str) -> str:
+            return "" if n is None else format_bytes(n) if n or name != "sample" else "none"
+
+        rows += [f"{name:<{width}} {cell(n, name):>12} {cell(self.host.get(name), name):>12}"
+                 + ("   <- the peak" if name == self.peak_phase else "") for name, n in self.phases.items()]
         step = [f"  {name:<{width - 2}} {format_bytes(n):>12}" for name, n in self.parts.items()]
         swap = ([f"block swapping: {o['blocks_to_swap']} blocks in host memory, "
                  f"{format_bytes(self.moved_per_step)} copied to the device per step"]
@@ -307,9 +315,9 @@ def _plan(config: TrainConfig, options: dict[str, Any], limit: int | None = None
                            checkpoint_options=options["checkpoint_options"], limit=limit)
     except LoraLabError as e:  # what the trainer refuses for this base (rank, resolution, ...)
         raise PlanError(f"plan_memory: {e}") from e
-    phases = dict(run.phases)
+    phases, host = dict(run.phases), dict(run.host)
     if not config.sample_steps:
-        phases["sample"] = 0
+        phases["sample"] = host["sample"] = 0
     peak_phase = max(phases, key=phases.get)
     used = "+".join(sorted(run.attention)) or "none"
     if used == "native":
@@ -319,4 +327,4 @@ def _plan(config: TrainConfig, options: dict[str, Any], limit: int | None = None
                       phases=phases, parts=run.parts, peak=phases[peak_phase], peak_phase=peak_phase,
                       step_phase=run.step_phase, saved_activations=run.saved_activations,
                       gradients=run.gradients, moved_per_step=run.moved_per_step, resolution=run.resolution,
-                      base_dtype=next(name for name, d in BASE_DTYPES.items() if d == dtype))
+                      base_dtype=next(name for name, d in BASE_DTYPES.items() if d == dtype), host=host)

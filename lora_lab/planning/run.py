@@ -3,6 +3,7 @@
     planned = plan_run(TrainConfig(model="sdxl", base="real:sdxl", resolution=1024, ...), device="cuda")
     planned.phases    {"cache": bytes, "load": ..., "train step": ..., "save": ..., "sample": ...}
     planned.parts     the training step's peak in parts (frozen weights, adapter, optimizer state, ...)
+    planned.host      each phase's host memory beside it
 
 `PlannedRun` is the trainer's `TrainingRun` (`lora_lab.diffusion.trainer`): its `run()` goes through the
 same stages in the same order, and overrides only the hooks where a plan differs. The base is opened from its
@@ -16,9 +17,11 @@ saving holds the host copy of the adapter that `save_outputs` writes, and the sa
 They run under `fakedevice.fake_device()` (tensors with shapes and no memory), `DeviceRules` (the planned
 GPU's attention kernels and autocast rules) and a `memory.LiveBytes`, phase by phase.
 
-What a GPU run keeps in host memory is not counted: the dataset's cache (`LiveBytes.exclude`), the text
-encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does), and the
-host copies made while saving. On the CPU the host is the device, and all of it counts. The examples are
+What a GPU run keeps in host memory is not counted on the device: the dataset's cache (`LiveBytes.exclude`),
+the text encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does),
+and the host copies made while saving; each phase's host bytes count it apart (`RunPeaks.host`: the cache,
+less what a disk cache maps from its files, the parked encoders, swapped blocks). On the CPU the host is
+the device, and all of it counts. The examples are
 the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
 `diffusion.encoded.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
 micro-batches at most (a third has the same memory as the second).
@@ -36,6 +39,7 @@ from ..checkpointing import block_swap, disable_checkpointing, enable_checkpoint
 from ..diffusion.adapters import clip_encoders
 from ..diffusion.config import TrainConfig
 from ..diffusion.datasets import RunData
+from ..diffusion.diskcache import cache_folder
 from ..diffusion.distributed import DistEnv
 from ..diffusion.encoded import EncodedExamples, encode_examples
 from ..diffusion.objectives import objective_for
@@ -81,6 +85,7 @@ class RunPeaks:
     attention: dict[str, int] = field(default_factory=dict)  # the attention backends that ran, and how often
     moved_per_step: int = 0  # block swapping: host -> device bytes one step copies
     resolution: int = 0  # the image side planned
+    host: dict[str, int] = field(default_factory=dict)  # each phase's host bytes (`PlannedRun.host_bytes`)
 
 
 def storage_bytes(tensors) -> int:
@@ -154,32 +159,46 @@ class PlannedRun(TrainingRun):
         self.counting.enter_context(self.tracker)  # from here on, every tensor counts
 
     def cache(self) -> None:
-        """The trainer's caching of one VAE call's group of examples (`encode_examples`); on the CPU the cache
-        of all the run's examples counted as `encode_run_data` makes it (`examples.CacheLedger`: the other
-        examples' latents and embeddings where they are live, the copies its selections make); elsewhere the
-        cache is in host memory and only the encoders' working sets count."""
+        """The trainer's caching of one VAE call's group of examples (`encode_examples`); the cache of all
+        the run's examples counted as `encode_run_data` makes it (`examples.CacheLedger`: the other examples'
+        latents and embeddings where they are live, the copies its selections make): on the CPU in the
+        phases, elsewhere in host memory (`host_cache`: its peak, and what stays) while only the encoders'
+        working sets count on the device. With a disk cache the latents, the sample prompts' and the empty
+        caption's embeddings are the cache files' pages, mapped (the kernel may drop and read them again): not
+        counted."""
         tracker = self.tracker
         tracker.track(_encoder_tensors(self.encoders))  # on the device now, also the parts no op reads
+        pipe = self.pipe
+        self.encoder_bytes = {name: storage_bytes((*m.parameters(), *m.buffers()))
+                              for name in self.encoders.names if (m := getattr(pipe, name)) is not None}
         self.counts = count_examples(self.config, self.resolution)
         start = tracker.current
         self.cached = self.encode_data()
         self.data, self.reg, self.empty, self.samples, self.val, _ = self.cached
         data, samples, (vae_peak, captions_peak, encoded) = self.data, self.samples, self.group_peaks
+        group = len(data.latents)
+        latent = storage_bytes(data.latents) // group
+        embed = storage_bytes(data.embeds.values()) // group
+        mapped = cache_folder(self.config) is not None  # the disk cache's files' pages hold the latents
+        held = 0 if mapped else latent
         if self.on_host:
             tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ()),
                              *(self.empty.values() if self.empty else ())])
             self.cached_bytes = 0
+            ledger = CacheLedger(0, (group, data.sizes[0]), held, embed, vae=0, text=0, after=0)
+            ledger.run_data(self.counts)  # the cache in host memory: the data, the prompts' embeddings
+            prompts = 0 if mapped else storage_bytes([*(samples[1].values() if samples else ()),
+                                                      *(self.empty.values() if self.empty else ())])
+            self.host_cache = (ledger.peak + prompts, ledger.current + prompts)
             return
-        group = len(data.latents)
-        latent = storage_bytes(data.latents) // group
-        embed = storage_bytes(data.embeds.values()) // group
-        ledger = CacheLedger(start, (group, data.sizes[0]), latent, embed,
+        ledger = CacheLedger(start, (group, data.sizes[0]), held, embed,
                              vae=vae_peak - start, text=captions_peak - start - group * (latent + embed),
                              after=tracker.peak - encoded)
         ledger.run_data(self.counts)
         tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"], ledger.peak)
         tracker.current += ledger.current - start - group * (latent + embed)
         self.cached_bytes = ledger.current - start
+        self.host_cache = (0, 0)  # counted in the phases: the host is the device
 
     def encode_examples(self, pipe) -> RunData:
         """As many training examples as the run's largest VAE call holds pixels, encoded (the peaks of its
@@ -389,7 +408,21 @@ class PlannedRun(TrainingRun):
         parts["working set at peak"] = peak - sum(parts.values())
         return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
                         step["grads"], dict(self.rules.used), swap.bytes_per_step() if swap else 0,
-                        self.resolution)
+                        self.resolution, self.host_bytes(swap))
+
+    def host_bytes(self, swap) -> dict[str, int]:
+        """Each phase's host memory: on the CPU its device bytes (the host is the device); elsewhere the
+        dataset's cache (`host_cache`: with a disk cache its latents are mapped files' pages, not counted),
+        the text encoders and VAE while off the device (all but the cache phase, where they work, and the
+        VAE in the sample phase), the swapped blocks' pinned copies."""
+        if not self.on_host:
+            return {p: self.tracker.phase_peaks[p] for p in PHASES}
+        peak, kept = self.host_cache
+        parked = {} if self.config.keeps_encoders() else self.encoder_bytes
+        swapped = storage_bytes(t for h in swap.host for t in h.values()) if swap else 0
+        return {"cache": peak, "load": kept + sum(parked.values()), "train step": kept + sum(parked.values())
+                + swapped, "save": kept + sum(parked.values()) + swapped,
+                "sample": kept + sum(parked.values()) - parked.get("vae", 0) + swapped}
 
 
 @contextlib.contextmanager

@@ -46,6 +46,8 @@ CHANGES = {
     "gradient_checkpointing": ({}, {"gradient_checkpointing": True}),
     "sample_steps": ({}, {"sample_steps": 0}),
     "sample_every": ({}, {"sample_every": 1}),
+    "cache_dir": ({}, {"cache_dir": "unused-cache"}),  # latents mapped, not held (CPU: the device's bytes)
+    "cache_to_disk": ({}, {"cache_to_disk": True}),
 }
 # a field declared as changing memory that cannot change a tiny plan of the shipped base, and why
 CANNOT_AT_TINY = {
@@ -93,7 +95,7 @@ def _plan(fields: dict, folders: dict) -> tuple:
     key = repr(sorted(fields.items()))
     if key not in _PLANS:
         plan = plan_memory(config, cache=False)
-        _PLANS[key] = (plan.phases, plan.parts)
+        _PLANS[key] = (plan.phases, plan.parts, plan.host)
     return _PLANS[key]
 
 

@@ -38,7 +38,7 @@ def _fake_plan(calls):
         calls.append(options)
         phases = {"cache": 1, "load": 2, "train step": 5, "save": 2, "sample": 0}
         return planner.MemoryPlan(options["model"], str(options["size"]), options, "native (cpu)", phases,
-                                  {"frozen weights": 5}, 5, "train step", "backward", 3, 1)
+                                  {"frozen weights": 5}, 5, "train step", "backward", 3, 1, host=phases)
     return plan
 
 
