@@ -1,10 +1,12 @@
 """A dataset encoded once for training: cached VAE latents and text embeddings.
 
 API:
-    EncodedExamples(latents, embeds, captions, sizes, paths=None, variants=1): what the training loop reads;
-        .select(idx), .latents_of(idx), .embeds_of(idx, drop, empty, device, variant)
+    EncodedExamples(latents, embeds, captions, sizes, paths=None, variants=1, flipped=None, masks=None): what
+        the training loop reads; .select(idx), .latents_of(idx, flip), .masks_of(idx, flip),
+        .embeds_of(idx, drop, empty, device, variant)
     encode_dataset(pipe, folder, resolution, ...) -> EncodedExamples of an image+caption folder
-    encode_examples(pipe, ds, seed=0, phase=None) -> EncodedExamples of a dataset (VAE in bounded groups)
+    encode_examples(pipe, ds, seed=0, phase=None, flip=False) -> EncodedExamples of a dataset (VAE in bounded
+        groups; with flip the mirrored images' latents too; the items' masks on the latent grid)
     encode_captions(pipe, captions) -> {key: (N, ...)} each distinct caption encoded once
     unconditional_embeds(pipe) -> the pipeline's own negative-branch input, (1, ...)
     ENCODE_BATCH, ENCODE_PIXELS: the most images / pixels per encoder call (the planner reads them)
@@ -20,6 +22,7 @@ import torch
 
 from ..models import encode_images, encode_prompts
 from .data import ImageCaptionDataset, aspect_buckets
+from .losses import latent_mask
 
 ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
 ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image,
@@ -38,6 +41,8 @@ class EncodedExamples:
     sizes: list[tuple[int, int]]
     paths: list[str] | None = None
     variants: int = 1  # caption variants per example (shuffled tags, tag dropout), each step draws one
+    flipped: list[torch.Tensor] | None = None  # the mirrored images' latents (C, h, w), with `flip`
+    masks: list[torch.Tensor] | None = None  # (1, h, w) fp32 in [0, 1] on the latent grid, with masked loss
 
     def select(self, idx: list[int]) -> EncodedExamples:
         """The examples `idx` (repeats allowed: a repeated latent is the same tensor, not a copy)."""
@@ -45,14 +50,29 @@ class EncodedExamples:
             return self  # all of them, in order: no copy of the embeddings (the cache phase's peak)
         rows = torch.tensor([i * self.variants + v for i in idx for v in range(self.variants)],
                             dtype=torch.long)
-        return EncodedExamples([self.latents[i] for i in idx], {k: v[rows] for k, v in self.embeds.items()},
-                               [self.captions[i] for i in idx], [self.sizes[i] for i in idx],
-                               None if self.paths is None else [self.paths[i] for i in idx], self.variants)
 
-    def latents_of(self, idx: list[int] | torch.Tensor) -> torch.Tensor:
-        # (B, C, h, w)
-        return torch.stack([self.latents[i]
-                            for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])
+        def pick(items):
+            return None if items is None else [items[i] for i in idx]
+
+        return EncodedExamples(pick(self.latents), {k: v[rows] for k, v in self.embeds.items()},
+                               pick(self.captions), pick(self.sizes), pick(self.paths), self.variants,
+                               pick(self.flipped), pick(self.masks))
+
+    def latents_of(self, idx: list[int] | torch.Tensor, flip: list[bool] | None = None) -> torch.Tensor:
+        """(B, C, h, w) the examples' latents; where `flip` (B bools) is True, their mirrored images'."""
+        idx = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+        flips = flip or [False] * len(idx)
+        return torch.stack([(self.flipped if f else self.latents)[i] for i, f in zip(idx, flips)])
+
+    def masks_of(self, idx: list[int] | torch.Tensor,
+                 flip: list[bool] | None = None) -> torch.Tensor | None:
+        """(B, 1, h, w) the examples' masks, mirrored where `flip` is True (a mirror of the image's mask on
+        the latent grid is the mirrored mask's: each cell averages whole 8 x 8 blocks); None without masks."""
+        if self.masks is None:
+            return None
+        idx = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+        flips = flip or [False] * len(idx)
+        return torch.stack([self.masks[i].flip(-1) if f else self.masks[i] for i, f in zip(idx, flips)])
 
     def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None,
                   device, variant: torch.Tensor | None = None) -> dict:
@@ -78,9 +98,11 @@ def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = Fa
     return encode_examples(pipe, ds, seed)
 
 
-def encode_examples(pipe, ds, seed: int = 0, phase=None) -> EncodedExamples:
+def encode_examples(pipe, ds, seed: int = 0, phase=None, flip: bool = False) -> EncodedExamples:
     """The examples of `ds` (an ImageCaptionDataset, or anything with its `sizes`, `captions` and items) as
-    cached latents and text embeddings.
+    cached latents and text embeddings; with `flip` the mirrored images' latents too (encoded after the
+    others, so these are the latents a run without flip caches); the items' masks ("mask", where they have
+    one) on the latent grid (`losses.latent_mask`).
 
     The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
     caches the same latents. Images go through the VAE in groups of one size (with buckets, consecutive
@@ -90,7 +112,23 @@ def encode_examples(pipe, ds, seed: int = 0, phase=None) -> EncodedExamples:
     encoders' (what a memory plan reads), or None.
     """
     g = torch.Generator(device=pipe.vae.device).manual_seed(seed)
+    latents, masks = encode_images_of(pipe, ds, g)
+    flipped = encode_images_of(pipe, ds, g, mirror=True)[0] if flip else None
+    with (phase or _unnamed)("cache captions"):
+        embeds = encode_captions(pipe, ds.captions)
+    paths = getattr(ds, "paths", None)
+    return EncodedExamples(latents, embeds, list(ds.captions), list(ds.sizes),
+                           None if paths is None else [str(p) for p in paths], flipped=flipped,
+                           masks=masks or None)
+
+
+def encode_images_of(pipe, ds, g: torch.Generator, mirror: bool = False
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The latents of `ds`'s images (mirrored left-right with `mirror`), VAE calls of one size at most
+    ENCODE_BATCH images and ENCODE_PIXELS pixels each, drawn from `g`; and their masks on the latent grid
+    (without `mirror`; [] where the items have none)."""
     latents: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     start = 0
     while start < len(ds):
         h, w = ds.sizes[start]
@@ -98,14 +136,14 @@ def encode_examples(pipe, ds, seed: int = 0, phase=None) -> EncodedExamples:
         stop = start + 1
         while stop < min(start + most, len(ds)) and ds.sizes[stop] == ds.sizes[start]:
             stop += 1
-        images = torch.stack([ds[i]["image"] for i in range(start, stop)])
-        latents.extend(encode_images(pipe, images, generator=g).float().cpu())  # (b, C, h, w)
+        items = [ds[i] for i in range(start, stop)]
+        images = torch.stack([item["image"] for item in items])
+        batch = encode_images(pipe, images.flip(-1) if mirror else images, generator=g).float().cpu()
+        latents.extend(batch)  # (b, C, h, w)
+        if not mirror:
+            masks.extend(latent_mask(item["mask"], batch.shape[2:]) for item in items if "mask" in item)
         start = stop
-    with (phase or _unnamed)("cache captions"):
-        embeds = encode_captions(pipe, ds.captions)
-    paths = getattr(ds, "paths", None)
-    return EncodedExamples(latents, embeds, list(ds.captions), list(ds.sizes),
-                           None if paths is None else [str(p) for p in paths])
+    return latents, masks
 
 
 def _unnamed(name: str) -> contextlib.AbstractContextManager:

@@ -25,6 +25,7 @@ from ..diffusion.data import (
     IMAGE_EXTS,
     DatasetError,
     aspect_buckets,
+    is_image_file,
     nearest_bucket,
     shown_size,
 )
@@ -36,16 +37,20 @@ class PlannedExamples:
     """Examples of one size (h, w) with `distinct` different captions, as `diffusion.encoded.encode_examples`
     reads a dataset."""
 
-    def __init__(self, n: int, size: tuple[int, int], distinct: int):
+    def __init__(self, n: int, size: tuple[int, int], distinct: int, masked: bool = False):
         self.sizes = [size] * n
         self.captions = [f"a photo {i % distinct}" for i in range(n)]
+        self.masked = masked  # each item has a mask (`--masked-loss`)
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> dict:
         h, w = self.sizes[i]
-        return {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
+        item = {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
+        if self.masked:
+            item["mask"] = torch.ones(1, h, w)
+        return item
 
 
 @dataclass
@@ -136,7 +141,7 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
     if not folder.is_dir():
         raise DatasetError(f"{folder}: no such dataset folder")
     out = []
-    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and p.is_file()):
+    for path in sorted(p for p in folder.iterdir() if is_image_file(p) and p.is_file()):
         caption = path.with_suffix(source.caption_extension)
         if not caption.is_file():
             if skip_bad:
@@ -155,31 +160,36 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
 
 class CacheLedger:
     """The cache phase of a CPU run in bytes (the host is the device): `encode_run_data`'s steps replayed on
-    counts, from what the planned group cost. `group`: its images and their size; `latent`: one image's
-    latent, `embed`: one caption's embeddings; `vae`: the VAE call's working set (its latents in it) over
-    what was live before, `text`: the text encoders' (beyond the group's embeddings), `after`: what encoding
-    the sample prompts and the empty caption adds; `start`: the live bytes before encoding. The VAE's working
-    set scales with a call's pixels; the text encoders' is the group's in every call (measured on tiny
-    bases, it does not grow in proportion to the captions of a call: 16 took less than 10 in the group)."""
+    counts, from what the planned group cost. `group`: its images and their size; `latent`: what one
+    training image caches beside its embeddings (its latent; with `--flip` its mirrored image's, with
+    `--masked-loss` its mask), `plain`: one latent alone (a regularization image's; default `latent`; a
+    validation folder's images are counted as training images), `embed`: one caption's embeddings; `vae`:
+    the VAE call's working set (its latents in it) over what was live before, `text`: the text encoders'
+    (beyond the group's embeddings), `after`: what encoding the sample prompts and the empty caption adds;
+    `start`: the live bytes before encoding. The VAE's working set scales with a call's pixels; the text
+    encoders' is the group's in every call (measured on tiny bases, it does not grow in proportion to the
+    captions of a call: 16 took less than 10 in the group)."""
 
     def __init__(self, start: int, group: tuple[int, tuple[int, int]], latent: int, embed: int, vae: int,
-                 text: int, after: int):
+                 text: int, after: int, plain: int | None = None):
         self.current = self.peak = start
         n, (h, w) = group
         self.per_pixel, self.vae_per_pixel = latent / (h * w), vae / (n * h * w)
+        self.plain_per_pixel = (latent if plain is None else plain) / (h * w)
         self.latent, self.embed, self.text, self.after = latent, embed, text, after
 
     def _rise(self, n: int) -> None:
         self.current += n
         self.peak = max(self.peak, self.current)
 
-    def encode(self, part: Part) -> None:
+    def encode(self, part: Part, plain: bool = False) -> None:
         """`encode_examples`: the images through the VAE group by group (the largest call's working set with
         every other latent), then the captions' embeddings (all rows, with the text encoders' working
-        set)."""
+        set). `plain`: latents alone (regularization images: no mirror, no mask)."""
         n, (h, w) = part.largest_group()
-        latents = round(part.pixels() * self.per_pixel)
-        group = round(n * h * w * self.per_pixel)
+        per_pixel = self.plain_per_pixel if plain else self.per_pixel
+        latents = round(part.pixels() * per_pixel)
+        group = round(n * h * w * per_pixel)
         self.peak = max(self.peak, self.current + latents - group + round(n * h * w * self.vae_per_pixel))
         self.current += latents
         self.captions(len(part))
@@ -227,7 +237,7 @@ class CacheLedger:
             if held:
                 self.free(held)
         if counts.reg is not None:
-            self.encode(counts.reg)
+            self.encode(counts.reg, plain=True)
             if sum(counts.reg.repeats) != len(counts.reg):  # the repeats: a copy, the encoded rows go
                 self.copy(sum(counts.reg.repeats))
                 self.free(len(counts.reg))

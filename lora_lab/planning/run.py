@@ -171,11 +171,12 @@ class PlannedRun(TrainingRun):
             self.cached_bytes = 0
             return
         group = len(data.latents)
-        latent = storage_bytes(data.latents) // group
+        plain = storage_bytes(data.latents) // group
+        latent = plain + storage_bytes([*(data.flipped or ()), *(data.masks or ())]) // group  # flip, mask
         embed = storage_bytes(data.embeds.values()) // group
         ledger = CacheLedger(start, (group, data.sizes[0]), latent, embed,
                              vae=vae_peak - start, text=captions_peak - start - group * (latent + embed),
-                             after=tracker.peak - encoded)
+                             after=tracker.peak - encoded, plain=plain)
         ledger.run_data(self.counts)
         tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"], ledger.peak)
         tracker.current += ledger.current - start - group * (latent + embed)
@@ -188,14 +189,15 @@ class PlannedRun(TrainingRun):
         counts, tracker, r = self.counts, self.tracker, self.resolution
         n, (h, w) = counts.train.largest_group()
         group = max(1, round(n * h * w / r**2))  # of the square size: the step's (buckets are about r^2)
-        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group))
+        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group),
+                                   self.config.masked_loss)
         peaks = []
 
         def phase(name: str) -> contextlib.AbstractContextManager:  # "cache captions": the images are done
             peaks.append(tracker.phase_peaks["cache"])
             return tracker.phase(name)
 
-        data = encode_examples(pipe, examples, self.config.seed, phase)
+        data = encode_examples(pipe, examples, self.config.seed, phase, self.config.flip)
         self.group_peaks = (peaks[0], tracker.phase_peaks.pop("cache captions"), tracker.current)
         tracker.reset_peak()  # from here: the sample prompts and the empty caption
         same = EncodedExamples(data.latents, data.embeds, data.captions, data.sizes)
@@ -295,7 +297,8 @@ class PlannedRun(TrainingRun):
             with torch.no_grad(), unset_fake_temporarily():  # the fixed noise and timesteps: real tensors
                 batch = next(validation_batches(self.config, self.val, objective, CPU))
             with torch.no_grad():
-                denoising_loss(self.config, self.kind, self.pipe, objective, *batch[:4], weighted=False)
+                denoising_loss(self.config, self.kind, self.pipe, objective, *batch[:4], weighted=False,
+                               mask=batch[5])
             del batch
         if self.samples_while_training():
             on_device = contextlib.nullcontext() if self.planned_device == "cpu" else \
