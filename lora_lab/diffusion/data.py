@@ -97,8 +97,7 @@ def to_rgb(img):
     from PIL import Image
 
     if img.mode.startswith("I"):  # "I;16", "I;16B", "I": 16-bit grayscale PNG samples, 0..65535
-        arr = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), mode="L")
+        img = _grey(img)
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
         white = Image.new("RGBA", img.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
@@ -117,7 +116,7 @@ def mask_file(image: Path) -> Path:
 
 
 def _grey(img):
-    """A greyscale PIL image (1, L or 16-bit) as 8-bit L (16-bit scaled as `to_rgb` scales it)."""
+    """A greyscale PIL image (1, L or 16-bit) as 8-bit L: 16-bit samples scaled to 8 bits (round(v/257))."""
     from PIL import Image
 
     if img.mode.startswith("I"):
