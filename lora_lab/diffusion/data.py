@@ -125,13 +125,13 @@ def _grey(img):
     return img.convert("L")
 
 
-def open_mask(image: Path, kind: str):
-    """The mask of `image` as an L image of the image's shown size: its NAME.mask.png (kind "file") or its
-    alpha channel (kind "alpha"); DatasetError naming the file where it is missing, not greyscale, not the
-    image's size, or all zero."""
+def open_mask(image: Path, kind: str, size: tuple[int, int] | None = None):
+    """The mask of `image` as an L image of the image's shown size (`size`, (width, height), where the caller
+    has it): its NAME.mask.png (kind "file") or its alpha channel (kind "alpha"); DatasetError naming the
+    file where it is missing, not greyscale, not the image's size, or all zero."""
     from PIL import Image, ImageOps
 
-    size = _open_image(image).size
+    size = size or _open_image(image).size
     path = mask_file(image) if kind == "file" else image
     if kind == "file" and not path.is_file():
         raise DatasetError(f"{image}: no mask file {path.name} (--masked-loss; or --alpha-mask to read the "
@@ -140,7 +140,7 @@ def open_mask(image: Path, kind: str):
         with Image.open(path) as opened:
             img = ImageOps.exif_transpose(opened)
             img.load()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise DatasetError(f"{path}: unreadable mask ({e})") from None
     if kind == "alpha":
         if not (img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info)):
@@ -194,7 +194,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 caption = _read_caption(path, caption_path)
                 w, h = _open_image(path).size
                 if mask is not None:
-                    open_mask(path, mask)
+                    open_mask(path, mask, (w, h))
             except DatasetError as e:
                 if not skip_bad:
                     raise DatasetError(f"{e} (lora-lab train --skip-bad-images, skip_bad_images=True, skips "
@@ -215,10 +215,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         h, w = self.sizes[i]
-        img = resize_center_crop(_open_image(self.paths[i]), h, w)
-        item = {"image": _to_tensor(img), "caption": self.captions[i], "path": str(self.paths[i])}
+        shown = _open_image(self.paths[i])
+        item = {"image": _to_tensor(resize_center_crop(shown, h, w)), "caption": self.captions[i],
+                "path": str(self.paths[i])}
         if self.mask is not None:  # resized and cropped as its image
-            mask = resize_center_crop(open_mask(self.paths[i], self.mask), h, w)
+            mask = resize_center_crop(open_mask(self.paths[i], self.mask, shown.size), h, w)
             item["mask"] = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
         return item
 
