@@ -26,10 +26,19 @@ from ..diffusion.data import (
     DatasetError,
     aspect_buckets,
     is_image_file,
+    mask_file,
     nearest_bucket,
     shown_size,
 )
-from ..diffusion.datasets import DataSource, check_disjoint, check_epoch, data_sources, kohya_sources, split
+from ..diffusion.datasets import (
+    DataSource,
+    check_disjoint,
+    check_epoch,
+    data_sources,
+    kohya_sources,
+    mask_kind,
+    split,
+)
 from ..diffusion.encoded import ENCODE_BATCH, ENCODE_PIXELS
 
 
@@ -84,8 +93,9 @@ class Part:
             start = stop
         return best
 
-    def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool) -> None:
-        for path, size, caption in _scan(source, resolution, buckets, skip_bad):
+    def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool,
+            mask: str | None = None) -> None:
+        for path, size, caption in _scan(source, resolution, buckets, skip_bad, mask):
             self.paths.append(path)
             self.sizes.append(size)
             self.captions.append(caption)
@@ -110,11 +120,11 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
     where the trainer's reading would fail: no folder, no images, a missing caption without
     skip_bad_images)."""
     buckets = aspect_buckets(resolution) if config.buckets else None
-    sources = data_sources(config)
+    sources, mask = data_sources(config), mask_kind(config)
     parts, epoch = {False: Part(), True: Part()}, {}
     for s in sources:
         before = len(parts[s.is_reg])
-        parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images)
+        parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images, None if s.is_reg else mask)
         if not s.is_reg:
             epoch[s.path] = (len(parts[False]) - before, s.repeats)
     check_epoch(epoch, config)  # the trainer's refusal, before a plan is made
@@ -124,17 +134,17 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
     if config.validation_dataset is not None:
         counts.validation = Part()
         for s in kohya_sources(Path(config.validation_dataset)):
-            counts.validation.add(s, resolution, buckets, config.skip_bad_images)
+            counts.validation.add(s, resolution, buckets, config.skip_bad_images, mask)
         check_disjoint(train.paths, counts.validation.paths, config.validation_dataset)
     if config.shuffle_captions or config.tag_dropout:
         counts.variants = config.caption_variants
     return counts
 
 
-def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
+def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool, mask: str | None = None
           ) -> list[tuple[Path, tuple[int, int], str]]:
-    """Each image of a folder with a caption: its path, size (its bucket's, from the file's header) and
-    caption."""
+    """Each image of a folder with a caption (and with `mask` "file" a mask file): its path, size (its
+    bucket's, from the file's header) and caption."""
     from PIL import Image
 
     folder = Path(source.path)
@@ -147,6 +157,10 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
             if skip_bad:
                 continue
             raise DatasetError(f"{path}: no caption file {caption.name}")
+        if mask == "file" and not mask_file(path).is_file():
+            if skip_bad:
+                continue
+            raise DatasetError(f"{path}: no mask file {mask_file(path).name} (--masked-loss)")
         size = (resolution, resolution)
         if buckets:
             with Image.open(path) as img:  # the header only

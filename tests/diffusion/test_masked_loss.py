@@ -145,3 +145,6 @@ def test_repeats_the_held_out_split_and_the_cache_carry_the_masks(tmp_path, monk
             assert mask[0, 0].tolist() == [1.0] * (shade + 1) + [0.0] * (3 - shade)
     counts = count_examples(config, 8)
     assert len(counts.train) == 4 and counts.train.repeats == [3] * 4
+    (folder / "2.mask.png").unlink()  # the planner refuses what the trainer would
+    with pytest.raises(DatasetError, match=r"2\.png: no mask file 2\.mask\.png"):
+        count_examples(config, 8)
