@@ -105,3 +105,31 @@ def test_a_flipped_example_trains_on_the_mirrored_images_latent(monkeypatch):
     want = torch.stack([flip.masks[2].flip(-1), flip.masks[0], flip.masks[1].flip(-1)])
     torch.testing.assert_close(batch.mask, want)
     assert batch.mask[0, 0, 0].tolist() == [0.0, 0.0, 0.0, 1.0]  # mirrored with its image
+
+
+@pytest.mark.slow
+def test_a_resumed_flip_and_masked_run_ends_bit_for_bit(digits_folder, tmp_path):
+    """A 2-step sd3 run with flip and a masked loss, its last checkpoint and LoRA files removed, resumed from
+    step 1: the LoRA of the run never stopped, bit for bit (the flips are functions of seed and step)."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from lora_lab.diffusion import train
+
+    folder = digits_folder(count=4)
+    for image in folder.glob("*.png"):
+        mask = torch.zeros(32, 32, dtype=torch.uint8)
+        mask[:, :16] = 255
+        Image.fromarray(mask.numpy()).save(folder / f"{image.stem}.mask.png")
+    out = tmp_path / "run"
+    fields = dict(model="sd3", dataset=str(folder), output=str(out), steps=2, save_every=1, rank=4, lr=1e-2,
+                  batch_size=2, flip=True, masked_loss=True, sample_steps=0, progress=False, seed=11)
+    whole = train(TrainConfig(**fields))
+    want = load_file(str(whole.outputs["lora_diffusers"]))
+    (out / "checkpoints" / "step_0000002.pt").unlink()
+    for name in ("lora.safetensors", "pytorch_lora_weights.safetensors"):
+        (out / name).unlink()
+    resumed = train(TrainConfig(**fields, resume=True))
+    got = load_file(str(resumed.outputs["lora_diffusers"]))
+    assert resumed.losses == whole.losses
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
