@@ -33,7 +33,10 @@ ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): o
 class EncodedExamples:
     """A dataset as the training loop uses it: one cached latent (C, h, w) per example (shapes differ across
     aspect-ratio buckets, never within a batch), text embeddings (N * variants, ...: example i's caption
-    variants in rows i * variants ... (i + 1) * variants - 1), captions, bucket sizes, image files."""
+    variants in rows i * variants ... (i + 1) * variants - 1), captions, bucket sizes, image files; with
+    `--flip` each example's mirrored image's latent (`flipped`: the VAE's latent of the mirrored image, not a
+    mirrored latent: the VAE is not mirror-equivariant; sd-scripts caches its `latents_flipped` so), with
+    `--masked-loss` each example's mask on the latent grid (1, h, w)."""
 
     latents: list[torch.Tensor]
     embeds: dict[str, torch.Tensor]
