@@ -12,6 +12,7 @@ API:
     BucketBatchSampler(dataset, batch_size, seed=0, drop_last=False) -> bucket_batches as a DataLoader sampler
     batch_indices(seed, step, global_batch, sizes) -> (G,) the examples of training step `step`, a function of
         (seed, step): consecutive slots of per-epoch permutations, or with several sizes one bucket's batch
+    derived_seed(name, *numbers) -> a generator seed of its own stream (a hash of them)
     collate(items) -> {"images": (B, 3, H, W), "captions": [str], "paths": [str]}
     DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
         a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption, a missing or bad
@@ -354,6 +355,13 @@ class BucketBatchSampler(torch.utils.data.Sampler):
 
 
 # ---------------------------------------------------------------------------- the examples of a training step
+
+
+def derived_seed(*parts) -> int:
+    """A generator seed that is a function of `parts` (a name and numbers) alone, in [0, 2^63): a stream of
+    its own, apart from any other name's or numbers' (a hash, not a sum that another seed could repeat)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:

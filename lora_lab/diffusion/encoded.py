@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..models import encode_images, encode_prompts
-from .data import ImageCaptionDataset, aspect_buckets
+from .data import ImageCaptionDataset, aspect_buckets, derived_seed
 from .losses import latent_mask
 
 ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
@@ -103,9 +103,9 @@ def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = Fa
 
 def encode_examples(pipe, ds, seed: int = 0, phase=None, flip: bool = False) -> EncodedExamples:
     """The examples of `ds` (an ImageCaptionDataset, or anything with its `sizes`, `captions` and items) as
-    cached latents and text embeddings; with `flip` the mirrored images' latents too (encoded after the
-    others, so these are the latents a run without flip caches); the items' masks ("mask", where they have
-    one) on the latent grid (`losses.latent_mask`).
+    cached latents and text embeddings; with `flip` the mirrored images' latents too (their posterior drawn
+    from a generator of their own, `derived_seed("mirror", seed)`: the other latents are those of a run
+    without flip); the items' masks ("mask", where they have one) on the latent grid (`losses.latent_mask`).
 
     The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
     caches the same latents. Images go through the VAE in groups of one size (with buckets, consecutive
@@ -116,7 +116,10 @@ def encode_examples(pipe, ds, seed: int = 0, phase=None, flip: bool = False) -> 
     """
     g = torch.Generator(device=pipe.vae.device).manual_seed(seed)
     latents, masks = encode_images_of(pipe, ds, g)
-    flipped = encode_images_of(pipe, ds, g, mirror=True)[0] if flip else None
+    flipped = None
+    if flip:  # their own generator: the mirrored latents do not depend on how the others were made
+        mirrored = torch.Generator(device=pipe.vae.device).manual_seed(derived_seed("mirror", seed))
+        flipped = encode_images_of(pipe, ds, mirrored, mirror=True)[0]
     with (phase or _unnamed)("cache captions"):
         embeds = encode_captions(pipe, ds.captions)
     paths = getattr(ds, "paths", None)

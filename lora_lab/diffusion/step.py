@@ -20,7 +20,6 @@ With `flip`, which examples are mirrored is drawn last, from its own generator o
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from ..precision import autocast
 # (tests inject a NaN loss)
 from . import objectives
 from .config import TrainConfig
-from .data import batch_indices
+from .data import batch_indices, derived_seed
 from .encoded import EncodedExamples
 from .losses import example_losses
 from .weighting import (
@@ -69,8 +68,7 @@ def step_generator(seed: int, step: int, device: torch.device) -> torch.Generato
 def flip_generator(seed: int, step: int) -> torch.Generator:
     """The generator of step `step`'s flips (CPU): a function of (seed, step) only, apart from
     `step_generator`'s stream (a hash of both: no other run's or step's generator repeats it)."""
-    digest = hashlib.blake2b(f"flip:{seed}:{step}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") % (2**63))
+    return torch.Generator().manual_seed(derived_seed("flip", seed, step))
 
 
 def draw_noise(config: TrainConfig, objective, data: EncodedExamples, idx: torch.Tensor, g: torch.Generator):
