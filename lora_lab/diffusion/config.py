@@ -92,6 +92,22 @@ class TrainConfig:
                   "input (SDXL: zeros, others: the empty prompt) instead of its caption, so "
                   "classifier-free guidance's negative branch learns the new data too"},
     )
+    masked_loss: bool = field(
+        default=False,
+        metadata={"help": "train only where each image's mask says: NAME.mask.png beside NAME.png "
+                  "(greyscale, the image's size; white trains, black is ignored, grey weighs between), "
+                  "resized and cropped as its image, area-averaged onto the latent grid (kohya's "
+                  "--masked_loss); each example's loss averaged over its mask's weight; regularization "
+                  "images train whole"})
+    alpha_mask: bool = field(
+        default=False,
+        metadata={"help": "with --masked-loss: each image's alpha channel is its mask (kohya's "
+                  "--alpha_mask)"})
+    flip: bool = field(
+        default=False,
+        metadata={"help": "mirror each training example left-right with probability 1/2 at each step, "
+                  "captions untouched; the VAE's latent of each mirrored image is cached too (the latents' "
+                  "host memory doubles) (kohya's --flip_aug)"})
     # the adapter
     rank: int = field(default=16, metadata={"help": "LoRA rank r"})
     alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default: = rank, i.e. scale 1)"})

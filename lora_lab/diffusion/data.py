@@ -1,20 +1,23 @@
 """Image + caption folders for diffusion LoRA training.
 
 API:
-    ImageCaptionDataset(folder, resolution=16, buckets=None, skip_bad=False)
+    ImageCaptionDataset(folder, resolution=16, buckets=None, skip_bad=False, mask=None)
         a folder of images (png, jpg, jpeg, webp, bmp) each with a same-stem .txt caption;
         every file is opened and checked at construction, so a bad file fails before training starts.
-        ds[i] -> {"image": (3, H, W) fp32 in [-1, 1], "caption": str, "path": str}
+        ds[i] -> {"image": (3, H, W) fp32 in [-1, 1], "caption": str, "path": str}; with mask "file" (each
+        image's NAME.mask.png) or "alpha" (its alpha channel) also "mask": (1, H, W) fp32 in [0, 1]
         ds.paths, ds.captions, ds.sizes (H, W) per item after bucketing
     aspect_buckets(resolution, multiple=8, max_ratio=2.0) -> [(H, W), ...] of about resolution^2 pixels
     bucket_batches(sizes, batch_size, seed, epoch) -> one epoch's batches of indices, each of one size
     BucketBatchSampler(dataset, batch_size, seed=0, drop_last=False) -> bucket_batches as a DataLoader sampler
     batch_indices(seed, step, global_batch, sizes) -> (G,) the examples of training step `step`, a function of
         (seed, step): consecutive slots of per-epoch permutations, or with several sizes one bucket's batch
+    derived_seed(name, *numbers) -> a generator seed of its own stream (a hash of them)
     collate(items) -> {"images": (B, 3, H, W), "captions": [str], "paths": [str]}
     DatasetError (LoraLabError, ValueError): missing/empty folder, unreadable image (corrupt, truncated, not
-        a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption; each names the
-        file
+        a regular file, over PIL's decompression-bomb limit), missing or non-UTF-8 caption, a missing or bad
+        mask (not greyscale, not the image's size, all zero; no alpha channel); each names the file
+    is_image_file(path) -> whether a folder's file is a training image (NAME.mask.png files are masks)
     folder_fingerprint(folder) -> hex digest of the images' and captions' names, sizes and contents
     file_digest(path) -> a blake2b of a file's bytes (a disk cache entry's key holds its images')
     to_rgb(img) -> the RGB image a PIL image shows (16-bit scaled to 8, alpha composited over white)
@@ -28,6 +31,11 @@ phone's portrait photo, stored sideways with an orientation tag, trains upright.
 becomes the RGB it shows: 16-bit grayscale PNGs are scaled to 8 bits
 (round(v/257)), palette and grayscale images are expanded, and transparent pixels (RGBA, LA, a palette
 with transparency) are composited over white.
+
+A mask (`--masked-loss`) is a greyscale image of the image's size (white: trained, black: ignored, grey:
+weighted between), NAME.mask.png beside NAME.png (or the image's alpha channel, `--alpha-mask`); it is
+resized and cropped exactly as its image (`resize_center_crop`), then put on the latent grid when cached
+(`losses.latent_mask`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ from ..models import RESOLUTION
 # `import lora_lab` imports this module.
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 EXIF_ORIENTATION = 0x0112  # the EXIF tag a camera records its rotation in (1: upright, 2-8: flipped, turned)
+MASK_SUFFIX = ".mask.png"  # NAME.mask.png: the mask of NAME.png (or .jpg ...) beside it
+MASK_MODES = ("1", "L", "I;16", "I;16B", "I;16L", "I")  # the greyscale modes a mask file may have
+
+
 class DatasetError(LoraLabError, ValueError):
     """A training folder that cannot be used: missing, empty, an unreadable image, a missing caption."""
 
@@ -87,12 +99,67 @@ def to_rgb(img):
     from PIL import Image
 
     if img.mode.startswith("I"):  # "I;16", "I;16B", "I": 16-bit grayscale PNG samples, 0..65535
-        arr = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), mode="L")
+        img = _grey(img)
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
         white = Image.new("RGBA", img.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, img.convert("RGBA")).convert("RGB")
     return img.convert("RGB")
+
+
+def is_image_file(path: Path) -> bool:
+    """Whether a file of a training folder is an image to train on: an image extension, and not a mask
+    (NAME.mask.png)."""
+    return path.suffix.lower() in IMAGE_EXTS and not path.name.lower().endswith(MASK_SUFFIX)
+
+
+def mask_file(image: Path) -> Path:
+    """The mask file of `image`: NAME.mask.png beside it."""
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def _grey(img):
+    """A greyscale PIL image (1, L or 16-bit) as 8-bit L: 16-bit samples scaled to 8 bits (round(v/257))."""
+    from PIL import Image
+
+    if img.mode.startswith("I"):
+        arr = np.asarray(img, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), mode="L")
+    return img.convert("L")
+
+
+def open_mask(image: Path, kind: str, size: tuple[int, int] | None = None):
+    """The mask of `image` as an L image of the image's shown size (`size`, (width, height), where the caller
+    has it): its NAME.mask.png (kind "file") or its alpha channel (kind "alpha"); DatasetError naming the
+    file where it is missing, not greyscale, not the image's size, or all zero."""
+    from PIL import Image, ImageOps
+
+    size = size or _open_image(image).size
+    path = mask_file(image) if kind == "file" else image
+    if kind == "file" and not path.is_file():
+        raise DatasetError(f"{image}: no mask file {path.name} (--masked-loss; or --alpha-mask to read the "
+                           "image's alpha channel)")
+    try:
+        with Image.open(path) as opened:
+            img = ImageOps.exif_transpose(opened)
+            img.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DatasetError(f"{path}: unreadable mask ({e})") from None
+    if kind == "alpha":
+        if not (img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info)):
+            raise DatasetError(f"{path}: no alpha channel (mode {img.mode}) to read the mask from "
+                               "(--alpha-mask)")
+        mask = img.convert("RGBA").getchannel("A")
+    elif img.mode not in MASK_MODES:
+        raise DatasetError(f"{path}: the mask is a {img.mode} image, not greyscale (white trains, black is "
+                           "ignored)")
+    else:
+        mask = _grey(img)
+    if mask.size != size:
+        raise DatasetError(f"{path}: the mask is {mask.size[0]} x {mask.size[1]}, its image {size[0]} x "
+                           f"{size[1]}: a mask must be its image's size")
+    if mask.getextrema()[1] == 0:
+        raise DatasetError(f"{path}: the mask is all zero (black): nothing of {image.name} would be trained")
+    return mask
 
 
 def _to_tensor(img) -> torch.Tensor:
@@ -106,15 +173,16 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def __init__(self, folder: str | Path, resolution: int = RESOLUTION,
                  buckets: list[tuple[int, int]] | None = None, skip_bad: bool = False,
-                 caption_extension: str = ".txt"):
+                 caption_extension: str = ".txt", mask: str | None = None):
         self.folder = Path(folder)
         self.resolution = resolution
         self.buckets = buckets
+        self.mask = mask  # None, "file" (NAME.mask.png) or "alpha" (the image's alpha channel)
         if not self.folder.is_dir():
             raise DatasetError(f"{self.folder}: no such dataset folder")
         if problem := caption_extension_problem(caption_extension):
             raise DatasetError(f"caption_extension {caption_extension!r}: {problem}")
-        files = sorted(p for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.is_dir())
+        files = sorted(p for p in self.folder.iterdir() if is_image_file(p) and not p.is_dir())
         if not files:
             raise DatasetError(f"{self.folder}: no images ({', '.join(IMAGE_EXTS)}) in the dataset folder")
 
@@ -127,6 +195,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             try:
                 caption = _read_caption(path, caption_path)
                 w, h = _open_image(path).size
+                if mask is not None:
+                    open_mask(path, mask, (w, h))
             except DatasetError as e:
                 if not skip_bad:
                     raise DatasetError(f"{e} (lora-lab train --skip-bad-images, skip_bad_images=True, skips "
@@ -147,8 +217,13 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         h, w = self.sizes[i]
-        img = resize_center_crop(_open_image(self.paths[i]), h, w)
-        return {"image": _to_tensor(img), "caption": self.captions[i], "path": str(self.paths[i])}
+        shown = _open_image(self.paths[i])
+        item = {"image": _to_tensor(resize_center_crop(shown, h, w)), "caption": self.captions[i],
+                "path": str(self.paths[i])}
+        if self.mask is not None:  # resized and cropped as its image
+            mask = resize_center_crop(open_mask(self.paths[i], self.mask, shown.size), h, w)
+            item["mask"] = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+        return item
 
 
 def caption_extension_problem(extension: str) -> str | None:
@@ -286,6 +361,13 @@ class BucketBatchSampler(torch.utils.data.Sampler):
 
 
 # ---------------------------------------------------------------------------- the examples of a training step
+
+
+def derived_seed(*parts) -> int:
+    """A generator seed that is a function of `parts` (a name and numbers) alone, in [0, 2^63): a stream of
+    its own, apart from any other name's or numbers' (a hash, not a sum that another seed could repeat)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:

@@ -34,11 +34,11 @@ from .bounds import MAX_REPEATS, epoch_problem
 from .config import TrainConfig, TrainConfigError
 from .data import (
     CONTENTS_FINGERPRINT,
-    IMAGE_EXTS,
     DatasetError,
     ImageCaptionDataset,
     aspect_buckets,
     folder_fingerprint,
+    is_image_file,
 )
 from .encoded import EncodedExamples, encode_captions, encode_examples
 
@@ -74,7 +74,7 @@ def kohya_sources(folder: Path, is_reg: bool = False) -> list[DataSource]:
         if n > MAX_REPEATS:
             raise TrainConfigError(f"{p}: {n} repeats (kohya's N_name folder) must be at most {MAX_REPEATS} "
                                    "(their ratio weights the folders)")
-    stray = [p.name for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
+    stray = [p.name for p in entries if p.is_file() and is_image_file(p)]
     if stray:
         more = " ..." if len(stray) > 3 else ""
         raise DatasetError(f"{folder}: holds images ({', '.join(stray[:3])}{more}) beside kohya's N_name/ "
@@ -121,6 +121,7 @@ class Images:
         self.paths = [p for part in parts for p in part.paths]
         self.captions = [c for part in parts for c in part.captions]
         self.sizes = [s for part in parts for s in part.sizes]
+        self.mask = parts[0].mask if parts else None  # where the masks come from (every part's the same)
 
     def __len__(self) -> int:
         return len(self.where)
@@ -130,11 +131,19 @@ class Images:
         return self.parts[k][j]
 
 
-def open_images(sources: list[DataSource], config: TrainConfig, resolution: int) -> Images:
-    """The sources' folders opened (every file checked now, before anything is encoded)."""
+def mask_kind(config: TrainConfig) -> str | None:
+    """Where the training and validation images' masks come from: "file" (NAME.mask.png), "alpha" (the
+    image's alpha channel), or None (no masked loss)."""
+    return ("alpha" if config.alpha_mask else "file") if config.masked_loss else None
+
+
+def open_images(sources: list[DataSource], config: TrainConfig, resolution: int,
+                mask: str | None = None) -> Images:
+    """The sources' folders opened (every file checked now, before anything is encoded), with their masks
+    (`mask`: ImageCaptionDataset's)."""
     buckets = aspect_buckets(resolution) if config.buckets else None
     parts = [ImageCaptionDataset(s.path, resolution, buckets=buckets, skip_bad=config.skip_bad_images,
-                                 caption_extension=s.caption_extension) for s in sources]
+                                 caption_extension=s.caption_extension, mask=mask) for s in sources]
     return Images(parts, [s.repeats for s in sources])
 
 
@@ -208,17 +217,20 @@ class RunData(NamedTuple):
 def encode_run_data(pipe, config: TrainConfig, resolution: int, store=None) -> RunData:
     """Every source's distinct images once through the VAE and the text encoders (the held-out ones and the
     validation folder's too), the training captions' variants encoded, the repeats expanded; each encoder
-    call through the disk cache `store` (`diskcache.DiskCache`) where given."""
+    call through the disk cache `store` (`diskcache.DiskCache`) where given. The training and validation
+    images carry their masks (`--masked-loss`), the training images their mirrored latents (`--flip`); the
+    regularization images neither (trained whole, as they are)."""
     sources = data_sources(config)
     train_sources = [s for s in sources if not s.is_reg]
-    images = open_images(train_sources, config, resolution)
+    images = open_images(train_sources, config, resolution, mask_kind(config))
     check_epoch({s.path: (len(part), s.repeats) for s, part in zip(train_sources, images.parts)}, config)
     val_images = None
     if config.validation_dataset is not None:
-        val_images = open_images(kohya_sources(Path(config.validation_dataset)), config, resolution)
+        val_images = open_images(kohya_sources(Path(config.validation_dataset)), config, resolution,
+                                 mask_kind(config))
         check_disjoint(images.paths, val_images.paths, config.validation_dataset)
     train_idx, val_idx = split(images.paths, config.validation_split)
-    encoded = encode_examples(pipe, images, config.seed, store=store)
+    encoded = encode_examples(pipe, images, config.seed, flip=config.flip, store=store)
     train = with_variants(pipe, encoded.select(train_idx), config, store)
     train = train.select([j for j, i in enumerate(train_idx) for _ in range(images.repeats[i])])
     val = encoded.select(val_idx) if val_idx else None
@@ -243,8 +255,7 @@ def with_variants(pipe, data: EncodedExamples, config: TrainConfig, store=None) 
     captions = [caption_variant(c, random.Random(f"{config.seed}:{i}:{v}"), config.keep_tokens,
                                 config.shuffle_captions, config.tag_dropout)
                 for i, c in enumerate(data.captions) for v in range(n)]
-    embeds = encode_captions(pipe, captions, store)
-    return replace(data, embeds=embeds, variants=n)
+    return replace(data, embeds=encode_captions(pipe, captions, store), variants=n)
 
 
 def sources_fingerprint(config: TrainConfig) -> str:

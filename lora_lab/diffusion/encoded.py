@@ -1,12 +1,14 @@
 """A dataset encoded once for training: cached VAE latents and text embeddings.
 
 API:
-    EncodedExamples(latents, embeds, captions, sizes, paths=None, variants=1): what the training loop reads;
-        .select(idx), .latents_of(idx), .embeds_of(idx, drop, empty, device, variant)
+    EncodedExamples(latents, embeds, captions, sizes, paths=None, variants=1, flipped=None, masks=None): what
+        the training loop reads; .select(idx), .latents_of(idx, flip), .masks_of(idx, flip),
+        .embeds_of(idx, drop, empty, device, variant)
     encode_dataset(pipe, folder, resolution, ...) -> EncodedExamples of an image+caption folder
-    encode_examples(pipe, ds, seed=0, phase=None, store=None) -> EncodedExamples of a dataset (VAE in bounded
-        groups: `image_groups`, each `encode_group`; every encoder call through the disk cache `store`)
-    encode_group(pipe, items, generator) -> {field: [one tensor per example]} of one VAE call
+    encode_examples(pipe, ds, seed=0, phase=None, flip=False, store=None) -> EncodedExamples of a dataset
+        (VAE in bounded groups: `image_groups`, each `encode_group`; with flip the mirrored images' latents
+        too; the items' masks on the latent grid; every encoder call through the disk cache `store`)
+    encode_group(pipe, items, generator, mirror=False) -> {field: [one tensor per example]} of one VAE call
     encode_captions(pipe, captions, store=None) -> {key: (N, ...)} each distinct caption encoded once
     cached_call(store, kind, parts, compute) -> compute()'s tensors, through the disk cache where given
     unconditional_embeds(pipe) -> the pipeline's own negative-branch input, (1, ...)
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..models import encode_images, encode_prompts
-from .data import ImageCaptionDataset, aspect_buckets
+from .data import ImageCaptionDataset, aspect_buckets, derived_seed, file_digest, mask_file
+from .losses import latent_mask
 
 ENCODE_BATCH = 16  # images (and captions) per encoder call when caching the dataset, at most
 ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): one 1024 x 1024 image,
@@ -33,7 +36,10 @@ ENCODE_PIXELS = 1 << 20  # image pixels per VAE call, at most (but one image): o
 class EncodedExamples:
     """A dataset as the training loop uses it: one cached latent (C, h, w) per example (shapes differ across
     aspect-ratio buckets, never within a batch), text embeddings (N * variants, ...: example i's caption
-    variants in rows i * variants ... (i + 1) * variants - 1), captions, bucket sizes, image files."""
+    variants in rows i * variants ... (i + 1) * variants - 1), captions, bucket sizes, image files; with
+    `--flip` each example's mirrored image's latent (`flipped`: the VAE's latent of the mirrored image, not a
+    mirrored latent: the VAE is not mirror-equivariant; sd-scripts caches its `latents_flipped` so), with
+    `--masked-loss` each example's mask on the latent grid (1, h, w)."""
 
     latents: list[torch.Tensor]
     embeds: dict[str, torch.Tensor]
@@ -41,6 +47,8 @@ class EncodedExamples:
     sizes: list[tuple[int, int]]
     paths: list[str] | None = None
     variants: int = 1  # caption variants per example (shuffled tags, tag dropout), each step draws one
+    flipped: list[torch.Tensor] | None = None  # the mirrored images' latents (C, h, w), with `flip`
+    masks: list[torch.Tensor] | None = None  # (1, h, w) fp32 in [0, 1] on the latent grid, with masked loss
 
     def select(self, idx: list[int]) -> EncodedExamples:
         """The examples `idx` (repeats allowed: a repeated latent is the same tensor, not a copy)."""
@@ -48,14 +56,29 @@ class EncodedExamples:
             return self  # all of them, in order: no copy of the embeddings (the cache phase's peak)
         rows = torch.tensor([i * self.variants + v for i in idx for v in range(self.variants)],
                             dtype=torch.long)
-        return EncodedExamples([self.latents[i] for i in idx], {k: v[rows] for k, v in self.embeds.items()},
-                               [self.captions[i] for i in idx], [self.sizes[i] for i in idx],
-                               None if self.paths is None else [self.paths[i] for i in idx], self.variants)
 
-    def latents_of(self, idx: list[int] | torch.Tensor) -> torch.Tensor:
-        # (B, C, h, w)
-        return torch.stack([self.latents[i]
-                            for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)])
+        def pick(items):
+            return None if items is None else [items[i] for i in idx]
+
+        return EncodedExamples(pick(self.latents), {k: v[rows] for k, v in self.embeds.items()},
+                               pick(self.captions), pick(self.sizes), pick(self.paths), self.variants,
+                               pick(self.flipped), pick(self.masks))
+
+    def latents_of(self, idx: list[int] | torch.Tensor, flip: list[bool] | None = None) -> torch.Tensor:
+        """(B, C, h, w) the examples' latents; where `flip` (B bools) is True, their mirrored images'."""
+        idx = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+        flips = flip or [False] * len(idx)
+        return torch.stack([(self.flipped if f else self.latents)[i] for i, f in zip(idx, flips)])
+
+    def masks_of(self, idx: list[int] | torch.Tensor,
+                 flip: list[bool] | None = None) -> torch.Tensor | None:
+        """(B, 1, h, w) the examples' masks, mirrored where `flip` is True (a mirror of the image's mask on
+        the latent grid is the mirrored mask's: each cell averages whole 8 x 8 blocks); None without masks."""
+        if self.masks is None:
+            return None
+        idx = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+        flips = flip or [False] * len(idx)
+        return torch.stack([self.masks[i].flip(-1) if f else self.masks[i] for i, f in zip(idx, flips)])
 
     def embeds_of(self, idx: list[int] | torch.Tensor, drop: torch.Tensor | None, empty: dict | None,
                   device, variant: torch.Tensor | None = None) -> dict:
@@ -81,9 +104,11 @@ def encode_dataset(pipe, folder: str | Path, resolution: int, buckets: bool = Fa
     return encode_examples(pipe, ds, seed)
 
 
-def encode_examples(pipe, ds, seed: int = 0, phase=None, store=None) -> EncodedExamples:
+def encode_examples(pipe, ds, seed: int = 0, phase=None, flip: bool = False, store=None) -> EncodedExamples:
     """The examples of `ds` (an ImageCaptionDataset, or anything with its `sizes`, `captions` and items) as
-    cached latents and text embeddings.
+    cached latents and text embeddings; with `flip` the mirrored images' latents too (their posterior drawn
+    from a generator of their own, `derived_seed("mirror", seed)`: the other latents are those of a run
+    without flip); the items' masks ("mask", where they have one) on the latent grid (`losses.latent_mask`).
 
     The VAE posterior is sampled with a generator seeded by `seed`, so every process (and a resumed run)
     caches the same latents. Images go through the VAE in groups of one size (with buckets, consecutive
@@ -94,19 +119,36 @@ def encode_examples(pipe, ds, seed: int = 0, phase=None, store=None) -> EncodedE
     encoder call is read from or written to (None: none).
     """
     g = torch.Generator(device=pipe.vae.device).manual_seed(seed)
-    fields: dict[str, list[torch.Tensor]] = {}
-    for start, stop in image_groups(ds.sizes):
-        def compute(start=start, stop=stop) -> dict[str, list[torch.Tensor]]:
-            return encode_group(pipe, [ds[i] for i in range(start, stop)], g)
-
-        group = compute() if store is None else store.images(ds, start, stop, g, compute)
-        for name, tensors in group.items():
-            fields.setdefault(name, []).extend(tensors)
+    fields = _encode_images(pipe, ds, g, store)
+    if flip:  # their own generator: the mirrored latents do not depend on how the others were made
+        mirrored = torch.Generator(device=pipe.vae.device).manual_seed(derived_seed("mirror", seed))
+        fields["flipped"] = _encode_images(pipe, ds, mirrored, store, mirror=True)["latents"]
     with (phase or _unnamed)("cache captions"):
         embeds = encode_captions(pipe, ds.captions, store)
     paths = getattr(ds, "paths", None)
     return EncodedExamples(**fields, embeds=embeds, captions=list(ds.captions), sizes=list(ds.sizes),
                            paths=None if paths is None else [str(p) for p in paths])
+
+
+def _encode_images(pipe, ds, g: torch.Generator, store,
+                   mirror: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Every image of `ds` through the VAE, call by call (`image_groups`), each through the disk cache `store`
+    where given (keyed also by the mirroring and where the masks come from, with their files' contents)."""
+    mask = None if mirror else getattr(ds, "mask", None)  # the mirrored pass caches latents alone
+    fields: dict[str, list[torch.Tensor]] = {}
+    for start, stop in image_groups(ds.sizes):
+        def compute(start=start, stop=stop) -> dict[str, list[torch.Tensor]]:
+            return encode_group(pipe, [ds[i] for i in range(start, stop)], g, mirror)
+
+        if store is None:
+            group = compute()
+        else:
+            masks = ([file_digest(mask_file(Path(ds.paths[i]))).hex() for i in range(start, stop)]
+                     if mask == "file" else [])
+            group = store.images(ds, start, stop, g, compute, extra=[mirror, mask, masks])
+        for name, tensors in group.items():
+            fields.setdefault(name, []).extend(tensors)
+    return fields
 
 
 def image_groups(sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -124,11 +166,17 @@ def image_groups(sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return groups
 
 
-def encode_group(pipe, items: list[dict], generator: torch.Generator) -> dict[str, list[torch.Tensor]]:
+def encode_group(pipe, items: list[dict], generator: torch.Generator,
+                 mirror: bool = False) -> dict[str, list[torch.Tensor]]:
     """One VAE call's examples (dataset items of one size) as their per-example tensors by
-    `EncodedExamples` field: {"latents": [(C, h, w), ...]} fp32 on the host."""
+    `EncodedExamples` field, fp32 on the host: {"latents": [(C, h, w), ...]} of the images (mirrored
+    left-right with `mirror`), and without `mirror` "masks": [(1, h, w), ...] where the items have masks."""
     images = torch.stack([item["image"] for item in items])
-    return {"latents": list(encode_images(pipe, images, generator=generator).float().cpu())}
+    latents = encode_images(pipe, images.flip(-1) if mirror else images, generator=generator).float().cpu()
+    fields = {"latents": list(latents)}
+    if not mirror and all("mask" in item for item in items):
+        fields["masks"] = [latent_mask(item["mask"], latents.shape[2:]) for item in items]
+    return fields
 
 
 def _unnamed(name: str) -> contextlib.AbstractContextManager:

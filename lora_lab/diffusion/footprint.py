@@ -31,6 +31,8 @@ MEMORY: dict[str, str | Callable | None] = {
     "validation_split": VALUE, "resolution": VALUE, "buckets": VALUE, "skip_bad_images": VALUE,
     "caption_dropout": SET, "shuffle_captions": VALUE, "tag_dropout": SET, "caption_variants": VALUE,
     "keep_tokens": None, "sample_prompts": VALUE,
+    "flip": VALUE, "masked_loss": VALUE,  # the mirrored images' latents, the masks: cached beside the latents
+    "alpha_mask": None,  # a mask from the alpha channel or from a file: the same cached mask
     # the adapter
     "rank": VALUE, "dora": VALUE, "adapter": VALUE, "lokr_factor": VALUE, "conv": VALUE,
     "feed_forward": VALUE, "text_encoder_lr": SET, "alpha": None,

@@ -19,6 +19,15 @@ sd-scripts' defaults: snr, huber_c 0.1, huber_scale 1 (the snr schedule does not
 matching's t is sigma in (0, 1), so t / T is sigma there (sd-scripts feeds Flux sigma x 1000 with T = 1000).
 Each example's loss is the mean over its elements; the step's loss the (weighted, `weighting.py`) mean of
 the examples'.
+
+With a mask (`--masked-loss`) each example's loss is the mean of its elements weighted by the mask,
+sum(l m) / (C sum(m)) over the latent grid: the loss of the masked region alone, at the scale of an unmasked
+loss whatever the mask's area. The mask (1, H, W) in [0, 1] at the image's pixels goes onto the latent grid
+as sd-scripts takes it there (library/custom_train_functions.py, `apply_masked_loss`:
+`torch.nn.functional.interpolate(mask, size=loss.shape[2:], mode="area")`, each latent cell the mean of the
+pixels it covers: `latent_mask`); sd-scripts then takes the plain mean of the masked loss (a mask of half
+the image halves its loss), where lora_lab divides by the mask's weight, as OneTrainer's
+`normalize_masked_area_loss` does.
 """
 
 from __future__ import annotations
@@ -65,10 +74,26 @@ def elementwise_loss(pred: torch.Tensor, target: torch.Tensor, loss: str,
     raise ValueError(f"loss {loss!r}: one of {LOSSES}")
 
 
-def example_losses(config, objective, pred: torch.Tensor, target: torch.Tensor,
-                   t: torch.Tensor) -> torch.Tensor:
-    """Each example's mean loss (B,) fp32 by the config's `loss` (and Huber schedule)."""
+def latent_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A mask (1, H, W) in [0, 1] at the image's pixels on the latent grid `size` (h, w): (1, h, w) fp32,
+    each cell the mean of the pixels it covers (sd-scripts' `mode="area"` interpolation)."""
+    return torch.nn.functional.interpolate(mask[None].float(), size=size, mode="area")[0]
+
+
+def masked_mean(elementwise: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each example's mean (B,) of `elementwise` (B, C, h, w) weighted by `mask` (B, 1, h, w):
+    sum(l m) / (C sum(m)). A mask of ones gives the plain mean."""
+    m = mask.to(elementwise.device, torch.float32)
+    weight = m.flatten(1).sum(1) * elementwise.shape[1]
+    return (elementwise * m).flatten(1).sum(1) / weight
+
+
+def example_losses(config, objective, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Each example's mean loss (B,) fp32 by the config's `loss` (and Huber schedule); with `mask`
+    (B, 1, h, w) weighted by it (`masked_mean`)."""
     c = None
     if config.loss in ("huber", "smooth_l1"):
         c = huber_threshold(config.huber_schedule, config.huber_c, config.huber_scale, objective, t)
-    return elementwise_loss(pred, target, config.loss, c).flatten(1).mean(1)
+    elementwise = elementwise_loss(pred, target, config.loss, c)
+    return elementwise.flatten(1).mean(1) if mask is None else masked_mean(elementwise, mask)

@@ -163,6 +163,8 @@ def check_knob_fields(config, bad) -> None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:
         bad("debiased_estimation", "and min_snr_gamma are two weightings: choose one")
+    if config.alpha_mask and not config.masked_loss:
+        bad("alpha_mask", "reads the masks of --masked-loss: give --masked-loss too")
     huber = {f.name: f.default for f in fields(config) if f.name.startswith("huber_")}
     if config.loss not in ("huber", "smooth_l1") and any(getattr(config, n) != v for n, v in huber.items()):
         bad(next(n for n, v in huber.items() if getattr(config, n) != v),

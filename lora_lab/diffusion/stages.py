@@ -53,7 +53,8 @@ class Cached(NamedTuple):
 # the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
 CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "vae", "device", "dataset", "datasets",
                 "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split", "validation_dataset",
-                "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts")
+                "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts",
+                "flip", "masked_loss", "alpha_mask")
 
 
 def cache_key(config: TrainConfig, resolution: int, dtype: torch.dtype) -> dict:

@@ -38,8 +38,7 @@ class NonFiniteLossError(LoraLabError, FloatingPointError):
 
 
 class ResumeError(LoraLabError, ValueError):
-    """A training checkpoint that cannot be resumed from: unreadable, not what train() writes, or not
-    finite."""
+    """A training checkpoint that cannot be resumed from: unreadable, not train()'s, or not finite."""
 
 
 # What train() writes into a checkpoint, and the type of each entry.
@@ -58,7 +57,8 @@ BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False,
                   timestep_sampling="logit-normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29,
                   timestep_shift=None, dynamic_shift=False, loss_weighting="none", train_guidance=1.0,
                   ema_decay=None, ema_warmup=True, loraplus_ratio=None, text_encoder_lr=None, adapter="lora",
-                  lokr_factor=-1, loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0)
+                  lokr_factor=-1, loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0, flip=False,
+                  masked_loss=False, alpha_mask=False)
 # compared by real path: ./out, /abs/out and a link to it are one
 PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "vae")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"

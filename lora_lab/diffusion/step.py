@@ -13,6 +13,9 @@ The examples, noise, timesteps and caption dropout of a step are functions of (s
 all G examples on the CPU and sliced per process: a resumed run continues exactly, and w processes with
 batch b compute the step one process with batch w*b does. The memory planner runs the same step on fake
 tensors (`lora_lab.planning.run`): the plan and the trainer share this code.
+
+With `flip`, which examples are mirrored is drawn last, from its own generator of (seed, step)
+(`flip_generator`): every other draw of a step is the one it is without flip.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..precision import autocast
 # (tests inject a NaN loss)
 from . import objectives
 from .config import TrainConfig
-from .data import batch_indices
+from .data import batch_indices, derived_seed
 from .encoded import EncodedExamples
 from .losses import example_losses
 from .weighting import (
@@ -52,6 +55,7 @@ class StepDraws:
     drop: torch.Tensor | None  # (b*a,) bool: caption replaced by the unconditional input
     reg: tuple[list[int], torch.Tensor, torch.Tensor] | None  # (idx, noise, t) of the regularization examples
     variant: torch.Tensor | None = None  # (b*a,) which caption variant (with caption shuffling, tag dropout)
+    flip: list[bool] | None = None  # b*a: the example's mirrored latent (with `flip`; bools, as idx's ints)
 
 
 def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -59,6 +63,12 @@ def step_generator(seed: int, step: int, device: torch.device) -> torch.Generato
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + step) % (2**63))
     return g
+
+
+def flip_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step `step`'s flips (CPU): a function of (seed, step) only, apart from
+    `step_generator`'s stream (a hash of both: no other run's or step's generator repeats it)."""
+    return torch.Generator().manual_seed(derived_seed("flip", seed, step))
 
 
 def draw_noise(config: TrainConfig, objective, data: EncodedExamples, idx: torch.Tensor, g: torch.Generator):
@@ -86,8 +96,11 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
         reg_noise, reg_t = draw_noise(config, objective, reg, reg_idx, g)
         reg_draws = (reg_idx[mine].tolist(), reg_noise[mine], reg_t[mine])
     variant = torch.randint(data.variants, (global_batch,), generator=g)[mine] if data.variants > 1 else None
+    flip = None
+    if config.flip:  # last, from its own generator: the draws above are those of a run without flip
+        flip = (torch.rand(global_batch, generator=flip_generator(config.seed, step)) < 0.5)[mine].tolist()
     return StepDraws(idx[mine].tolist(), noise[mine], t[mine], None if drop is None else drop[mine],
-                     reg_draws, variant)
+                     reg_draws, variant, flip)
 
 
 def training_objective(config: TrainConfig, pipe, resolution: int):
@@ -123,19 +136,19 @@ def loss_weights(config: TrainConfig, objective, t: torch.Tensor) -> torch.Tenso
 
 
 def denoising_loss(config: TrainConfig, kind: ModelKind, pipe, objective, x0, noise, t, cond,
-                   weighted: bool = True) -> torch.Tensor:
+                   weighted: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The objective's loss of one micro-batch: the denoiser (under autocast with mixed precision) sees the
     noised latents x_t = noisy(x0, noise, t) and must output target(x0, noise, t); each example's loss
     (`losses.py`: the config's `loss`) weighted by `loss_weights` (`weighted=False`: every example the same,
-    as validation wants).
+    as validation wants); with `mask` (b, 1, h, w: `--masked-loss`) each example's loss weighted by it.
     fp32 scalar."""
     with autocast(config.mixed_precision, x0.device):
         pred = predict(kind, denoiser(pipe), objective.noisy(x0, noise, t), t, cond,
                        guidance=config.train_guidance, vae_scale_factor=pipe.vae_scale_factor)
     target, weights = objective.target(x0, noise, t), loss_weights(config, objective, t) if weighted else None
-    if config.loss == "mse" and weights is None:
+    if config.loss == "mse" and weights is None and mask is None:
         return objectives.diffusion_loss(pred, target)
-    per_example = example_losses(config, objective, pred, target, t)
+    per_example = example_losses(config, objective, pred, target, t, mask)
     return per_example.mean() if weights is None else weighted_loss(per_example, weights)
 
 
@@ -149,6 +162,7 @@ class MicroBatch:
     t: torch.Tensor  # (b,)
     cond: dict[str, torch.Tensor]
     reg: MicroBatch | None = None
+    mask: torch.Tensor | None = None  # (b, 1, h, w) the loss's weights (`--masked-loss`), or None
     # with a text-encoder LoRA: the captions ("" where dropped), encoded at the step (`cond` is then unused)
     captions: list[str] | None = None
 
@@ -158,9 +172,13 @@ def micro_batch(config: TrainConfig, data: EncodedExamples, reg: EncodedExamples
     """Micro-batch m of a step's draws (its b examples, from the cache), moved to `device`."""
     mb = slice(m * config.batch_size, (m + 1) * config.batch_size)
     idx = draws.idx[mb]
-    batch = MicroBatch(data.latents_of(idx).to(device), draws.noise[mb].to(device), draws.t[mb].to(device),
+    flip = None if draws.flip is None else draws.flip[mb]
+    batch = MicroBatch(data.latents_of(idx, flip).to(device), draws.noise[mb].to(device),
+                       draws.t[mb].to(device),
                        data.embeds_of(idx, None if draws.drop is None else draws.drop[mb], empty, device,
                                       None if draws.variant is None else draws.variant[mb]))
+    mask = data.masks_of(idx, flip)
+    batch.mask = None if mask is None else mask.to(device)
     if draws.reg is not None:
         reg_idx, reg_noise, reg_t = (d[mb] for d in draws.reg)
         batch.reg = MicroBatch(reg.latents_of(reg_idx).to(device), reg_noise.to(device), reg_t.to(device),
@@ -185,7 +203,7 @@ def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,
                      batch: MicroBatch) -> torch.Tensor:
     """A micro-batch's denoising loss (plus prior_loss_weight times its regularization examples' loss)."""
     loss = denoising_loss(config, kind, pipe, objective, batch.x0, batch.noise, batch.t,
-                          live_cond(kind, pipe, batch))
+                          live_cond(kind, pipe, batch), mask=batch.mask)
     if batch.reg is not None:
         r = batch.reg
         loss = loss + config.prior_loss_weight * denoising_loss(config, kind, pipe, objective, r.x0, r.noise,

@@ -60,7 +60,7 @@ def validation_noise(i: int, k: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def validation_batches(config: TrainConfig, val: EncodedExamples, objective, device):
     """The held-out (example, timestep) rows as the denoiser takes them, batch_size at a time, examples of one
-    latent size together (buckets): (x0, noise, t, cond, rows) of each batch, on `device`."""
+    latent size together (buckets): (x0, noise, t, cond, rows, masks or None) of each batch, on `device`."""
     t = validation_timesteps(objective)
     k = len(t)
     by_size: dict[tuple[int, ...], list[int]] = {}
@@ -74,7 +74,9 @@ def validation_batches(config: TrainConfig, val: EncodedExamples, objective, dev
             x0 = torch.stack([val.latents[i] for i, _ in chunk]).to(device)
             eps = torch.stack([noise[i][j] for i, j in chunk]).to(device)
             cond = val.embeds_of([i for i, _ in chunk], None, None, device)
-            yield x0, eps, t[[j for _, j in chunk]].to(device), cond, len(chunk)
+            mask = val.masks_of([i for i, _ in chunk])
+            yield (x0, eps, t[[j for _, j in chunk]].to(device), cond, len(chunk),
+                   None if mask is None else mask.to(device))
 
 
 @torch.no_grad()
@@ -91,8 +93,8 @@ def validation_loss(config: TrainConfig, kind: ModelKind, pipe, val: EncodedExam
     model.eval()
     try:
         total = 0.0
-        for x0, eps, t, cond, rows in validation_batches(config, val, objective, device):
-            loss = denoising_loss(config, kind, pipe, objective, x0, eps, t, cond, weighted=False)
+        for x0, eps, t, cond, rows, mask in validation_batches(config, val, objective, device):
+            loss = denoising_loss(config, kind, pipe, objective, x0, eps, t, cond, weighted=False, mask=mask)
             total += loss.item() * rows
     finally:
         model.train(was_training)

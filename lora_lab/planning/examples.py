@@ -25,10 +25,20 @@ from ..diffusion.data import (
     IMAGE_EXTS,
     DatasetError,
     aspect_buckets,
+    is_image_file,
+    mask_file,
     nearest_bucket,
     shown_size,
 )
-from ..diffusion.datasets import DataSource, check_disjoint, check_epoch, data_sources, kohya_sources, split
+from ..diffusion.datasets import (
+    DataSource,
+    check_disjoint,
+    check_epoch,
+    data_sources,
+    kohya_sources,
+    mask_kind,
+    split,
+)
 from ..diffusion.encoded import image_groups
 
 
@@ -36,16 +46,20 @@ class PlannedExamples:
     """Examples of one size (h, w) with `distinct` different captions, as `diffusion.encoded.encode_examples`
     reads a dataset."""
 
-    def __init__(self, n: int, size: tuple[int, int], distinct: int):
+    def __init__(self, n: int, size: tuple[int, int], distinct: int, masked: bool = False):
         self.sizes = [size] * n
         self.captions = [f"a photo {i % distinct}" for i in range(n)]
+        self.masked = masked  # each item has a mask (`--masked-loss`)
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def __getitem__(self, i: int) -> dict:
         h, w = self.sizes[i]
-        return {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
+        item = {"image": torch.zeros(3, h, w), "caption": self.captions[i]}
+        if self.masked:
+            item["mask"] = torch.ones(1, h, w)
+        return item
 
 
 @dataclass
@@ -70,8 +84,9 @@ class Part:
         calls = [(stop - start, self.sizes[start]) for start, stop in image_groups(self.sizes)]
         return max(calls, key=lambda c: c[0] * c[1][0] * c[1][1], default=(0, (0, 0)))
 
-    def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool) -> None:
-        for path, size, caption in _scan(source, resolution, buckets, skip_bad):
+    def add(self, source: DataSource, resolution: int, buckets, skip_bad: bool,
+            mask: str | None = None) -> None:
+        for path, size, caption in _scan(source, resolution, buckets, skip_bad, mask):
             self.paths.append(path)
             self.sizes.append(size)
             self.captions.append(caption)
@@ -96,11 +111,11 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
     where the trainer's reading would fail: no folder, no images, a missing caption without
     skip_bad_images)."""
     buckets = aspect_buckets(resolution) if config.buckets else None
-    sources = data_sources(config)
+    sources, mask = data_sources(config), mask_kind(config)
     parts, epoch = {False: Part(), True: Part()}, {}
     for s in sources:
         before = len(parts[s.is_reg])
-        parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images)
+        parts[s.is_reg].add(s, resolution, buckets, config.skip_bad_images, None if s.is_reg else mask)
         if not s.is_reg:
             epoch[s.path] = (len(parts[False]) - before, s.repeats)
     check_epoch(epoch, config)  # the trainer's refusal, before a plan is made
@@ -110,29 +125,33 @@ def count_examples(config: TrainConfig, resolution: int) -> DataCounts:
     if config.validation_dataset is not None:
         counts.validation = Part()
         for s in kohya_sources(Path(config.validation_dataset)):
-            counts.validation.add(s, resolution, buckets, config.skip_bad_images)
+            counts.validation.add(s, resolution, buckets, config.skip_bad_images, mask)
         check_disjoint(train.paths, counts.validation.paths, config.validation_dataset)
     if config.shuffle_captions or config.tag_dropout:
         counts.variants = config.caption_variants
     return counts
 
 
-def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
+def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool, mask: str | None = None
           ) -> list[tuple[Path, tuple[int, int], str]]:
-    """Each image of a folder with a caption: its path, size (its bucket's, from the file's header) and
-    caption."""
+    """Each image of a folder with a caption (and with `mask` "file" a mask file): its path, size (its
+    bucket's, from the file's header) and caption."""
     from PIL import Image
 
     folder = Path(source.path)
     if not folder.is_dir():
         raise DatasetError(f"{folder}: no such dataset folder")
     out = []
-    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and p.is_file()):
+    for path in sorted(p for p in folder.iterdir() if is_image_file(p) and p.is_file()):
         caption = path.with_suffix(source.caption_extension)
         if not caption.is_file():
             if skip_bad:
                 continue
             raise DatasetError(f"{path}: no caption file {caption.name}")
+        if mask == "file" and not mask_file(path).is_file():
+            if skip_bad:
+                continue
+            raise DatasetError(f"{path}: no mask file {mask_file(path).name} (--masked-loss)")
         size = (resolution, resolution)
         if buckets:
             with Image.open(path) as img:  # the header only
@@ -146,31 +165,36 @@ def _scan(source: DataSource, resolution: int, buckets, skip_bad: bool
 
 class CacheLedger:
     """The cache phase of a CPU run in bytes (the host is the device): `encode_run_data`'s steps replayed on
-    counts, from what the planned group cost. `group`: its images and their size; `latent`: one image's
-    latent, `embed`: one caption's embeddings; `vae`: the VAE call's working set (its latents in it) over
-    what was live before, `text`: the text encoders' (beyond the group's embeddings), `after`: what encoding
-    the sample prompts and the empty caption adds; `start`: the live bytes before encoding. The VAE's working
-    set scales with a call's pixels; the text encoders' is the group's in every call (measured on tiny
-    bases, it does not grow in proportion to the captions of a call: 16 took less than 10 in the group)."""
+    counts, from what the planned group cost. `group`: its images and their size; `latent`: what one
+    training image caches beside its embeddings (its latent; with `--flip` its mirrored image's, with
+    `--masked-loss` its mask), `plain`: one latent alone (a regularization image's; default `latent`; a
+    validation folder's images are counted as training images), `embed`: one caption's embeddings; `vae`:
+    the VAE call's working set (its latents in it) over what was live before, `text`: the text encoders'
+    (beyond the group's embeddings), `after`: what encoding the sample prompts and the empty caption adds;
+    `start`: the live bytes before encoding. The VAE's working set scales with a call's pixels; the text
+    encoders' is the group's in every call (measured on tiny bases, it does not grow in proportion to the
+    captions of a call: 16 took less than 10 in the group)."""
 
     def __init__(self, start: int, group: tuple[int, tuple[int, int]], latent: int, embed: int, vae: int,
-                 text: int, after: int):
+                 text: int, after: int, plain: int | None = None):
         self.current = self.peak = start
         n, (h, w) = group
         self.per_pixel, self.vae_per_pixel = latent / (h * w), vae / (n * h * w)
+        self.plain_per_pixel = (latent if plain is None else plain) / (h * w)
         self.latent, self.embed, self.text, self.after = latent, embed, text, after
 
     def _rise(self, n: int) -> None:
         self.current += n
         self.peak = max(self.peak, self.current)
 
-    def encode(self, part: Part) -> None:
+    def encode(self, part: Part, plain: bool = False) -> None:
         """`encode_examples`: the images through the VAE group by group (the largest call's working set with
         every other latent), then the captions' embeddings (all rows, with the text encoders' working
-        set)."""
+        set). `plain`: latents alone (regularization images: no mirror, no mask)."""
         n, (h, w) = part.largest_group()
-        latents = round(part.pixels() * self.per_pixel)
-        group = round(n * h * w * self.per_pixel)
+        per_pixel = self.plain_per_pixel if plain else self.per_pixel
+        latents = round(part.pixels() * per_pixel)
+        group = round(n * h * w * per_pixel)
         self.peak = max(self.peak, self.current + latents - group + round(n * h * w * self.vae_per_pixel))
         self.current += latents
         self.captions(len(part))
@@ -218,7 +242,7 @@ class CacheLedger:
             if held:
                 self.free(held)
         if counts.reg is not None:
-            self.encode(counts.reg)
+            self.encode(counts.reg, plain=True)
             if sum(counts.reg.repeats) != len(counts.reg):  # the repeats: a copy, the encoded rows go
                 self.copy(sum(counts.reg.repeats))
                 self.free(len(counts.reg))

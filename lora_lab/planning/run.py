@@ -177,15 +177,18 @@ class PlannedRun(TrainingRun):
         self.data, self.reg, self.empty, self.samples, self.val, _ = self.cached
         data, samples, (vae_peak, captions_peak, encoded) = self.data, self.samples, self.group_peaks
         group = len(data.latents)
-        latent = storage_bytes(data.latents) // group
+        plain = storage_bytes(data.latents) // group
+        latent = plain + storage_bytes([*(data.flipped or ()), *(data.masks or ())]) // group  # flip, mask
         embed = storage_bytes(data.embeds.values()) // group
         mapped = cache_folder(self.config) is not None  # the disk cache's files' pages hold the latents
-        held = 0 if mapped else latent
+        held, held_plain = (0, 0) if mapped else (latent, plain)
         if self.on_host:
-            tracker.exclude([*data.latents, *data.embeds.values(), *(samples[1].values() if samples else ()),
+            tracker.exclude([*data.latents, *(data.flipped or ()), *(data.masks or ()), *data.embeds.values(),
+                             *(samples[1].values() if samples else ()),
                              *(self.empty.values() if self.empty else ())])
             self.cached_bytes = 0
-            ledger = CacheLedger(0, (group, data.sizes[0]), held, embed, vae=0, text=0, after=0)
+            ledger = CacheLedger(0, (group, data.sizes[0]), held, embed, vae=0, text=0, after=0,
+                                 plain=held_plain)
             ledger.run_data(self.counts)  # the cache in host memory: the data, the prompts' embeddings
             prompts = 0 if mapped else storage_bytes([*(samples[1].values() if samples else ()),
                                                       *(self.empty.values() if self.empty else ())])
@@ -193,7 +196,7 @@ class PlannedRun(TrainingRun):
             return
         ledger = CacheLedger(start, (group, data.sizes[0]), held, embed,
                              vae=vae_peak - start, text=captions_peak - start - group * (latent + embed),
-                             after=tracker.peak - encoded)
+                             after=tracker.peak - encoded, plain=held_plain)
         ledger.run_data(self.counts)
         tracker.phase_peaks["cache"] = max(tracker.phase_peaks["cache"], ledger.peak)
         tracker.current += ledger.current - start - group * (latent + embed)
@@ -207,14 +210,15 @@ class PlannedRun(TrainingRun):
         counts, tracker, r = self.counts, self.tracker, self.resolution
         n, (h, w) = counts.train.largest_group()
         group = max(1, round(n * h * w / r**2))  # of the square size: the step's (buckets are about r^2)
-        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group))
+        examples = PlannedExamples(group, (r, r), min(len(set(counts.train.captions)), group),
+                                   self.config.masked_loss)
         peaks = []
 
         def phase(name: str) -> contextlib.AbstractContextManager:  # "cache captions": the images are done
             peaks.append(tracker.phase_peaks["cache"])
             return tracker.phase(name)
 
-        data = encode_examples(pipe, examples, self.config.seed, phase)
+        data = encode_examples(pipe, examples, self.config.seed, phase, self.config.flip)
         self.group_peaks = (peaks[0], tracker.phase_peaks.pop("cache captions"), tracker.current)
         tracker.reset_peak()  # from here: the sample prompts and the empty caption
         same = EncodedExamples(data.latents, data.embeds, data.captions, data.sizes)
@@ -314,7 +318,8 @@ class PlannedRun(TrainingRun):
             with torch.no_grad(), unset_fake_temporarily():  # the fixed noise and timesteps: real tensors
                 batch = next(validation_batches(self.config, self.val, objective, CPU))
             with torch.no_grad():
-                denoising_loss(self.config, self.kind, self.pipe, objective, *batch[:4], weighted=False)
+                denoising_loss(self.config, self.kind, self.pipe, objective, *batch[:4], weighted=False,
+                               mask=batch[5])
             del batch
         if self.samples_while_training():
             on_device = contextlib.nullcontext() if self.planned_device == "cpu" else \

@@ -154,3 +154,29 @@ def test_a_cache_folder_among_the_inputs_or_given_twice_is_refused(digits_folder
     with pytest.raises(TrainConfigError, match="cache_dir.*is a file"):
         TrainConfig(dataset=str(data), cache_dir=str(tmp_path / "file"), output=str(tmp_path / "o"))
     TrainConfig(dataset=str(data), cache_dir=str(tmp_path / "o" / "cache"), output=str(tmp_path / "o"))
+
+
+def test_mirrored_latents_and_masks_are_cached_and_an_edited_mask_is_read_again(digits_folder, tmp_path):
+    from PIL import Image
+
+    data = tmp_path / "data"
+    shutil.copytree(digits_folder(4), data)
+    for i in range(4):  # the left half trains
+        Image.fromarray((torch.arange(32) < 16).to(torch.uint8).mul(255).expand(32, 32).numpy()).save(
+            data / f"{i:02d}.mask.png")
+    cache = str(tmp_path / "cache")
+    fields = dict(**RUN, dataset=str(data), sample_steps=0, flip=True, masked_loss=True)
+
+    def tensors(run):
+        return [*run.data.latents, *run.data.flipped, *run.data.masks]
+
+    plain = cache_phase(TrainConfig(**fields, output=str(tmp_path / "a")))
+    cache_phase(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "b")))
+    with encoder_calls() as calls:
+        read = cache_phase(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "c")))
+    assert calls["n"] == 0 and len(read.data.flipped) == len(read.data.masks) == 4
+    assert all(torch.equal(a, b) for a, b in zip(tensors(plain), tensors(read), strict=True))
+    Image.fromarray(torch.full((32, 32), 255, dtype=torch.uint8).numpy()).save(data / "01.mask.png")
+    edited = cache_phase(TrainConfig(**fields, cache_dir=cache, output=str(tmp_path / "d")))
+    assert edited.store.stats["written"] == 1  # the unmirrored call holds the masks; the mirrored one is read
+    assert torch.equal(edited.data.masks[1], torch.ones_like(edited.data.masks[1]))

@@ -26,6 +26,7 @@ CHANGES = {
     "caption_dropout": ({}, {"caption_dropout": 0.1}),
     "shuffle_captions": ({}, {"shuffle_captions": True}),
     "tag_dropout": ({}, {"tag_dropout": 0.2}),
+    "flip": ({}, {"flip": True}),
     "caption_variants": ({"shuffle_captions": True}, {"shuffle_captions": True, "caption_variants": 2}),
     "sample_prompts": ({}, {"sample_prompts": ["one", "two", "three", "four", "five", "six"]}),
     "rank": ({}, {"rank": 8}),
@@ -61,6 +62,8 @@ CANNOT_AT_TINY = {
     "save_every": "a per-step file's host copy is the final save's, in the same phase",
     "buckets": "a bucket holds about resolution^2 pixels: as many bytes as the square crop (the plan trains "
                "at the square size; measured 0.994-1.000 of bucketed tiny runs)",
+    "masked_loss": "the digits have no masks; a mask (one channel of the latent grid) is counted with its "
+                   "latent (planning/examples.py CacheLedger's `latent`), the device's with the step's",
     "validation_split": "held-out images are cached as the trained ones are, and a tiny validation batch "
                         "is no larger than a training micro-batch (test_plan_matrix measures the run)",
 }

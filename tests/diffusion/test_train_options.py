@@ -71,9 +71,9 @@ def _x0_shapes(monkeypatch) -> list:
     shapes = []
     real = trainer_step.denoising_loss
 
-    def spy(config, kind, pipe, objective, x0, *rest):
+    def spy(config, kind, pipe, objective, x0, *rest, **kw):
         shapes.append(tuple(x0.shape[-2:]))
-        return real(config, kind, pipe, objective, x0, *rest)
+        return real(config, kind, pipe, objective, x0, *rest, **kw)
 
     monkeypatch.setattr(trainer_step, "denoising_loss", spy)
     return shapes

@@ -305,6 +305,8 @@ def test_notebook_11_knobs(run_notebook, monkeypatch):
     table = data["numbers"]["table"]
     assert len(table) == 9 and all(set(v) == {"style", "content", "val_loss"} for v in table.values())
     assert all(len(x) == 1 and math.isfinite(x[0]) for v in table.values() for x in v.values())
+    one_seed = data["numbers"]["one_seed"]  # section 4: the losses, flip, the masked loss, one seed each
+    assert len(one_seed) == 6 and all(math.isfinite(x) for v in one_seed.values() for x in v.values())
 
 
 def test_runner_selects_notebooks_by_name_file_name_or_path():
