@@ -274,8 +274,8 @@ def nearest_codes(x: torch.Tensor, scale: float, signed: bool, path: str | None 
     out = torch.empty(n, dtype=torch.uint8)
     tables = _tables()
     map_, pack = (tables[0], tables[2]) if signed else (tables[1], tables[3])
-    ran = lib.lora_lab_adam8bit_codes(padded.data_ptr(), n, scale, int(signed), map_.data_ptr(), pack.data_ptr(),
-                                      PACK_BINADES * 128 + 2, (127 - PACK_BINADES) << 23, out.data_ptr(),
-                                      PATHS[chosen_path(path)])
+    ran = lib.lora_lab_adam8bit_codes(padded.data_ptr(), n, scale, int(signed), map_.data_ptr(),
+                                      pack.data_ptr(), PACK_BINADES * 128 + 2, (127 - PACK_BINADES) << 23,
+                                      out.data_ptr(), PATHS[chosen_path(path)])
     assert ran > 0, "the C step refused a path chosen_path allowed"
     return out

@@ -188,8 +188,12 @@ def _exact_codes(y: torch.Tensor, mid: torch.Tensor, keep_nonzero: bool) -> torc
 
 def _scales():
     """(body, scale) pairs: the AVX-512 body's every way (see the test), the others' one divide."""
-    return [pytest.param(p, s, marks=pytest.mark.skipif(p not in native.paths(), reason=f"this CPU lacks {p}"))
-            for p in native.PATHS for s in ([1.0, 0.37, 2.0**-3, 3e-39, 7e35] if p == "avx512" else [0.37])]
+    out = []
+    for p in native.PATHS:
+        lacks = pytest.mark.skipif(p not in native.paths(), reason=f"this CPU lacks {p}")
+        out += [pytest.param(p, s, marks=lacks) for s in ([1.0, 0.37, 2.0**-3, 3e-39, 7e35] if p == "avx512"
+                                                          else [0.37])]
+    return out
 
 
 @needs_native
