@@ -21,8 +21,8 @@
  *   base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared within the
  *   bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
  * - AVX-512, without gathers (on Zen 5 a 16-lane gather costs as much as the rest of the step): y's
- *   position among the midpoints approximated by the least of 7 lines (the map is linear within a decade
- *   and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
+ *   position among the midpoints approximated by the least of 2 of 7 lines (the map is linear within a
+ *   decade and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
  *   mid[k], fetched from registers by permutes (make_qlines, codes16). y is x * (1 / absmax), a multiply
  *   where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps of its
  *   midpoint (or that may underflow) are done again by x / absmax, so the codes are those of the quotient.
@@ -73,11 +73,13 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
 }
 
 /* The AVX-512 body's nearest code (see codes16): y's position among the map's midpoints, approximated as the
- * least of one line a decade (the map is linear within a decade, finer below: a concave function of y),
- * then one exact compare with the midpoint nearest that position. For a signed map, k counts the midpoints
+ * least of one line a decade (the map is linear within a decade, finer below: a concave function of y; of
+ * the 7, those of the decades at the two ends of y's binade), then one exact compare with the midpoint
+ * nearest that position. For a signed map, k counts the midpoints
  * above 0 (mid[k]: the bits of the k-th, 128 of them), for an unsigned map all 255 (mid[255]: +inf). */
 typedef struct qlines {
-    float a[7], b[7];
+    float a[7], b[7];           /* the line of each decade */
+    float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
     int32_t mid[256];
 } qlines;
 
@@ -86,6 +88,16 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
         double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
         q->a[i] = (float)(n / (0.9 * pow(10.0, i - 6)));
         q->b[i] = (float)(c - n / 9.0);
+    }
+    for (int e = 0; e < 32; e++) {
+        int be = e < 7 ? e + 128 : e + 96; /* slot e of exponent be; codes16 takes those in [103, 127] */
+        for (int end = 0; end < 2; end++) {
+            double y = be > 127 ? 0.0 : ldexp(end && be < 127 ? 2.0 - 0x1p-23 : 1.0, be - 127);
+            int d = 0;
+            while (d < 6 && y >= pow(10.0, d - 6)) d++;
+            q->la[end][e] = q->a[d];
+            q->lb[end][e] = q->b[d];
+        }
     }
     int first = sgn ? 127 : 0, count = sgn ? 128 : 255;
     for (int k = 0; k < 256; k++)
@@ -369,11 +381,15 @@ AVX512 static inline __m512i mid_of(const __m512i *mid, __m512i k, int regs) {
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(k, _mm512_set1_epi32(128)), r[0], r[1]);
 }
 
-typedef struct { __m512 a[7], b[7]; __m512i mid[16]; } qregs;
+typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16]; } qregs; /* qlines in registers */
 
 AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
-    for (int i = 0; i < 7; i++) { r->a[i] = _mm512_set1_ps(q->a[i]); r->b[i] = _mm512_set1_ps(q->b[i]); }
     for (int i = 0; i < 16; i++) r->mid[i] = _mm512_loadu_si512(q->mid + 16 * i);
+    for (int end = 0; end < 2; end++)
+        for (int h = 0; h < 2; h++) {
+            r->la[end][h] = _mm512_loadu_ps(q->la[end] + 16 * h);
+            r->lb[end][h] = _mm512_loadu_ps(q->lb[end] + 16 * h);
+        }
 }
 
 /* The codes of 16 values y (x * (1 / s) or x / s: see quant_block); near: lanes within 8 ulps of the midpoint
@@ -381,10 +397,17 @@ AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
 AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask16 *near) {
     const __m512i one = _mm512_set1_epi32(1);
     __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512 yc = _mm512_min_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(1.0f)); /* NaN, inf -> 1 */
-    __m512 t = _mm512_fmadd_ps(q->a[0], yc, q->b[0]);
-    for (int i = 1; i < 7; i++) t = _mm512_min_ps(t, _mm512_fmadd_ps(q->a[i], yc, q->b[i]));
-    __m512i k = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* |y| clamped to [2^-24, 1] (NaN, inf to 1: mid[k]'s compare gives their codes); its binade's 2 lines */
+    __m512i cb = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(103 << 23)),
+                                  _mm512_set1_epi32(127 << 23));
+    __m512 yc = _mm512_castsi512_ps(cb);
+    __m512i e = _mm512_srli_epi32(cb, 23);
+    __m512 t1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(q->la[0][0], e, q->la[0][1]), yc,
+                                _mm512_permutex2var_ps(q->lb[0][0], e, q->lb[0][1]));
+    __m512 t2 = _mm512_fmadd_ps(_mm512_permutex2var_ps(q->la[1][0], e, q->la[1][1]), yc,
+                                _mm512_permutex2var_ps(q->lb[1][0], e, q->lb[1][1]));
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i k = _mm512_cvt_roundps_epi32(_mm512_min_ps(t1, t2), nearest);
     __m512i mk = mid_of(q->mid, k, sgn ? 8 : 16);
     __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
     __m512i magp = sgn ? _mm512_mask_add_epi32(mag, neg, mag, one) : mag; /* y < 0: |y| >= mid counts */
@@ -556,9 +579,10 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
 }
 
 /* The codes of x[0, n) / s as body `path` gives them in the step (for the tests): map, pack: the step's m
- * (sgn 1) or v (sgn 0: keep_nonzero) tables; x: n rounded up to 16 floats. Returns the path that ran or -1. */
-int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const float *map, const int32_t *pack,
-                            int32_t pack_n, int32_t pack_lo, uint8_t *out, int path) {
+ * (sgn 1) or v (sgn 0: keep_nonzero) tables; x: n rounded up to 16 floats. Returns the path that ran or
+ * -1. */
+int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const float *map,
+                            const int32_t *pack, int32_t pack_n, int32_t pack_lo, uint8_t *out, int path) {
     path = runs(path);
     qlines q;
     table t = {map, pack, pack_n, pack_lo, 0, &q};
