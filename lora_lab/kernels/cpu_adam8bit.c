@@ -497,6 +497,52 @@ AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *t
     quant_block(tm->q, m, ms, a->m_codes + i0, len, whole, rest, 1);
     quant_block(tv->q, v, vs, a->v_codes + i0, len, whole, rest, 0);
 }
+
+/* The benchmark's floors (lora_lab_adam8bit_floor): n fp32 values in groups of 64 with less of the step's
+ * work: level 0 moves the step's bytes only (param + grad written over param, codes + 1 over the codes),
+ * 1 adds Adam's arithmetic (update16; moments from codes by a convert, codes by truncation), 2 the
+ * dequantization by permutes (dequant64); the step itself adds the absmax and the nearest codes. */
+AVX512 static void floor_avx512(float *param, const float *grad, uint8_t *m_codes, uint8_t *v_codes,
+                                const float *m_map, const float *v_map, int64_t n, int level) {
+    hyper h = {0.1f, 0.999f, 0.001f, 0.5f, 1e-8f, -1e-3f, 0.99999f, 0.0f, 1, 1, 0};
+    tensors a = {param, grad, m_codes, v_codes, 0, 0, 0, 0, 0};
+    consts16 c = {_mm512_set1_ps(h.coeff), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.c2), _mm512_set1_ps(h.bc2s),
+                  _mm512_set1_ps(h.eps), _mm512_set1_ps(h.neg_step), _mm512_set1_ps(h.decay),
+                  _mm512_set1_ps(h.wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    lookup lm, lv;
+    make_lookup(&lm, m_map);
+    make_lookup(&lv, v_map);
+    float m[64], v[64];
+    const __m512 s = _mm512_set1_ps(0.01f), inv = _mm512_set1_ps(100.0f);
+    for (int64_t i0 = 0; i0 < n; i0 += 64) {
+        if (level == 0) {
+            for (int j = 0; j < 64; j += 16)
+                _mm512_storeu_ps(param + i0 + j, _mm512_add_ps(_mm512_loadu_ps(param + i0 + j),
+                                                                _mm512_loadu_ps(grad + i0 + j)));
+            const __m512i one = _mm512_set1_epi8(1);
+            _mm512_storeu_si512(m_codes + i0, _mm512_add_epi8(_mm512_loadu_si512(m_codes + i0), one));
+            _mm512_storeu_si512(v_codes + i0, _mm512_add_epi8(_mm512_loadu_si512(v_codes + i0), one));
+            continue;
+        }
+        for (int j = 0; j < 64 && level == 1; j += 16) {
+            __m128i cm = _mm_loadu_si128((const __m128i *)(m_codes + i0 + j));
+            __m128i cv = _mm_loadu_si128((const __m128i *)(v_codes + i0 + j));
+            _mm512_storeu_ps(m + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cm)), s));
+            _mm512_storeu_ps(v + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cv)), s));
+        }
+        if (level >= 2) {
+            dequant64(&lm, m_codes + i0, 0.01f, m);
+            dequant64(&lv, v_codes + i0, 0.01f, v);
+        }
+        for (int j = 0; j < 64; j += 16) {
+            update16(&h, &a, &c, i0, j, m, v, 0xFFFF, 1);
+            store_codes16(m_codes + i0 + j, _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(m + j), inv)),
+                          0xFFFF, 1);
+            store_codes16(v_codes + i0 + j, _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv)),
+                          0xFFFF, 1);
+        }
+    }
+}
 #endif
 
 /* 1 plain C, 2 AVX2, 3 AVX-512: those this CPU runs, as bits (1 << path). */
@@ -595,4 +641,15 @@ int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const f
     }
 #endif
     return path;
+}
+
+/* benchmarks/bench_optim.py's floors (floor_avx512: level 0, 1, 2): n a multiple of 64; -1 without the
+ * AVX-512 body. */
+int lora_lab_adam8bit_floor(float *param, const float *grad, uint8_t *m_codes, uint8_t *v_codes,
+                            const float *m_map, const float *v_map, int64_t n, int level) {
+    if (!(lora_lab_adam8bit_paths() & (1 << 3)) || n % 64 || level < 0 || level > 2) return -1;
+#ifdef LORA_LAB_X86
+    floor_avx512(param, grad, m_codes, v_codes, m_map, v_map, n, level);
+#endif
+    return level;
 }

@@ -103,6 +103,9 @@ def library() -> ctypes.CDLL | None:
     codes.restype = ctypes.c_int
     codes.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
                       + [ctypes.c_int32] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    floor = lib.lora_lab_adam8bit_floor  # benchmarks/bench_optim.py's floors
+    floor.restype = ctypes.c_int
+    floor.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int]
     lib.lora_lab_adam8bit_paths.restype = ctypes.c_int
     lib.lora_lab_adam8bit_paths.argtypes = []
     return lib
