@@ -25,7 +25,7 @@
  *   decade and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
  *   mid[k], fetched from registers by permutes (make_qlines, codes16). y is x * (1 / absmax), a multiply
  *   where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps of its
- *   midpoint (or that may underflow) are done again by x / absmax, so the codes are those of the quotient.
+ *   midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
  */
 #include <math.h>
 #include <stdint.h>
@@ -448,25 +448,22 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
     c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
 }
 
-/* The codes of x[0, len) / s: by x * (1 / s) (a multiply, not a divide), then again by x / s in the rare
- * vectors where that product falls within 8 ulps of the midpoint it is compared with or may underflow. */
+/* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
+ * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
+ * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
+ * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
 AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_t *codes, int64_t len,
                                int64_t whole, __mmask16 rest, int sgn) {
     qregs q;
     load_qregs(&q, ql);
-    float r = 1.0f / s, tiny = s * 0x1p-120f;
-    int exact = !(s >= 0x1p-120f && s <= 0x1p120f);
-    const __m512 rv = _mm512_set1_ps(r), sv = _mm512_set1_ps(s);
-    const __m512i small = _mm512_set1_epi32((int32_t)(tiny > 0.0f ? f32_bits(tiny) - 1 : 0));
+    const __m512 sv = _mm512_set1_ps(s), rv = _mm512_set1_ps(1.0f / s);
+    const int product = s >= 0x1p-120f && s <= 1.0f;
     for (int64_t j = 0; j < len; j += 16) {
-        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
         __m512 xj = _mm512_loadu_ps(x + j);
         __mmask16 near = 0;
-        __m512i c = codes16(&q, exact ? _mm512_div_ps(xj, sv) : _mm512_mul_ps(xj, rv), sgn, &near);
-        __m512i mag = _mm512_and_si512(_mm512_castps_si512(xj), _mm512_set1_epi32(0x7FFFFFFF));
-        near |= _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)), small);
-        if (near && !exact) c = codes16(&q, _mm512_div_ps(xj, sv), sgn, &near);
-        store_codes16(codes + j, c, k, j < whole);
+        __m512i c = codes16(&q, product ? _mm512_mul_ps(xj, rv) : _mm512_div_ps(xj, sv), sgn, &near);
+        if (near && product) c = codes16(&q, _mm512_div_ps(xj, sv), sgn, &near);
+        store_codes16(codes + j, c, j < whole ? (__mmask16)0xFFFF : rest, j < whole);
     }
 }
 
