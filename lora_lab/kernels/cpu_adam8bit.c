@@ -80,7 +80,7 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
 typedef struct qlines {
     float a[7], b[7];           /* the line of each decade */
     float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
-    int32_t mid[256];
+    int32_t mid[256];           /* the bits of each midpoint, - 8 */
 } qlines;
 
 static void make_qlines(qlines *q, const float *map, int sgn) {
@@ -101,7 +101,8 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
     }
     int first = sgn ? 127 : 0, count = sgn ? 128 : 255;
     for (int k = 0; k < 256; k++)
-        q->mid[k] = k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000;
+        q->mid[k] = (k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000)
+                    - 8;
 }
 
 static void make_lookup(lookup *l, const float *map) {
@@ -408,12 +409,12 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
                                 _mm512_permutex2var_ps(q->lb[1][0], e, q->lb[1][1]));
     const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m512i k = _mm512_cvt_roundps_epi32(_mm512_min_ps(t1, t2), nearest);
-    __m512i mk = mid_of(q->mid, k, sgn ? 8 : 16);
+    __m512i mk = mid_of(q->mid, k, sgn ? 8 : 16); /* mid[k] - 8 */
     __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
     __m512i magp = sgn ? _mm512_mask_add_epi32(mag, neg, mag, one) : mag; /* y < 0: |y| >= mid counts */
-    *near |= _mm512_cmplt_epu32_mask(_mm512_add_epi32(_mm512_sub_epi32(magp, mk), _mm512_set1_epi32(8)),
-                                     _mm512_set1_epi32(17));
-    __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmpgt_epi32_mask(magp, mk), k, one);
+    __m512i d = _mm512_sub_epi32(magp, mk);
+    *near |= _mm512_cmplt_epu32_mask(d, _mm512_set1_epi32(17));
+    __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmpgt_epi32_mask(d, _mm512_set1_epi32(8)), k, one);
     if (sgn) {
         const __m512i zc = _mm512_set1_epi32(127);
         __m512i c = _mm512_mask_sub_epi32(_mm512_add_epi32(zc, cnt), neg, zc, cnt);
@@ -452,19 +453,35 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
  * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
  * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
  * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
+/* The codes of 16 values x / s (see quant_block). */
+AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
+    __mmask16 near = 0;
+    __m512i c = codes16(q, product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv), sgn, &near);
+    return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
+}
+
 AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_t *codes, int64_t len,
                                int64_t whole, __mmask16 rest, int sgn) {
     qregs q;
     load_qregs(&q, ql);
     const __m512 sv = _mm512_set1_ps(s), rv = _mm512_set1_ps(1.0f / s);
     const int product = s >= 0x1p-120f && s <= 1.0f;
-    for (int64_t j = 0; j < len; j += 16) {
-        __m512 xj = _mm512_loadu_ps(x + j);
-        __mmask16 near = 0;
-        __m512i c = codes16(&q, product ? _mm512_mul_ps(xj, rv) : _mm512_div_ps(xj, sv), sgn, &near);
-        if (near && product) c = codes16(&q, _mm512_div_ps(xj, sv), sgn, &near);
-        store_codes16(codes + j, c, j < whole ? (__mmask16)0xFFFF : rest, j < whole);
+    int64_t j = 0;
+    for (; j + 64 <= len; j += 64) { /* 4 vectors' codes packed into one 64-byte store */
+        __m512i c[4];
+        for (int g = 0; g < 4; g++)
+            c[g] = code16(&q, _mm512_loadu_ps(x + j + 16 * g), sv, rv, product, sgn);
+        const __m512i pick = _mm512_set_epi8( /* bytes 0, 4, ... of the two: 32 codes */
+            124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
+            36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76,
+            72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+        __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
+        __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
+        _mm512_storeu_si512(codes + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
     }
+    for (; j < len; j += 16)
+        store_codes16(codes + j, code16(&q, _mm512_loadu_ps(x + j), sv, rv, product, sgn),
+                      j < whole ? (__mmask16)0xFFFF : rest, j < whole);
 }
 
 AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
