@@ -15,6 +15,11 @@ in its fastest body for this CPU; "C <body>" rows force the others (AVX2, plain 
 intra-op threads, as before lora_lab.threads): the busy row measures what the policy prevents (slow when
 busy: --no-callers-threads leaves it out).
 
+Floors (the C step's AVX-512 body, where the CPU has it): one pass over the same weight's bytes with less
+of the step's work (lora_lab_adam8bit_floor in kernels/cpu_adam8bit.c): its bytes alone; + Adam's arithmetic
+(two divides and a square root a value, as torch's fused kernel); + the dequantization (table lookups by
+permutes). The step adds the block absmax and the nearest codes: the rows say where its time goes.
+
 GB/s: the bytes a step must move at least (parameter read and written, gradient read, state read and
 written: 28 a parameter for fp32 AdamW, 16 + 1/16 for 8-bit) over its CPU time, beside a torch copy_ of
 256 MiB on one thread (read + written), timed in the same rounds: the machine's copy bandwidth.
@@ -114,7 +119,33 @@ def _patched(module, name, value):
 
 
 CONTROL = "control: a fixed single-thread loop (no torch)"
+FLOORS = ("floor: the 8-bit step's bytes alone (C, one pass)", "floor + Adam's arithmetic",
+          "floor + Adam's arithmetic + dequantization")
 COPY = "torch copy_ of 256 MiB, 1 thread (the copy bandwidth)"
+
+
+class Floor:
+    """One of the C step's floors (FLOORS: level 0, 1, 2) on its own weight, gradient and codes."""
+
+    def __init__(self, level: int, w0: torch.Tensor, grad: torch.Tensor):
+        self.level, self.p, self.g = level, w0.clone().reshape(-1), grad.reshape(-1)
+        self.m, self.v = (torch.randint(0, 256, (self.p.numel(),), dtype=torch.uint8) for _ in range(2))
+        self.maps = lora_lab.kernels.cpu_adam8bit._tables()[:2]
+
+    def step(self) -> None:
+        lib = lora_lab.kernels.cpu_adam8bit.library()
+        ran = lib.lora_lab_adam8bit_floor(self.p.data_ptr(), self.g.data_ptr(), self.m.data_ptr(),
+                                          self.v.data_ptr(), *(t.data_ptr() for t in self.maps),
+                                          self.p.numel(), self.level)
+        assert ran == self.level, "the floor did not run"
+
+
+def floors(w0: torch.Tensor, grad: torch.Tensor) -> list:
+    """(name, Floor) for each floor, where the C step has its AVX-512 body ([] elsewhere)."""
+    native = lora_lab.kernels.cpu_adam8bit
+    if "avx512" not in native.paths() or w0.numel() % 64:
+        return []
+    return [(name, Floor(level, w0, grad)) for level, name in enumerate(FLOORS)]
 
 
 class FixedWork:
@@ -140,13 +171,14 @@ def measure(size: int, rounds: int, use_torchao: bool, callers_threads: bool) ->
         print(f"  first step of {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     src, dst = torch.randn(64 << 20), torch.empty(64 << 20)
     copy = type("Copy", (), {"step": lambda self: dst.copy_(src)})()
+    extra = [*floors(w0, grad), (CONTROL, FixedWork()), (COPY, copy)]
     times: dict = {}
     for r in range(rounds):  # each round runs every setting: a change of the machine's load hits all alike
         for label, threads, busy in SETTINGS:
             torch.set_num_threads(threads)
             with one_core_busy() if busy else contextlib.nullcontext():
                 print(f"  round {r + 1}, {label}: {machine_load()}", flush=True)
-                for name, opt in [*opts.items(), (CONTROL, FixedWork()), (COPY, copy)]:
+                for name, opt in [*opts.items(), *extra]:
                     with row_setting(name):
                         t0, c0 = time.perf_counter(), time.process_time()
                         opt.step()
@@ -177,6 +209,11 @@ def main(argv=None) -> int:
     table(opts, t, args.size**2)
     for ours in ("lora_lab AdamW8bit", "lora_lab AdamW8bit, PyTorch path"):
         targets(t, ours, [s[0] for s in SETTINGS])
+    fused = t["torch AdamW fused=True (fp32 state)", "cpu"]
+    if (FLOORS[0], "cpu") in t:
+        print("floors / torch AdamW fused=True, 1 thread, CPU time: "
+              + "; ".join(f"{f}: {t[f, 'cpu'] / fused:.2f}" for f in FLOORS)
+              + f"; the step: {t['lora_lab AdamW8bit', 'cpu'] / fused:.2f}")
     return 0
 
 
@@ -192,7 +229,10 @@ def table(opts: dict, t: dict, n: int) -> None:
         rate = moved / t[name, "cpu"] / 1e9
         print(f"| {name} | {state:.3f} | {t[name, 'cpu'] * 1e3:.1f} ms | {rate:.1f} | "
               f"{ms} | {t[name, labels[2]] / t[name, labels[1]]:.2f} |")
-    for row, moved in ((CONTROL, None), (COPY, 2 * 4 * (64 << 20))):
+    step_bytes = n * (12 + 2 * (1 + 4 / 256))  # the 8-bit step's (block size 256)
+    rows = [(f, step_bytes) for f in FLOORS if (f, "cpu") in t]
+    rows += [(CONTROL, None), (COPY, 2 * 4 * (64 << 20))]
+    for row, moved in rows:
         ms = " | ".join(f"{t[row, lab] * 1e3:.0f} ms" for lab in labels)
         rate = f"{moved / t[row, 'cpu'] / 1e9:.1f}" if moved else ""
         print(f"| {row} | | {t[row, 'cpu'] * 1e3:.1f} ms | {rate} | {ms} | "

@@ -13,11 +13,19 @@
  * pads its chunks so that torch's kernel never runs its scalar tail, and takes a zero block's absmax as
  * +0.0, so the two agree bit for bit where torch's CPU capability is AVX2 or AVX512.
  *
- * Nearest code: one lookup per value in a packed table (built by cpu_adam8bit.py from blockwise.py's
- * rounding tables): for y = x / absmax, r = bits(|y|) - bits(2^-K); index 1 + (r >> 16) (0 for r < 0: all
- * |y| < 2^-K round alike, but for keep_nonzero's 0 / not 0), + N for a negative y; entry = base << 16 |
- * t, code = base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared
- * within the bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
+ * Nearest code, the index of the first map midpoint >= y (y = x / absmax; blockwise.py's rounding; a
+ * NaN's by its sign: 255 or 0), two ways that give the same code for every float (tests/kernels):
+ * - plain C and AVX2: one lookup per value in a packed table (built by cpu_adam8bit.py from blockwise.py's
+ *   rounding tables): for r = bits(|y|) - bits(2^-K), index 1 + (r >> 16) (0 for r < 0: all |y| < 2^-K
+ *   round alike, but for keep_nonzero's 0 / not 0), + N for a negative y; entry = base << 16 | t, code =
+ *   base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared within the
+ *   bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
+ * - AVX-512, without gathers (on Zen 5 a 16-lane gather costs as much as the rest of the step): y's
+ *   position among the midpoints approximated by the least of 2 of 7 lines (the map is linear within a
+ *   decade and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
+ *   mid[k], fetched from registers by permutes (make_qlines, codes16). y is x * (1 / absmax), a multiply
+ *   where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps of its
+ *   midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,6 +51,7 @@ typedef struct {
     const int32_t *pack; /* 2 n entries: [0, n) |y| >= 0, [n, 2n) y negative */
     int32_t n, lo;       /* entries per sign, bits of 2^-K */
     const lookup *look;  /* for the AVX-512 body */
+    const struct qlines *q; /* for the AVX-512 body */
 } table;
 
 typedef struct {
@@ -61,6 +70,39 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
     uint32_t u = f32_bits(f);
     if (f != f) return 0x7FC0;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The AVX-512 body's nearest code (see codes16): y's position among the map's midpoints, approximated as the
+ * least of one line a decade (the map is linear within a decade, finer below: a concave function of y; of
+ * the 7, those of the decades at the two ends of y's binade), then one exact compare with the midpoint
+ * nearest that position. For a signed map, k counts the midpoints
+ * above 0 (mid[k]: the bits of the k-th, 128 of them), for an unsigned map all 255 (mid[255]: +inf). */
+typedef struct qlines {
+    float a[7], b[7];           /* the line of each decade */
+    float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
+    int32_t mid[256];           /* the bits of each midpoint, - 8 */
+} qlines;
+
+static void make_qlines(qlines *q, const float *map, int sgn) {
+    for (int i = 0; i < 7; i++) {
+        double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
+        q->a[i] = (float)(n / (0.9 * pow(10.0, i - 6)));
+        q->b[i] = (float)(c - n / 9.0);
+    }
+    for (int e = 0; e < 32; e++) {
+        int be = e < 7 ? e + 128 : e + 96; /* slot e of exponent be; codes16 takes those in [103, 127] */
+        for (int end = 0; end < 2; end++) {
+            double y = be > 127 ? 0.0 : ldexp(end && be < 127 ? 2.0 - 0x1p-23 : 1.0, be - 127);
+            int d = 0;
+            while (d < 6 && y >= pow(10.0, d - 6)) d++;
+            q->la[end][e] = q->a[d];
+            q->lb[end][e] = q->b[d];
+        }
+    }
+    int first = sgn ? 127 : 0, count = sgn ? 128 : 255;
+    for (int k = 0; k < 256; k++)
+        q->mid[k] = (k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000)
+                    - 8;
 }
 
 static void make_lookup(lookup *l, const float *map) {
@@ -216,6 +258,14 @@ AVX2 static inline __m256 dequant8(const table *t, const uint8_t *codes, __m256 
     return _mm256_mul_ps(_mm256_i32gather_ps(t->map, c, 4), absmax);
 }
 
+/* The codes of x[0, len) / s. */
+AVX2 static void codes_avx2(const table *t, const float *x, float s, uint8_t *codes, int64_t len) {
+    const __m256 sv = _mm256_set1_ps(s);
+    int64_t j = 0, vec_end = len - len % 8;
+    for (; j < vec_end; j += 8) store_codes8(codes + j, codes8(t, _mm256_div_ps(_mm256_loadu_ps(x + j), sv)));
+    codes_values(t, x, s, codes, vec_end, len);
+}
+
 AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, const table *tv, int64_t i0,
                             int64_t len, float *m, float *v) {
     const __m256 coeff = _mm256_set1_ps(h->coeff), b2 = _mm256_set1_ps(h->b2), c2 = _mm256_set1_ps(h->c2),
@@ -224,8 +274,8 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
                  wd = _mm256_set1_ps(h->wd), sign = _mm256_set1_ps(-0.0f);
     const __m256 am = _mm256_set1_ps(m[-1]), av = _mm256_set1_ps(v[-1]);
     __m256 mx = _mm256_setzero_ps(), vx = _mm256_setzero_ps();
-    int64_t j = 0, vec_end = len - len % 8;
-    for (; j < vec_end; j += 8) {
+    int64_t vec_end = len - len % 8;
+    for (int64_t j = 0; j < vec_end; j += 8) {
         __m256 p = load_p8(a, i0 + j), g = load_g8(a, i0 + j);
         __m256 mj = dequant8(tm, a->m_codes + i0 + j, am), vj = dequant8(tv, a->v_codes + i0 + j, av);
         if (h->l2) g = _mm256_fmadd_ps(p, wd, g);
@@ -250,14 +300,8 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
     update_values(h, a, tm, tv, i0, vec_end, len, m[-1], v[-1], m, v, &mmax, &vmax);
     m[-1] = mmax;
     v[-1] = vmax;
-    float ms = mmax > 0.0f ? mmax : 1.0f, vs = vmax > 0.0f ? vmax : 1.0f;
-    const __m256 msv = _mm256_set1_ps(ms), vsv = _mm256_set1_ps(vs);
-    for (j = 0; j < vec_end; j += 8) {
-        store_codes8(a->m_codes + i0 + j, codes8(tm, _mm256_div_ps(_mm256_loadu_ps(m + j), msv)));
-        store_codes8(a->v_codes + i0 + j, codes8(tv, _mm256_div_ps(_mm256_loadu_ps(v + j), vsv)));
-    }
-    codes_values(tm, m, ms, a->m_codes + i0, vec_end, len);
-    codes_values(tv, v, vs, a->v_codes + i0, vec_end, len);
+    codes_avx2(tm, m, mmax > 0.0f ? mmax : 1.0f, a->m_codes + i0, len);
+    codes_avx2(tv, v, vmax > 0.0f ? vmax : 1.0f, a->v_codes + i0, len);
 }
 
 /* ------------------------------------------------------------------------------- AVX-512 (16 lanes) */
@@ -321,22 +365,62 @@ AVX512 static inline void dequant64(const lookup *l, const uint8_t *codes, float
     _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), s));
 }
 
-/* The codes of 16 values y (see the top of the file). */
-AVX512 static inline __m512i codes16(const table *t, __m512 y) {
-    const __m512i ffff = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+/* mid[k] for k in [0, 128) (regs 8) or [0, 256) (regs 16): 32 entries a permute, blended by k's bits. */
+AVX512 static inline __m512i mid_of(const __m512i *mid, __m512i k, int regs) {
+    __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    __m512i r[4];
+    for (int h = 0; h < regs / 8; h++) {
+        __m512i p0 = _mm512_permutex2var_epi32(mid[8 * h + 0], k, mid[8 * h + 1]);
+        __m512i p1 = _mm512_permutex2var_epi32(mid[8 * h + 2], k, mid[8 * h + 3]);
+        __m512i p2 = _mm512_permutex2var_epi32(mid[8 * h + 4], k, mid[8 * h + 5]);
+        __m512i p3 = _mm512_permutex2var_epi32(mid[8 * h + 6], k, mid[8 * h + 7]);
+        r[h] = _mm512_mask_blend_epi32(b6, _mm512_mask_blend_epi32(b5, p0, p1),
+                                       _mm512_mask_blend_epi32(b5, p2, p3));
+    }
+    if (regs == 8) return r[0];
+    return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(k, _mm512_set1_epi32(128)), r[0], r[1]);
+}
+
+typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16]; } qregs; /* qlines in registers */
+
+AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
+    for (int i = 0; i < 16; i++) r->mid[i] = _mm512_loadu_si512(q->mid + 16 * i);
+    for (int end = 0; end < 2; end++)
+        for (int h = 0; h < 2; h++) {
+            r->la[end][h] = _mm512_loadu_ps(q->la[end] + 16 * h);
+            r->lb[end][h] = _mm512_loadu_ps(q->lb[end] + 16 * h);
+        }
+}
+
+/* The codes of 16 values y (x * (1 / s) or x / s: see quant_block); near: lanes within 8 ulps of the midpoint
+ * they are compared with. */
+AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask16 *near) {
+    const __m512i one = _mm512_set1_epi32(1);
     __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i r = _mm512_sub_epi32(mag, _mm512_set1_epi32(t->lo));
-    __mmask16 neg = _mm512_cmplt_epi32_mask(r, zero);
-    __m512i i = _mm512_max_epi32(_mm512_add_epi32(_mm512_srai_epi32(r, 16), one), zero);
-    i = _mm512_min_epi32(i, _mm512_set1_epi32(t->n - 1));
-    __m512i sgn = _mm512_srai_epi32(u, 31);
-    i = _mm512_add_epi32(i, _mm512_and_si512(sgn, _mm512_set1_epi32(t->n)));
-    __m512i cmp = _mm512_mask_min_epu32(_mm512_and_si512(r, ffff), neg, mag, one);
-    cmp = _mm512_xor_si512(cmp, _mm512_and_si512(sgn, ffff));
-    __m512i e = _mm512_i32gather_epi32(i, t->pack, 4);
-    __mmask16 gt = _mm512_cmpgt_epi32_mask(cmp, _mm512_and_si512(e, ffff));
-    __m512i c = _mm512_srli_epi32(e, 16);
-    return _mm512_mask_add_epi32(c, gt, c, one);
+    /* |y| clamped to [2^-24, 1] (NaN, inf to 1: mid[k]'s compare gives their codes); its binade's 2 lines */
+    __m512i cb = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(103 << 23)),
+                                  _mm512_set1_epi32(127 << 23));
+    __m512 yc = _mm512_castsi512_ps(cb);
+    __m512i e = _mm512_srli_epi32(cb, 23);
+    __m512 t1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(q->la[0][0], e, q->la[0][1]), yc,
+                                _mm512_permutex2var_ps(q->lb[0][0], e, q->lb[0][1]));
+    __m512 t2 = _mm512_fmadd_ps(_mm512_permutex2var_ps(q->la[1][0], e, q->la[1][1]), yc,
+                                _mm512_permutex2var_ps(q->lb[1][0], e, q->lb[1][1]));
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i k = _mm512_cvt_roundps_epi32(_mm512_min_ps(t1, t2), nearest);
+    __m512i mk = mid_of(q->mid, k, sgn ? 8 : 16); /* mid[k] - 8 */
+    __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    __m512i magp = sgn ? _mm512_mask_add_epi32(mag, neg, mag, one) : mag; /* y < 0: |y| >= mid counts */
+    __m512i d = _mm512_sub_epi32(magp, mk);
+    *near |= _mm512_cmplt_epu32_mask(d, _mm512_set1_epi32(17));
+    __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmpgt_epi32_mask(d, _mm512_set1_epi32(8)), k, one);
+    if (sgn) {
+        const __m512i zc = _mm512_set1_epi32(127);
+        __m512i c = _mm512_mask_sub_epi32(_mm512_add_epi32(zc, cnt), neg, zc, cnt);
+        return _mm512_max_epi32(c, _mm512_setzero_si512());
+    }
+    return _mm512_maskz_max_epu32(~neg, cnt, _mm512_min_epu32(mag, one)); /* keep_nonzero; y < 0: 0 */
 }
 
 AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
@@ -365,6 +449,41 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
     c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
 }
 
+/* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
+ * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
+ * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
+ * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
+/* The codes of 16 values x / s (see quant_block). */
+AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
+    __mmask16 near = 0;
+    __m512i c = codes16(q, product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv), sgn, &near);
+    return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
+}
+
+AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_t *codes, int64_t len,
+                               int64_t whole, __mmask16 rest, int sgn) {
+    qregs q;
+    load_qregs(&q, ql);
+    const __m512 sv = _mm512_set1_ps(s), rv = _mm512_set1_ps(1.0f / s);
+    const int product = s >= 0x1p-120f && s <= 1.0f;
+    int64_t j = 0;
+    for (; j + 64 <= len; j += 64) { /* 4 vectors' codes packed into one 64-byte store */
+        __m512i c[4];
+        for (int g = 0; g < 4; g++)
+            c[g] = code16(&q, _mm512_loadu_ps(x + j + 16 * g), sv, rv, product, sgn);
+        const __m512i pick = _mm512_set_epi8( /* bytes 0, 4, ... of the two: 32 codes */
+            124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
+            36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76,
+            72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+        __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
+        __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
+        _mm512_storeu_si512(codes + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
+    }
+    for (; j < len; j += 16)
+        store_codes16(codes + j, code16(&q, _mm512_loadu_ps(x + j), sv, rv, product, sgn),
+                      j < whole ? (__mmask16)0xFFFF : rest, j < whole);
+}
+
 AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
                                 int64_t i0, int64_t len, float *m, float *v) {
     consts16 c = {_mm512_set1_ps(h->coeff), _mm512_set1_ps(h->b2), _mm512_set1_ps(h->c2),
@@ -388,14 +507,54 @@ AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *t
     vmax = vmax > 0.0f ? vmax : 0.0f;
     m[-1] = mmax;
     v[-1] = vmax;
-    const __m512 ms = _mm512_set1_ps(mmax > 0.0f ? mmax : 1.0f);
-    const __m512 vs = _mm512_set1_ps(vmax > 0.0f ? vmax : 1.0f);
-    for (j = 0; j < len; j += 16) {
-        __mmask16 k = j < whole ? (__mmask16)0xFFFF : rest;
-        __m512i cm = codes16(tm, _mm512_div_ps(_mm512_loadu_ps(m + j), ms));
-        __m512i cv = codes16(tv, _mm512_div_ps(_mm512_loadu_ps(v + j), vs));
-        store_codes16(a->m_codes + i0 + j, cm, k, j < whole);
-        store_codes16(a->v_codes + i0 + j, cv, k, j < whole);
+    float ms = mmax > 0.0f ? mmax : 1.0f, vs = vmax > 0.0f ? vmax : 1.0f;
+    quant_block(tm->q, m, ms, a->m_codes + i0, len, whole, rest, 1);
+    quant_block(tv->q, v, vs, a->v_codes + i0, len, whole, rest, 0);
+}
+
+/* The benchmark's floors (lora_lab_adam8bit_floor): n fp32 values in groups of 64 with less of the step's
+ * work: level 0 moves the step's bytes only (param + grad written over param, codes + 1 over the codes),
+ * 1 adds Adam's arithmetic (update16; moments from codes by a convert, codes by truncation), 2 the
+ * dequantization by permutes (dequant64); the step itself adds the absmax and the nearest codes. */
+AVX512 static void floor_avx512(float *param, const float *grad, uint8_t *m_codes, uint8_t *v_codes,
+                                const float *m_map, const float *v_map, int64_t n, int level) {
+    hyper h = {0.1f, 0.999f, 0.001f, 0.5f, 1e-8f, -1e-3f, 0.99999f, 0.0f, 1, 1, 0};
+    tensors a = {param, grad, m_codes, v_codes, 0, 0, 0, 0, 0};
+    consts16 c = {_mm512_set1_ps(h.coeff), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.c2), _mm512_set1_ps(h.bc2s),
+                  _mm512_set1_ps(h.eps), _mm512_set1_ps(h.neg_step), _mm512_set1_ps(h.decay),
+                  _mm512_set1_ps(h.wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    lookup lm, lv;
+    make_lookup(&lm, m_map);
+    make_lookup(&lv, v_map);
+    float m[64], v[64];
+    const __m512 s = _mm512_set1_ps(0.01f), inv = _mm512_set1_ps(100.0f);
+    for (int64_t i0 = 0; i0 < n; i0 += 64) {
+        if (level == 0) {
+            for (int j = 0; j < 64; j += 16)
+                _mm512_storeu_ps(param + i0 + j, _mm512_add_ps(_mm512_loadu_ps(param + i0 + j),
+                                                                _mm512_loadu_ps(grad + i0 + j)));
+            const __m512i one = _mm512_set1_epi8(1);
+            _mm512_storeu_si512(m_codes + i0, _mm512_add_epi8(_mm512_loadu_si512(m_codes + i0), one));
+            _mm512_storeu_si512(v_codes + i0, _mm512_add_epi8(_mm512_loadu_si512(v_codes + i0), one));
+            continue;
+        }
+        for (int j = 0; j < 64 && level == 1; j += 16) {
+            __m128i cm = _mm_loadu_si128((const __m128i *)(m_codes + i0 + j));
+            __m128i cv = _mm_loadu_si128((const __m128i *)(v_codes + i0 + j));
+            _mm512_storeu_ps(m + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cm)), s));
+            _mm512_storeu_ps(v + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cv)), s));
+        }
+        if (level >= 2) {
+            dequant64(&lm, m_codes + i0, 0.01f, m);
+            dequant64(&lv, v_codes + i0, 0.01f, v);
+        }
+        for (int j = 0; j < 64; j += 16) {
+            update16(&h, &a, &c, i0, j, m, v, 0xFFFF, 1);
+            store_codes16(m_codes + i0 + j, _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(m + j), inv)),
+                          0xFFFF, 1);
+            store_codes16(v_codes + i0 + j, _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv)),
+                          0xFFFF, 1);
+        }
     }
 }
 #endif
@@ -413,6 +572,13 @@ int lora_lab_adam8bit_paths(void) {
     return out;
 }
 
+/* path itself if this CPU runs it (0: the fastest it runs), else -1. */
+static int runs(int path) {
+    int paths = lora_lab_adam8bit_paths();
+    if (path == 0) path = paths & (1 << 3) ? 3 : paths & (1 << 2) ? 2 : 1;
+    return path >= 1 && path <= 3 && (paths & (1 << path)) ? path : -1;
+}
+
 typedef void (*block_fn)(const hyper *, const tensors *, const table *, const table *, int64_t, int64_t,
                          float *, float *);
 
@@ -424,9 +590,8 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
                            const int32_t *m_pack, const int32_t *v_pack, int32_t pack_n, int32_t pack_lo,
                            float *scratch, double lr, double beta1, double beta2, double eps, double wd,
                            double step, int decoupled, int path) {
-    int paths = lora_lab_adam8bit_paths();
-    if (path == 0) path = paths & (1 << 3) ? 3 : paths & (1 << 2) ? 2 : 1;
-    if (path < 1 || path > 3 || !(paths & (1 << path))) return -1;
+    path = runs(path);
+    if (path < 0) return -1;
     block_fn block = block_plain;
 #ifdef LORA_LAB_X86
     if (path == 2) block = block_avx2;
@@ -450,11 +615,15 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     tensors a = {param, grad, m_codes, v_codes, m_absmax, v_absmax, param_dtype == 1, grad_dtype == 1,
                  scratch + 2 * (bs + 16)};
     lookup looks[2];
+    qlines qs[2];
     if (path == 3) {
         make_lookup(&looks[0], m_map);
         make_lookup(&looks[1], v_map);
+        make_qlines(&qs[0], m_map, 1);
+        make_qlines(&qs[1], v_map, 0);
     }
-    table tm = {m_map, m_pack, pack_n, pack_lo, &looks[0]}, tv = {v_map, v_pack, pack_n, pack_lo, &looks[1]};
+    table tm = {m_map, m_pack, pack_n, pack_lo, &looks[0], &qs[0]};
+    table tv = {v_map, v_pack, pack_n, pack_lo, &looks[1], &qs[1]};
     /* scratch: [am] m[bs + 15] [av] v[bs + 15]: the absmax in and out beside each block's moments */
     float *m = scratch + 1, *v = scratch + bs + 17;
     int64_t n_blocks = (n + bs - 1) / bs;
@@ -467,4 +636,34 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
         v_absmax[b] = v[-1];
     }
     return path;
+}
+
+/* The codes of x[0, n) / s as body `path` gives them in the step (for the tests): map, pack: the step's m
+ * (sgn 1) or v (sgn 0: keep_nonzero) tables; x: n rounded up to 16 floats. Returns the path that ran or
+ * -1. */
+int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const float *map,
+                            const int32_t *pack, int32_t pack_n, int32_t pack_lo, uint8_t *out, int path) {
+    path = runs(path);
+    qlines q;
+    table t = {map, pack, pack_n, pack_lo, 0, &q};
+    if (path == 1) codes_values(&t, x, s, out, 0, n);
+#ifdef LORA_LAB_X86
+    if (path == 2) codes_avx2(&t, x, s, out, n);
+    if (path == 3) {
+        make_qlines(&q, map, sgn);
+        quant_block(&q, x, s, out, n, n - n % 16, (__mmask16)((1u << (n % 16)) - 1u), sgn);
+    }
+#endif
+    return path;
+}
+
+/* benchmarks/bench_optim.py's floors (floor_avx512: level 0, 1, 2): n a multiple of 64; -1 without the
+ * AVX-512 body. */
+int lora_lab_adam8bit_floor(float *param, const float *grad, uint8_t *m_codes, uint8_t *v_codes,
+                            const float *m_map, const float *v_map, int64_t n, int level) {
+    if (!(lora_lab_adam8bit_paths() & (1 << 3)) || n % 64 || level < 0 || level > 2) return -1;
+#ifdef LORA_LAB_X86
+    floor_avx512(param, grad, m_codes, v_codes, m_map, v_map, n, level);
+#endif
+    return level;
 }

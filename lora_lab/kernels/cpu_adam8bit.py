@@ -1,6 +1,7 @@
 """The 8-bit Adam(W) step on the CPU as one C function (cpu_adam8bit.c beside it), compiled at first use.
 
     cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step, hp, path=None) -> bool
+    nearest_codes(x, scale, signed, path=None) -> the codes the step gives x / scale (its quantization alone)
     library()   -> the loaded library, or None (then the reason was logged, once per process)
     paths()     -> the bodies this CPU runs, fastest first: "avx512", "avx2", "plain"
     cache_dir() -> $LORA_LAB_NATIVE_CACHE, else lora_lab's cache folder (fileio.cache_root()) / "native"
@@ -98,6 +99,13 @@ def library() -> ctypes.CDLL | None:
     f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
                   + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 2 + [ctypes.c_void_p]
                   + [ctypes.c_double] * 6 + [ctypes.c_int] * 2)
+    codes = lib.lora_lab_adam8bit_codes
+    codes.restype = ctypes.c_int
+    codes.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 2
+                      + [ctypes.c_int32] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    floor = lib.lora_lab_adam8bit_floor  # benchmarks/bench_optim.py's floors
+    floor.restype = ctypes.c_int
+    floor.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int]
     lib.lora_lab_adam8bit_paths.restype = ctypes.c_int
     lib.lora_lab_adam8bit_paths.argtypes = []
     return lib
@@ -255,3 +263,22 @@ def cpu_adam8bit_step(param, grad, m, m_absmax, v, v_absmax, step: int, hp, path
         hp.eps, hp.weight_decay, float(step), int(hp.decoupled), PATHS[chosen_path(path)])
     assert ran > 0, "the C step refused a path chosen_path allowed"
     return True
+
+
+def nearest_codes(x: torch.Tensor, scale: float, signed: bool, path: str | None = None) -> torch.Tensor:
+    """The codes the C step's body `path` (else as cpu_adam8bit_step chooses) gives the values x / scale: its
+    quantization alone, for the tests. signed: m's map, else v's (keep_nonzero); x: fp32 on the CPU."""
+    lib = library()
+    if lib is None:
+        raise NativeBuildError("the C step cannot be built here (its reason was logged)")
+    n = x.numel()
+    padded = torch.zeros(n + 16, dtype=torch.float32)  # the AVX-512 body reads whole vectors
+    padded[:n] = x.reshape(-1)
+    out = torch.empty(n, dtype=torch.uint8)
+    tables = _tables()
+    map_, pack = (tables[0], tables[2]) if signed else (tables[1], tables[3])
+    ran = lib.lora_lab_adam8bit_codes(padded.data_ptr(), n, scale, int(signed), map_.data_ptr(),
+                                      pack.data_ptr(), PACK_BINADES * 128 + 2, (127 - PACK_BINADES) << 23,
+                                      out.data_ptr(), PATHS[chosen_path(path)])
+    assert ran > 0, "the C step refused a path chosen_path allowed"
+    return out

@@ -162,6 +162,61 @@ def test_the_packed_table_gives_the_rounding_tables_codes(signed, keep_nonzero):
     assert y.numel() > 30_000 and torch.equal(got, want)
 
 
+def _floats(signed: bool, mid: torch.Tensor) -> torch.Tensor:
+    """A wide set of floats: every float32 within 512 ulps of each midpoint (the ties themselves included),
+    every 8191st bit pattern of all 2^32, the ends of every top-16-bit bucket, and the edges: zeros, the
+    smallest and largest denormals, 1, the largest float, infinities, NaNs of both signs; signed: their
+    negatives too."""
+    near = (mid.view(torch.int32).long()[:, None] + torch.arange(-512, 513)).reshape(-1)
+    tops = torch.arange(65536, dtype=torch.int64) << 16
+    edges = torch.tensor([0, 1, 0x007FFFFF, 0x00800000, 0x3F800000, 0x3F800001, 0x7F7FFFFF, 0x7F800000,
+                          0x7FC00000, 0x7F800001])
+    bits = torch.cat([near, torch.arange(0, 2**32, 8191), tops, tops | 0xFFFF, edges])
+    bits = torch.cat([bits, bits ^ 2**31])  # the negatives (the unsigned map's included: its policy)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def _exact_codes(y: torch.Tensor, mid: torch.Tensor, keep_nonzero: bool) -> torch.Tensor:
+    """The exact nearest code: the index of the first midpoint >= y (blockwise.py's rounding); keep_nonzero:
+    a positive y at least 1; a NaN by its sign bit: 255, or 0 if set."""
+    code = torch.bucketize(y, mid)
+    if keep_nonzero:
+        code = torch.where(y > 0, code.clamp(min=1), code)
+    sign = y.view(torch.int32) < 0
+    return torch.where(y.isnan(), torch.where(sign, 0, 255), code).to(torch.uint8)
+
+
+def _scales():
+    """(body, scale) pairs: the AVX-512 body's every way (see the test), the others' one divide."""
+    out = []
+    for p in native.PATHS:
+        lacks = pytest.mark.skipif(p not in native.paths(), reason=f"this CPU lacks {p}")
+        out += [pytest.param(p, s, marks=lacks) for s in ([1.0, 0.37, 2.0**-3, 3e-39, 7e35] if p == "avx512"
+                                                          else [0.37])]
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("path,scale", _scales())
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_nearest_code_is_the_exact_argmin_for_every_float(path, signed, scale):
+    """Each body's quantization (the AVX-512 one without a table lookup: lines, a permute and a multiply by
+    1 / scale, redone by a divide near a midpoint) gives exactly the nearest map entry of x / scale, the
+    lower at a tie, over a wide set of floats (_floats) and scales: 1 (y = x), one whose reciprocal is
+    inexact, a power of two, a denormal and a huge one (the divide throughout). The step's own scale is the
+    block's absmax (x / scale in [-1, 1]); beyond, every body still agrees with the exact rule."""
+    from lora_lab.functional.blockwise import _midpoints
+
+    mid = _midpoints(signed, torch.device("cpu"))
+    x = _floats(signed, mid)
+    got = native.nearest_codes(x, scale, signed, path)
+    want = _exact_codes(x / scale, mid, keep_nonzero=not signed)
+    wrong = (got != want).nonzero().reshape(-1)
+    assert x.numel() > 1_000_000 and not wrong.numel(), (
+        f"{wrong.numel()} wrong, e.g. x bits {x.view(torch.int32)[wrong[:3]].tolist()}: "
+        f"{got[wrong[:3]].tolist()} for {want[wrong[:3]].tolist()}")
+
+
 @needs_native
 def test_state_dict_round_trip_between_the_paths():
     """The state is the same tensors either way: a checkpoint of one path resumes in the other exactly."""
