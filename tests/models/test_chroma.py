@@ -13,7 +13,7 @@ from lora_lab import models as M
 from lora_lab.diffusion import TrainConfig, TrainConfigError, train
 from lora_lab.diffusion.step import training_objective
 from lora_lab.diffusion.weighting import chroma_sigmas, timestep_density
-from lora_lab.models.chroma import modulation_indices
+from lora_lab.models.chroma import TINY_TRANSFORMER, modulation_indices
 
 SEED = 3
 FAST = {"rank": 4, "lr": 1e-3, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": SEED}
@@ -111,3 +111,92 @@ def test_a_run_trains_samples_and_resumes_bit_for_bit(digits_folder, tmp_path):
     for key, a in files.items():
         b = load_file(str(resumed.outputs[key]))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key
+
+
+# ComfyUI loads Chroma LoRAs through its Flux key map: comfy/model_base.py `class Chroma(Flux)`, so
+# comfy/lora.py `model_lora_keys_unet`'s `isinstance(model, comfy.model_base.Flux)` branch maps
+# "transformer.<diffusers module>" and "lora_transformer_<diffusers module, dots as _>" to the targets of
+# comfy/utils.py `flux_to_diffusers`: the diffusers modules of a double / single block (the suffix) -> its
+# BFL module. Chroma's BFL model (comfy/ldm/chroma/model.py) has these but no img_mod / txt_mod / modulation
+# (its "distilled_guidance_layer" replaces them), so only the blocks' attention and MLP layers are mapped.
+COMFY_DOUBLE = {"attn.to_q": "img_attn.qkv", "attn.to_k": "img_attn.qkv", "attn.to_v": "img_attn.qkv",
+                "attn.add_q_proj": "txt_attn.qkv", "attn.add_k_proj": "txt_attn.qkv",
+                "attn.add_v_proj": "txt_attn.qkv", "attn.to_out.0": "img_attn.proj",
+                "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+                "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2"}
+COMFY_SINGLE = {"attn.to_q": "linear1", "attn.to_k": "linear1", "attn.to_v": "linear1", "proj_mlp": "linear1",
+                "proj_out": "linear2"}
+
+
+def comfy_target(module: str) -> str | None:
+    """The BFL module ComfyUI's Flux map sends a diffusers transformer module to, or None."""
+    parts = module.split(".")
+    if parts[0] == "transformer_blocks" and ".".join(parts[2:]) in COMFY_DOUBLE:
+        return f"double_blocks.{parts[1]}.{COMFY_DOUBLE['.'.join(parts[2:])]}"
+    if parts[0] == "single_transformer_blocks" and ".".join(parts[2:]) in COMFY_SINGLE:
+        return f"single_blocks.{parts[1]}.{COMFY_SINGLE['.'.join(parts[2:])]}"
+    return None
+
+
+@pytest.mark.parametrize("format, prefix, cut", [("kohya", "lora_transformer_", ".lora_down.weight"),
+                                                  ("peft", "transformer.", ".lora_A.weight")])
+def test_every_key_of_both_files_is_one_comfyui_maps_to_a_module(pipe, tmp_path, format, prefix, cut):
+    """A LoRA on every layer lora_lab adapts (attention and feed-forward) saved in both layouts: each module
+    key is one ComfyUI's Flux map knows, and names a module of Chroma's BFL model."""
+    from safetensors import safe_open
+
+    from lora_lab.diffusion.config import ATTENTION_TARGETS, FEED_FORWARD_TARGETS
+    from lora_lab.formats import save_lora
+    from lora_lab.lora import add_lora
+    from lora_lab.lora.config import LoRAConfig
+
+    model = M.build_components("chroma", seed=SEED, only=["transformer"])["transformer"]
+    targets = list(ATTENTION_TARGETS) + list(FEED_FORWARD_TARGETS) + ["ff_context.net.0.proj",
+                                                                      "ff_context.net.2", "proj_mlp"]
+    wrapped = add_lora(model, LoRAConfig(rank=2, targets=targets))
+    path = save_lora(tmp_path / f"{format}.safetensors", model, format, base="chroma")
+    with safe_open(str(path), "pt") as f:
+        keys = [k for k in f.keys() if k.endswith(cut)]
+    assert len(keys) == len(wrapped) > 0
+    n = TINY_TRANSFORMER
+    bfl = ({f"double_blocks.{i}.{m}" for i in range(n["num_layers"]) for m in COMFY_DOUBLE.values()}
+           | {f"single_blocks.{i}.{m}" for i in range(n["num_single_layers"]) for m in COMFY_SINGLE.values()})
+    for key in keys:
+        module = key[len(prefix):-len(cut)]
+        if format == "kohya":
+            module = next(w for w in wrapped if w.replace(".", "_") == module)
+        assert comfy_target(module) in bfl, key
+
+
+def test_inspect_convert_and_merge_take_a_chroma_file(pipe, tmp_path, capsys):
+    """`lora-lab inspect`, `convert` (kohya <-> peft, the same modules and values) and `merge` into the
+    transformer's weights file: the merged weight is the base's plus the LoRA's change."""
+    from safetensors.torch import load_file, save_file
+
+    from lora_lab.cli import main
+    from lora_lab.formats import load_lora, save_lora
+    from lora_lab.lora import add_lora
+    from lora_lab.lora.config import LoRAConfig
+
+    model = M.build_components("chroma", seed=SEED, only=["transformer"])["transformer"]
+    base = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("mod_proj")}
+    add_lora(model, LoRAConfig(rank=2, targets=["to_q", "proj_mlp"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "up" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    kohya = save_lora(tmp_path / "k.safetensors", model, "kohya", base="chroma")
+    assert main(["inspect", str(kohya)]) == 0
+    assert "transformer" in capsys.readouterr().out
+    peft, back = tmp_path / "p.safetensors", tmp_path / "k2.safetensors"
+    assert main(["convert", str(kohya), str(peft), "--to", "peft", "--base", "chroma"]) == 0
+    assert main(["convert", str(peft), str(back), "--to", "kohya", "--base", "chroma"]) == 0
+    a, b = load_lora(kohya), load_lora(back)
+    assert a.modules.keys() == b.modules.keys()
+    assert all(torch.equal(a.modules[k].delta(), b.modules[k].delta()) for k in a.modules)
+    save_file(base, str(tmp_path / "base.safetensors"))
+    assert main(["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "merged.safetensors"),
+                 "--lora", f"{kohya}:1.0"]) == 0
+    merged = load_file(str(tmp_path / "merged.safetensors"))
+    name = "single_transformer_blocks.0.proj_mlp"
+    change = a.modules[f"transformer.{name}"].delta()
+    torch.testing.assert_close(merged[f"{name}.weight"], base[f"{name}.weight"] + change, rtol=0, atol=1e-6)
