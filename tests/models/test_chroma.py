@@ -220,3 +220,16 @@ def test_every_phase_of_a_tiny_run_is_planned_within_five_percent(tmp_path):
     for phase in PHASES:
         for tracker in measured:
             assert planned[phase] == pytest.approx(measured[tracker][phase], rel=0.05), (phase, ratios)
+
+
+def test_a_chroma_single_file_is_named_and_refused_in_one_line(tmp_path):
+    """Chroma1-HD.safetensors is BFL's layout with Flux's keys and a distilled guidance layer: not mistaken
+    for Flux (or schnell), refused with what to use instead."""
+    from safetensors.torch import save_file
+
+    from lora_lab.models.single_file import detect_file
+
+    keys = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "distilled_guidance_layer.in_proj.weight")
+    save_file({k: torch.zeros(3072 if k == "img_in.weight" else 1, 1) for k in keys}, str(tmp_path / "c.st"))
+    with pytest.raises(M.ModelLoadError, match=r"c.st: a Chroma checkpoint in BFL's single-file layout"):
+        detect_file(tmp_path / "c.st")
