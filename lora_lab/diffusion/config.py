@@ -49,7 +49,7 @@ class TrainConfig:
     Each field's `help` is the CLI's help text; `None` means "the default described there".
     """
 
-    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux"})
+    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux | chroma"})
     dataset: str | None = field(
         default=None,
         metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"},
@@ -174,7 +174,8 @@ class TrainConfig:
     timestep_sampling: str = field(
         default="logit-normal",
         metadata={"help": "sd3/flux: how sigmas are drawn: uniform | logit-normal (sigmoid of "
-                  "N(logit_mean, logit_std^2)) | mode (with mode_scale) (Esser et al. 2024, sec. 3.1)"})
+                  "N(logit_mean, logit_std^2)) | mode (with mode_scale) (Esser et al. 2024, sec. 3.1) | "
+                  "chroma (its trainer's 2 - 7.7 (s - 1/2)^2, unshifted: chroma's default)"})
     logit_mean: float = field(default=0.0, metadata={"help": "sd3/flux: logit-normal's mean m"})
     logit_std: float = field(default=1.0, metadata={"help": "sd3/flux: logit-normal's standard deviation s"})
     mode_scale: float = field(

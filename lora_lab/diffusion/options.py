@@ -157,6 +157,10 @@ def check_knob_fields(config, bad) -> None:
     for name in only:
         if getattr(config, name) != defaults[name]:
             bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
+    if config.text_encoder_lr is not None and all(e.arch == "t5"
+                                                  for e in model_kind(config.model).text_encoders):
+        bad("text_encoder_lr", f"{config.model} has no CLIP text encoder to adapt (a T5 encoder's LoRA is "
+            "not trained)")
     if config.train_guidance != 1.0 and config.model != "flux":
         bad("train_guidance", "applies to flux only (its guidance embedding)")
     if config.dynamic_shift and config.timestep_shift is not None:

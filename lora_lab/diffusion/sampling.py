@@ -95,7 +95,7 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     width = width or default_resolution(pipe)
     inputs = prompt_inputs(pipe, prompts) if inputs is None else inputs
     dtype = denoiser(pipe).dtype
-    embeds = {k: v.to(pipe.device, dtype) for k, v in inputs.items()}
+    embeds = {k: v.to(pipe.device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
     with loras_applied(pipe, loras), vae_decoding(pipe.vae, tiled):
         out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,

@@ -110,11 +110,17 @@ def training_objective(config: TrainConfig, pipe, resolution: int):
     kind = kind_of(pipe)
     if kind.objective == "ddpm":
         return objectives.objective_for(pipe)
-    flow = {"sampling": config.timestep_sampling, "logit_mean": config.logit_mean,
+    own = dict(kind.own_flow)  # the family trainer's own draw and shift where the config keeps its defaults
+    sampling = config.timestep_sampling
+    if sampling == TrainConfig.__dataclass_fields__["timestep_sampling"].default:
+        sampling = own.get("sampling", sampling)
+    flow = {"sampling": sampling, "logit_mean": config.logit_mean,
             "logit_std": config.logit_std, "mode_scale": config.mode_scale}
     scheduler = dict(pipe.scheduler.config)
     if config.timestep_shift is not None:
         flow["shift"] = config.timestep_shift
+    elif "shift" in own and not config.dynamic_shift:
+        flow["shift"] = own["shift"]
     elif config.dynamic_shift or scheduler.get("use_dynamic_shifting"):
         patch = kind.latent_packing * int(getattr(denoiser(pipe).config, "patch_size", None) or 1)
         tokens = (resolution // (pipe.vae_scale_factor * patch)) ** 2
@@ -196,7 +202,8 @@ def live_cond(kind: ModelKind, pipe, batch: MicroBatch) -> dict[str, torch.Tenso
     (with their gradients)."""
     if batch.captions is None:
         return batch.cond
-    return {k: v.float() for k, v in kind.encode(pipe, batch.captions, batch.x0.device).items()}
+    return {k: v.float() if v.is_floating_point() else v
+            for k, v in kind.encode(pipe, batch.captions, batch.x0.device).items()}
 
 
 def micro_batch_loss(config: TrainConfig, kind: ModelKind, pipe, objective,

@@ -13,6 +13,7 @@ Rectified flow (sd3, flux), sigma in (0, 1), sigma = 1 is noise (Esser et al. 20
     uniform           sigma = u,                               u ~ U(0, 1)
     logit-normal      sigma = sigmoid(n),                      n ~ N(m, s^2)
     mode              sigma = 1 - u - scale (cos^2(pi u / 2) - 1 + u),  u ~ U(0, 1), scale in [-1, 2/(pi-2)]
+    chroma            sigma ~ p(s) proportional to 2 - 7.7 (s - 1/2)^2 on [0, 1]  (Chroma's trainer; no shift)
     fixed shift       sigma' = shift sigma / (1 + (shift - 1) sigma)   (SD3.5: shift 3)
     resolution shift  sigma' = e^mu / (e^mu + 1/sigma - 1),  mu linear in the image's token count from
                       (base_seq_len, base_shift) to (max_seq_len, max_shift)  (Flux: 256 -> 0.5, 4096 -> 1.15;
@@ -29,7 +30,7 @@ import math
 
 import torch
 
-TIMESTEP_SAMPLING = ("uniform", "logit-normal", "mode")
+TIMESTEP_SAMPLING = ("uniform", "logit-normal", "mode", "chroma")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 DEBIASED_MAX_SNR = 1000.0  # kohya's cap: the weight of the first steps stays finite
 # Flux's scheduler (use_dynamic_shifting), the values a scheduler config without them has
@@ -57,13 +58,30 @@ def debiased_weights(snr_t: torch.Tensor, prediction_type: str) -> torch.Tensor:
 
 def timestep_density(scheme: str, n: int, generator: torch.Generator | None = None, logit_mean: float = 0.0,
                      logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
-    """n sigmas in (0, 1) drawn by `scheme` (uniform | logit-normal | mode), before any shift."""
+    """n sigmas in (0, 1) drawn by `scheme` (uniform | logit-normal | mode | chroma), before any shift."""
     if scheme == "logit-normal":
         return torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
     u = torch.rand(n, generator=generator)
     if scheme == "mode":
         return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    if scheme == "chroma":
+        return chroma_sigmas(u)
     return u
+
+
+def chroma_sigmas(u: torch.Tensor) -> torch.Tensor:
+    """Chroma's trainer's density p(s) = (2 - 7.7 (s - 1/2)^2) / Z on [0, 1] at the quantiles u: its CDF
+    (2 s - 7.7 ((s - 1/2)^3 + 1/8) / 3) / Z inverted by bisection (monotone, 40 halvings: float32 exact).
+    The trainer draws from 1000 points of it; this is the density they discretise."""
+    def cdf(s):
+        return (2 * s - 7.7 * ((s - 0.5) ** 3 + 0.125) / 3) / (2 - 7.7 / 12)
+
+    lo, hi = torch.zeros_like(u, dtype=torch.float64), torch.ones_like(u, dtype=torch.float64)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        below = cdf(mid) < u
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return ((lo + hi) / 2).to(u.dtype).clamp(1e-6, 1 - 1e-6)
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:

@@ -136,7 +136,7 @@ class LoraFile:
 
     @property
     def base(self) -> str | None:
-        """The base model kind the file says it is for ("sd15", "sdxl", "sd3", "flux"), if it says."""
+        """The base model kind the file says it is for ("sd15", "sdxl", "sd3", "flux", "chroma"), if any."""
         return _base_from_metadata(self.metadata)
 
     def components(self) -> list[str]:

@@ -54,7 +54,7 @@ def save_lora(
     adapters (or a LyCORIS LoraFile) are written with LyCORIS' keys (`formats.lycoris.write_lycoris`), in
     format "kohya" only (`file_formats`).
     For a single model, `component` defaults to "unet" for a UNet2DConditionModel and "transformer" for
-    the SD3/Flux transformers. `base` ("sd15", "sdxl", "sd3", "flux") is guessed from the model when not
+    the SD3/Flux/Chroma transformers. `base` (a kind: "sd15", "sdxl", ...) is guessed from the model when not
     given; it chooses `lora_te_` vs `lora_te1_` and goes into the metadata.
 
     SDXL UNet modules get sd-scripts' LDM/sgm names (`lora_unet_input_blocks_4_1_...`, see `UnetLayout`) when

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .chroma import TINY_SCHEDULER as _CHROMA_SCHEDULER
+from .chroma import TINY_TRANSFORMER as _CHROMA
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -112,6 +114,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "text_encoder_2": _T5,
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
+    "chroma": {"transformer": _CHROMA, "vae": _VAE, "text_encoder": _T5, "scheduler": _CHROMA_SCHEDULER},
 }
 
 
@@ -268,7 +271,7 @@ def encode_prompts(pipe, prompts: list[str] | str) -> dict[str, torch.Tensor]:
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     out = kind_of(pipe).encode(pipe, prompts, pipe.device)
-    return {k: v.float().cpu() for k, v in out.items()}
+    return {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in out.items()}  # masks stay bool
 
 
 @torch.no_grad()

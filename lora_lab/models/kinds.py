@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
+from . import chroma
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -72,6 +73,9 @@ class ModelKind:
     kohya_version_written: str | None = None
     ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
+    # the flow knobs the family's own trainer uses where a config leaves them at their defaults (chroma: its
+    # timestep density, unshifted); the scheduler's shift is then its sampler's only
+    own_flow: tuple[tuple[str, object], ...] = ()
 
     def denoiser_class(self):
         import diffusers
@@ -173,6 +177,12 @@ _KINDS = (
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
               _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux"),
+    ModelKind("chroma", "transformer", "ChromaPipeline", "ChromaTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "t5", 4),),
+              "flow", ("diffusers.models.transformers.transformer_chroma:ChromaTransformerBlock",
+                       "diffusers.models.transformers.transformer_chroma:ChromaSingleTransformerBlock"),
+              chroma.encode, chroma.predict, t5_tokens=chroma.T5_TOKENS, latent_packing=2,
+              kohya_version="chroma", own_flow=(("sampling", "chroma"), ("shift", 1.0))),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

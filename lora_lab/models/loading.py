@@ -34,7 +34,11 @@ from torch import nn
 from ..fileio import BASE_DTYPES, weight_dtype_problem
 from ..quant import QuantLinear
 from ..torch_private import buffers_of, parameters_of
+from .chroma import modulation_indices
 from .kinds import ModelLoadError
+
+# Buffers no weights file holds (a constructor computes them, non-persistent), by name: made from their shape.
+DERIVED_BUFFERS = {"time_text_embed.mod_proj": modulation_indices}
 
 
 def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
@@ -209,6 +213,8 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
             return loaded[id(like)]
         held = [n for n in names_of.get(id(like), [name]) if have is None or n in have]
         if not held:
+            if like.is_meta and name in DERIVED_BUFFERS:
+                return DERIVED_BUFFERS[name](like).to(device=device, dtype=like.dtype)
             if like.is_meta:
                 raise ModelLoadError(f"{name}: the weights do not hold it")
             return None

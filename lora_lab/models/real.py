@@ -1,9 +1,10 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
-    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev
+    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev,
+                                           chroma1-hd
     REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
                                            config.json files
-    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux
+    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux | chroma
     build_real(name, components=None)   -> {component: module}, built in the current device context
                                            (under a FakeTensorMode or on "meta": no memory is allocated)
 
@@ -11,7 +12,7 @@ Each config is copied from the model's public `config.json` (the Hugging Face re
 comment above it); only the fields that change the architecture are written out, the rest are the
 classes' defaults, which equal the published values. `tests/models/test_real.py` checks the parameter counts
 against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
-2.5 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
+2.5 B, Chroma1-HD 8.9 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layer
             "num_single_layers": 38,
             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
+# lodestones/Chroma1-HD/transformer/config.json (ChromaTransformer2DModel; Flux.1-schnell's blocks without
+# their modulation layers, an approximator of 5 layers of width 5120 from 64 channels instead; its defaults in
+# diffusers 0.42 are these values, and InvokeAI's CHROMA_TRANSFORMER_CONFIG spells the same)
+CHROMA1_HD = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
+              "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
+              "joint_attention_dim": 4096, "axes_dims_rope": [16, 56, 56], "approximator_num_channels": 64,
+              "approximator_hidden_dim": 5120, "approximator_layers": 5}
 
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
@@ -104,6 +112,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
                    "text_encoder_3": ("T5EncoderModel", T5_XXL)},
     "flux-dev": {"transformer": ("FluxTransformer2DModel", FLUX_DEV), "vae": ("AutoencoderKL", VAE_FLUX),
                  "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("T5EncoderModel", T5_XXL)},
+    # lodestones/Chroma1-HD: FLUX.1's VAE (vae/config.json) and T5-XXL (text_encoder/config.json) alone
+    "chroma1-hd": {"transformer": ("ChromaTransformer2DModel", CHROMA1_HD),
+                   "vae": ("AutoencoderKL", VAE_FLUX), "text_encoder": ("T5EncoderModel", T5_XXL)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -117,18 +128,25 @@ REAL_SCHEDULERS = {
     "sd35-large": {"num_train_timesteps": 1000, "shift": 3.0},
     "flux-dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                  "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    # Flux's scheduler settings, which ChromaPipeline reads to sample (mu from the image's tokens); training
+    # does not shift (the kind's own_flow: the authors' trainer draws its sigmas unshifted)
+    "chroma1-hd": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                   "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
-_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
+_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
+         "chroma1-hd": "chroma"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
-REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev"}
+REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev",
+                "chroma": "chroma1-hd"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
-TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}
+TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
+               "chroma1-hd": 512}
 
 
 def real_kind(name: str) -> str:
-    """The trainer's model kind (sd15 | sdxl | sd3 | flux) of a real model name."""
+    """The trainer's model kind (sd15 | sdxl | sd3 | flux | chroma) of a real model name."""
     if name not in _KIND:
         raise ModelLoadError(f"unknown real model {name!r}; choose one of {', '.join(REAL_MODELS)}")
     return _KIND[name]

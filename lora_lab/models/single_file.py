@@ -98,6 +98,9 @@ def detect(header: FileHeader) -> Detected:
                 raise ModelLoadError(f"{header.path}: a Stable Diffusion 3 Medium (3.0) checkpoint (no "
                                      f"dual attention in its first block, a pos_embed of {patches} patches), "
                                      "which lora_lab has no config for: it trains SD3.5 Medium and Large")
+            if kind == "flux" and prefix + "distilled_guidance_layer.in_proj.weight" in header:
+                raise ModelLoadError(f"{header.path}: a Chroma checkpoint in BFL's single-file layout, which "
+                                     "lora_lab does not read: use a diffusers folder (lodestones/Chroma1-HD)")
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")

@@ -142,7 +142,8 @@ def warm_caches() -> None:
                                                                         # rounding tables
             quantize_blocks(torch.zeros(4), signed, keep_nonzero=keep_nonzero)
     # import the model classes outside the fake mode (import-time tensors must be real)
-    for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL"):
+    for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL",
+                 "ChromaTransformer2DModel"):
         getattr(diffusers, name)
     for name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
         getattr(transformers, name)

@@ -375,7 +375,8 @@ class PlannedRun(TrainingRun):
         model, kind, pipe = denoiser(self.pipe), self.kind, self.encoders.pipe
         _, inputs = self.samples
         with torch.no_grad():
-            inputs = {k: v[:1].to(CPU, model.dtype) for k, v in inputs.items()}  # one prompt's, on the device
+            inputs = {k: v[:1].to(CPU, model.dtype if v.is_floating_point() else v.dtype)  # one prompt's,
+                      for k, v in inputs.items()}  # on the device (a text mask stays bool)
             if prompts > 1:
                 inputs = {k: v.expand(prompts, *v.shape[1:]).contiguous() for k, v in inputs.items()}
             embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}

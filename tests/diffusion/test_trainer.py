@@ -226,7 +226,7 @@ def test_a_run_given_an_earlier_runs_cached_data_trains_exactly_as_if_it_encoded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "sd3", "flux", "chroma"])
 def test_saved_lora_loads_in_diffusers_and_gives_lora_labs_image(dataset, tmp_path, model):
     """pipe.load_lora_weights(file) on a fresh pipeline samples the same image as the trained pipeline."""
     from lora_lab.diffusion import sample

@@ -136,13 +136,15 @@ def test_errors_name_the_problem(tmp_path):
         weights.write_bytes(good)
 
 
-def test_shipped_sd3_base_draws_recognisable_digits():
-    """data/base/sd3 (flow matching, `data/make_base.py --kind sd3`) loads and draws the digit asked for."""
+@pytest.mark.parametrize("kind", ["sd3", "chroma"])
+def test_shipped_flow_bases_draw_recognisable_digits(kind):
+    """data/base/sd3 and data/base/chroma (flow matching, `data/make_base.py --kind KIND`) load and draw the
+    digit asked for."""
     pytest.importorskip("sklearn")
     from lora_lab.diffusion import sample
     from lora_lab.notebook.effect import fit_classifiers
 
-    pipe = M.build_pipeline("sd3", base=M.shipped_base("sd3"))
+    pipe = M.build_pipeline(kind, base=M.shipped_base(kind))
     # (10, 3, 16, 16)
     images = sample(pipe, [f"a digit {n}" for n in M.DIGIT_NAMES], seed=0, steps=10) * 2 - 1
     digits, inverted = fit_classifiers(range(1600))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lora_lab.models import REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
+from lora_lab.models import KINDS, REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
 
 # Published totals (model cards / papers), in parameters, and how close the build must come.
 # SD3.5 Medium: Stability's model card says "2.5 billion parameters"; the published transformer config
@@ -18,6 +18,7 @@ PUBLISHED = [
     ("sdxl", "text_encoder", 123e6, 0.002),  # CLIP-L text
     ("sdxl", "text_encoder_2", 695e6, 0.002),  # OpenCLIP bigG text (with projection)
     ("sd15", "unet", 859.5e6, 0.001),
+    ("chroma1-hd", "transformer", 8.9e9, 0.001),  # lodestones' model card: "8.9B parameters"
 ]
 
 
@@ -41,6 +42,11 @@ def test_exact_counts_pinned():
     assert counts[("flux-dev", "text_encoder_2")] == counts[("sd35-large", "text_encoder_3")]
     # both 16-channel VAEs without quant convs
     assert counts[("sd35-large", "vae")] == counts[("flux-dev", "vae")]
+    # Chroma1-HD: Flux.1's VAE and T5-XXL; its transformer 8.90 B (Flux.1-dev's 11.9 B less the per-block
+    # modulation, the guidance and pooled-text embedders)
+    assert counts[("chroma1-hd", "transformer")] == 8_899_983_424
+    assert counts[("chroma1-hd", "text_encoder")] == counts[("flux-dev", "text_encoder_2")]
+    assert counts[("chroma1-hd", "vae")] == counts[("flux-dev", "vae")]
 
 
 def test_every_model_has_a_denoiser_vae_and_text_encoders():
@@ -48,7 +54,7 @@ def test_every_model_has_a_denoiser_vae_and_text_encoders():
         comps = REAL_CONFIGS[name]
         assert ("unet" in comps) != ("transformer" in comps)
         assert "vae" in comps and "text_encoder" in comps
-        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux")
+        assert real_kind(name) in KINDS
 
 
 def test_unknown_names_are_clear_errors():
