@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import z_image
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -112,6 +113,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "text_encoder_2": _T5,
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
+    # the transformer's 2x2 patches cut inside it (in_channels = latent channels); cap_feat_dim = Qwen3 hidden
+    "z-image": {"transformer": z_image.TRANSFORMER, "vae": _VAE, "text_encoder": z_image.TEXT_ENCODER,
+                "scheduler": z_image.SCHEDULER},
 }
 
 
@@ -205,7 +209,13 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch == "t5":
+        if enc.arch == "qwen3":
+            qwen_tok = z_image.build_tokenizer(WORDS)
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed,
+                                            lambda c=cfg[enc.component]: z_image.text_model(c, qwen_tok))
+            out[enc.tokenizer] = qwen_tok
+        elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
             out[enc.tokenizer] = t5_tok

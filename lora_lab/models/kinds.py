@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
+from . import z_image
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -39,6 +40,7 @@ class TextEncoder:
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    # | "qwen3" (Qwen3Model)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -72,6 +74,9 @@ class ModelKind:
     kohya_version_written: str | None = None
     ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
+    # (embeds, guidance) -> the pipeline's __call__ keywords, where cached embeddings and guidance differ
+    # from them (None: the embeddings as they are, guidance_scale=guidance)
+    pipeline_inputs: Callable[..., dict] | None = None
 
     def denoiser_class(self):
         import diffusers
@@ -173,6 +178,10 @@ _KINDS = (
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
               _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux"),
+    ModelKind("z-image", "transformer", "ZImagePipeline", "ZImageTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen3", 2),), "flow",
+              ("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",),
+              z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)
