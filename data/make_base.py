@@ -1,8 +1,9 @@
-"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM) and SD3-like (flow matching), on sklearn's
-digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like and Z-Image-like (flow
+matching), on sklearn's digits.
 
     PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
     PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
+    PYTHONPATH=. python data/make_base.py --kind z-image        # after sdxl: takes its VAE
     PYTHONPATH=. python data/make_base.py --kind sdxl --measure-only   # re-measure a shipped base
 
 What it does, seeded (SEED) and in this order:
@@ -13,13 +14,16 @@ What it does, seeded (SEED) and in this order:
    LoRA in data/lora_inverted teaches (a VAE trained on white-on-black only cannot draw a white
    background: reconstruction MSE 0.86 on inverted digits, measured). The denoiser never sees inversion.
    Then the VAE's scaling_factor is set to 1 / std of the latents of the (normal) training digits.
-   sd3: takes that VAE from data/base/sdxl unchanged (same config for every kind), so both bases share
-   one codec and the comparison between them is about the denoiser and its objective only;
+   sd3, z-image: take that VAE from data/base/sdxl unchanged (same config for every kind), so the bases
+   share one codec and the comparison between them is about the denoiser and its objective only;
 3. trains the denoiser and all its text encoders together with the model's own objective on the cached
    latent posteriors: sdxl's UNet with DDPM epsilon; sd3's transformer (SD3_TRANSFORMER: wider and deeper
-   than the random tiny sd3 config, still ~2 MB) with rectified flow, logit-normal sigmas shifted by 3.
+   than the random tiny sd3 config, still ~2 MB) with rectified flow, logit-normal sigmas shifted by 3;
+   z-image's transformer (ZIMAGE_TRANSFORMER, 4 layers of width 64) and its Qwen3 encoder the same way
+   (its scheduler's shift, 3).
    10% of captions are dropped to the pipeline's own unconditional input for classifier-free guidance:
-   zero embeddings for SDXL, the empty prompt "" for SD3 (what each pipeline feeds its negative branch);
+   zero embeddings for SDXL, the empty prompt "" for SD3 and Z-Image (what each pipeline feeds its negative
+   branch);
    with --resume the run continues from the state saved every SAVE_EVERY steps in --work;
 4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
 5. samples SAMPLE_SEEDS seeds of every digit with classifier-free guidance and writes
@@ -54,9 +58,9 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500}   # denoiser + text encoder steps
+STEPS = {"sdxl": 600, "sd3": 1500, "z-image": 1500}   # denoiser + text encoder steps
 BATCH = 64
-LR = {"sdxl": 2e-3, "sd3": 1e-3}
+LR = {"sdxl": 2e-3, "sd3": 1e-3, "z-image": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
 SAVE_EVERY = 100      # steps between saved training states (--resume)
@@ -69,6 +73,8 @@ SD3_TRANSFORMER = {"sample_size": M.RESOLUTION // 2, "patch_size": 1, "in_channe
                    "num_layers": 4, "attention_head_dim": 16, "num_attention_heads": 4,
                    "caption_projection_dim": 64, "joint_attention_dim": 64, "pooled_projection_dim": 64,
                    "pos_embed_max_size": 16}
+# The Z-Image-like base's transformer: models.CONFIGS' tiny one with 4 main layers, 2 refiners of each kind.
+ZIMAGE_TRANSFORMER = {**M.CONFIGS["z-image"]["transformer"], "n_layers": 4, "n_refiner_layers": 2}
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,18 +92,19 @@ def lr_at(step: int, steps: int, base: float) -> float:
 
 
 def build(kind: str):
-    """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER and data/base/sdxl's
-    VAE."""
+    """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER, z-image with
+    ZIMAGE_TRANSFORMER, and data/base/sdxl's VAE."""
     if kind == "sdxl":
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
 
-    parts = M.build_components("sd3", seed=SEED)
+    parts = M.build_components(kind, seed=SEED)
     torch.manual_seed(SEED)
-    parts["transformer"] = diffusers.SD3Transformer2DModel(**SD3_TRANSFORMER).eval()
+    parts["transformer"] = (diffusers.SD3Transformer2DModel(**SD3_TRANSFORMER) if kind == "sd3" else
+                            diffusers.ZImageTransformer2DModel(**ZIMAGE_TRANSFORMER)).eval()
     parts["vae"] = diffusers.AutoencoderKL.from_pretrained(HERE / "base" / "sdxl" / "vae",
                                                            local_files_only=True)
-    pipe = M.pipeline_class(model_kind("sd3"))(**parts)
+    pipe = M.pipeline_class(model_kind(kind))(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -124,18 +131,21 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> Non
 
 
 def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
-    names = ["unet", "text_encoder", "text_encoder_2"] if kind == "sdxl" else \
-        ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"]
+    names = {"sdxl": ["unet", "text_encoder", "text_encoder_2"],
+             "sd3": ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"],
+             "z-image": ["transformer", "text_encoder"]}[kind]
     return {n: getattr(pipe, n) for n in names}
 
 
 def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> dict[str, torch.Tensor]:
     """Text embeddings with gradients; a dropped caption (keep = 0) becomes the pipeline's unconditional
-    input: zero embeddings for SDXL, the encoded empty prompt for SD3."""
+    input: zero embeddings for SDXL, the encoded empty prompt for SD3 and Z-Image."""
     if kind == "sdxl":
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
+    if kind == "z-image":
+        return model_kind(kind).encode(pipe, captions, "cpu")
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=t5_length(pipe))
@@ -232,7 +242,7 @@ def write_measurements(out: Path, kind: str, pipe, extra: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", choices=["sdxl", "sd3"], default="sdxl")
+    ap.add_argument("--kind", choices=["sdxl", "sd3", "z-image"], default="sdxl")
     ap.add_argument("--out", type=Path, default=None, help="default: data/base/<kind>")
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: STEPS[kind])")
