@@ -77,6 +77,9 @@ class ModelKind:
     # (embeds, guidance) -> the pipeline's __call__ keywords, where cached embeddings and guidance differ
     # from them (None: the embeddings as they are, guidance_scale=guidance)
     pipeline_inputs: Callable[..., dict] | None = None
+    # kohya/ComfyUI files name the denoiser's modules by this prefix and their dotted diffusers paths, where
+    # ComfyUI's key map for the family takes no lora_transformer_ names (Z-Image: "diffusion_model.")
+    kohya_dotted: str = ""
 
     def denoiser_class(self):
         import diffusers
@@ -181,7 +184,8 @@ _KINDS = (
     ModelKind("z-image", "transformer", "ZImagePipeline", "ZImageTransformer2DModel",
               "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen3", 2),), "flow",
               ("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",),
-              z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs),
+              z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs,
+              kohya_dotted="diffusion_model."),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -119,3 +119,64 @@ def test_trains_resumes_bit_for_bit_and_diffusers_loads_its_file(digits_folder, 
     theirs = sample(pipe, prompt, seed=SEED, steps=4)
     assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image: the comparison means something
     torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
+
+
+# ComfyUI's key map for Z-Image (comfy/lora.py `model_lora_keys_unet`, its Lumina2 branch over comfy/utils.py
+# `z_image_to_diffusers`): a LoRA module named by the diffusers path of a block's attention (to_q, to_k, to_v
+# into the fused qkv; to_out.0), feed-forward (w1, w2, w3) or adaLN_modulation.0, spelled
+# "diffusion_model.<path>", "transformer.<path>", "lycoris_<path with _>" or "<path>".
+_COMFY_BLOCK = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")
+
+
+def _comfy_names(model) -> set[str]:
+    cfg = model.config
+    blocks = ([f"layers.{i}" for i in range(cfg.n_layers)]
+              + [f"{g}.{i}" for g in ("noise_refiner", "context_refiner") for i in range(cfg.n_refiner_layers)])
+    paths = {f"{b}.{m}" for b in blocks for m in _COMFY_BLOCK}
+    return {f"{p}{path}" for path in paths for p in ("diffusion_model.", "transformer.", "")}
+
+
+def test_files_take_comfyuis_keys_and_convert_inspect_merge(pipe, tmp_path):
+    """The kohya/ComfyUI file names every module as ComfyUI's Z-Image key map does (diffusion_model.<path>,
+    with alphas), the PEFT file as diffusers does (transformer.<path>); both read back to the same modules;
+    `lora-lab convert`, `inspect` and `merge` take them, and the merge equals the adapter's weights."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    from lora_lab.cli import main as cli_main
+    from lora_lab.formats import load_lora, save_lora
+    from lora_lab.lora import LoRAConfig, add_lora, lora_modules
+
+    model = copy.deepcopy(pipe.transformer)
+    base = {k: v.contiguous() for k, v in model.state_dict().items()}
+    add_lora(model, LoRAConfig(rank=2, alpha=1.0, targets=list(_COMFY_BLOCK)))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    kohya = save_lora(tmp_path / "k.safetensors", model, "kohya", base="z-image")
+    peft = save_lora(tmp_path / "p.safetensors", model, "peft", base="z-image")
+    keys = load_file(str(kohya))
+    modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in keys}
+    comfy = _comfy_names(pipe.transformer)
+    assert modules and modules <= comfy and all(m.startswith("diffusion_model.") for m in modules)
+    assert all(keys[f"{m}.alpha"].item() == 1.0 for m in modules)
+    peft_modules = {k.rsplit(".", 2)[0] for k in load_file(str(peft))}
+    # 2 layers and a noise refiner, 8 modules each; the context refiner has no adaLN: 7
+    assert peft_modules <= comfy and len(peft_modules) == len(modules) == 3 * 8 + 7
+    assert load_lora(kohya).modules.keys() == load_lora(peft).modules.keys()
+    converted = tmp_path / "c.safetensors"
+    assert cli_main(["convert", str(peft), str(converted), "--to", "kohya"]) == 0
+    assert load_file(str(converted)).keys() == keys.keys()
+    assert cli_main(["inspect", str(kohya)]) == 0
+    save_file(base, str(tmp_path / "base.safetensors"))
+    assert cli_main(["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "m.safetensors"),
+                     "--lora", f"{kohya}:1.0"]) == 0
+    merged = load_file(str(tmp_path / "m.safetensors"))
+    want = {**base, **{f"{n}.weight": m.merged_weight() for n, m in lora_modules(model)}}
+    assert merged.keys() == want.keys()
+    for k, v in merged.items():
+        torch.testing.assert_close(v, want[k], atol=1e-6, rtol=0)
