@@ -185,6 +185,7 @@ _KINDS = (
               "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen3", 2),), "flow",
               ("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",),
               z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs,
+              kohya_version="z_image", kohya_version_written="z_image",  # musubi-tuner's zimage_train
               kohya_dotted="diffusion_model."),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}

@@ -132,7 +132,8 @@ _COMFY_BLOCK = ("attention.to_q", "attention.to_k", "attention.to_v", "attention
 def _comfy_names(model) -> set[str]:
     cfg = model.config
     blocks = ([f"layers.{i}" for i in range(cfg.n_layers)]
-              + [f"{g}.{i}" for g in ("noise_refiner", "context_refiner") for i in range(cfg.n_refiner_layers)])
+              + [f"{g}.{i}" for g in ("noise_refiner", "context_refiner")
+                 for i in range(cfg.n_refiner_layers)])
     paths = {f"{b}.{m}" for b in blocks for m in _COMFY_BLOCK}
     return {f"{p}{path}" for path in paths for p in ("diffusion_model.", "transformer.", "")}
 
