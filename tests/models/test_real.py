@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lora_lab.models import REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
+from lora_lab.models import KINDS, REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
 
 # Published totals (model cards / papers), in parameters, and how close the build must come.
 # SD3.5 Medium: Stability's model card says "2.5 billion parameters"; the published transformer config
@@ -18,6 +18,10 @@ PUBLISHED = [
     ("sdxl", "text_encoder", 123e6, 0.002),  # CLIP-L text
     ("sdxl", "text_encoder_2", 695e6, 0.002),  # OpenCLIP bigG text (with projection)
     ("sd15", "unet", 859.5e6, 0.001),
+    # Z-Image: "6B" (Tongyi-MAI's model card; 6.155 B built); Qwen3-4B: "4.0B" (Qwen's card), 4,022,468,096 as
+    # Qwen3Model without lm_head, pinned below
+    ("z-image-turbo", "transformer", 6.0e9, 0.03),
+    ("z-image-turbo", "text_encoder", 4.0e9, 0.006),
 ]
 
 
@@ -37,6 +41,8 @@ def test_exact_counts_pinned():
         counts = {(name, c): _count(m) for name in REAL_MODELS for c, m in build_real(name).items()}
     assert counts[("sdxl", "unet")] == 2_567_463_684
     assert counts[("sd35-medium", "transformer")] // 1_000_000 == 2243
+    assert counts[("z-image-turbo", "transformer")] == 6_154_908_736
+    assert counts[("z-image-turbo", "text_encoder")] == 4_022_468_096
     # the same T5-XXL
     assert counts[("flux-dev", "text_encoder_2")] == counts[("sd35-large", "text_encoder_3")]
     # both 16-channel VAEs without quant convs
@@ -48,7 +54,7 @@ def test_every_model_has_a_denoiser_vae_and_text_encoders():
         comps = REAL_CONFIGS[name]
         assert ("unet" in comps) != ("transformer" in comps)
         assert "vae" in comps and "text_encoder" in comps
-        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux")
+        assert real_kind(name) in KINDS
 
 
 def test_unknown_names_are_clear_errors():
