@@ -109,11 +109,11 @@ def build_tokenizer(words, length: int = TEXT_TOKENS):
 
 
 def text_model(cfg: dict, tokenizer):
-    """transformers' Qwen3Model of `cfg` over the tokenizer's vocabulary."""
+    """transformers' Qwen3Model of `cfg`, over the tokenizer's vocabulary where `cfg` gives none."""
     from transformers import Qwen3Config, Qwen3Model
 
-    config = Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **cfg)
+    config = Qwen3Config(**{"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None, **cfg})
     return Qwen3Model(config)
 
 
