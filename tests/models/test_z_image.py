@@ -181,3 +181,20 @@ def test_files_take_comfyuis_keys_and_convert_inspect_merge(pipe, tmp_path):
     assert merged.keys() == want.keys()
     for k, v in merged.items():
         torch.testing.assert_close(v, want[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_tiny_run_is_within_5_percent_per_phase(digits_folder, tmp_path):
+    """`plan_memory` of a tiny z-image run against the run measured by PyTorch's MemTracker, every phase
+    (captions padded to 32 tokens by the transformer either way: the plan's full-length captions are exact)."""
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.diffusion.trainer import PHASES
+    from lora_lab.planning import plan_memory
+    from lora_lab.planning.measure import measure_phases
+
+    config = TrainConfig(model="z-image", dataset=str(digits_folder(2)), rank=16, steps=2, sample_steps=1,
+                         progress=False, device="cpu", output=str(tmp_path))
+    measured = measure_phases(config, ("torch",))["torch"]
+    planned = plan_memory(config, cache=False).phases
+    for phase in PHASES:
+        assert planned[phase] == pytest.approx(measured[phase], rel=0.05), phase
