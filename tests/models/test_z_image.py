@@ -185,8 +185,8 @@ def test_files_take_comfyuis_keys_and_convert_inspect_merge(pipe, tmp_path):
 
 @pytest.mark.slow
 def test_the_plan_of_a_tiny_run_is_within_5_percent_per_phase(digits_folder, tmp_path):
-    """`plan_memory` of a tiny z-image run against the run measured by PyTorch's MemTracker, every phase
-    (captions padded to 32 tokens by the transformer either way: the plan's full-length captions are exact)."""
+    """`plan_memory` of a tiny z-image run against the run as MemTracker measures it, every phase
+    (the transformer pads captions to 32 tokens: the plan's full-length captions are exact here)."""
     from lora_lab.diffusion import TrainConfig
     from lora_lab.diffusion.trainer import PHASES
     from lora_lab.planning import plan_memory
