@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "z-image")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class

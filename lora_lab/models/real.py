@@ -149,7 +149,7 @@ TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77
 
 
 def real_kind(name: str) -> str:
-    """The trainer's model kind (sd15 | sdxl | sd3 | flux) of a real model name."""
+    """The trainer's model kind (sd15 | sdxl | sd3 | flux | z-image) of a real model name."""
     if name not in _KIND:
         raise ModelLoadError(f"unknown real model {name!r}; choose one of {', '.join(REAL_MODELS)}")
     return _KIND[name]
