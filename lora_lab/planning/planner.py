@@ -194,8 +194,8 @@ def plan_config(model: str = "sdxl", *, size: str = "real", **fields) -> TrainCo
     `PLAN_DEFAULTS`. model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev |
     z-image-turbo, the base "real:NAME", its published configs) or a kind (`size="tiny"`: sd15 | sdxl | sd3 |
     flux | z-image, the base the trainer trains by default: the one shipped in data/base/, else the tiny
-    configs of `lora_lab.models.builders`), or a kind with a local diffusers folder as `size` (only its configs are
-    read). PlanError for a model, size or field that cannot be planned."""
+    configs of `lora_lab.models.builders`), or a kind with a local diffusers folder as `size` (only its
+    configs are read). PlanError for a model, size or field that cannot be planned."""
     if not (size in ("real", "tiny") or (Path(str(size)) / "model_index.json").is_file()):
         raise PlanError(f"size must be 'real', 'tiny' or a local diffusers folder (with model_index.json), "
                         f"got {size!r}")
