@@ -1,9 +1,10 @@
-"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like and Chroma-like (flow matching),
-on sklearn's digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like, Chroma-like and Z-Image-like
+(flow matching), on sklearn's digits.
 
     PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
     PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
     PYTHONPATH=. python data/make_base.py --kind chroma         # as sd3, with Chroma's transformer and T5
+    PYTHONPATH=. python data/make_base.py --kind z-image        # after sdxl: takes its VAE
     PYTHONPATH=. python data/make_base.py --kind sdxl --measure-only   # re-measure a shipped base
 
 What it does, seeded (SEED) and in this order:
@@ -14,15 +15,17 @@ What it does, seeded (SEED) and in this order:
    LoRA in data/lora_inverted teaches (a VAE trained on white-on-black only cannot draw a white
    background: reconstruction MSE 0.86 on inverted digits, measured). The denoiser never sees inversion.
    Then the VAE's scaling_factor is set to 1 / std of the latents of the (normal) training digits.
-   sd3, chroma: take that VAE from data/base/sdxl unchanged (same config for every kind), so both bases share
-   one codec and the comparison between them is about the denoiser and its objective only;
+   sd3, chroma, z-image: take that VAE from data/base/sdxl unchanged (same config for every kind), so the
+   bases share one codec and the comparison between them is about the denoiser and its objective only;
 3. trains the denoiser and all its text encoders together with the model's own objective on the cached
    latent posteriors: sdxl's UNet with DDPM epsilon; sd3's transformer (SD3_TRANSFORMER: wider and deeper
    than the random tiny sd3 config, still ~2 MB) with rectified flow, logit-normal sigmas shifted by 3;
    chroma's transformer (CHROMA_TRANSFORMER) and T5 with rectified flow and its trainer's own sigmas (the
-   kind's `own_flow`: density 2 - 7.7 (s - 1/2)^2, no shift), on its masked T5 embeddings.
+   kind's `own_flow`: density 2 - 7.7 (s - 1/2)^2, no shift), on its masked T5 embeddings;
+   z-image's transformer (ZIMAGE_TRANSFORMER, 4 layers of width 64) and its Qwen3 encoder as sd3's
+   (its scheduler's shift, 3).
    10% of captions are dropped to the pipeline's own unconditional input for classifier-free guidance:
-   zero embeddings for SDXL, the empty prompt "" for SD3 and Chroma (what each pipeline feeds its negative
+   zero embeddings for SDXL, the empty prompt "" for the others (what each pipeline feeds its negative
    branch);
    with --resume the run continues from the state saved every SAVE_EVERY steps in --work;
 4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
@@ -58,9 +61,9 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000}   # denoiser + text encoder steps
+STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500}   # denoiser + text encoder steps
 BATCH = 64
-LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3}
+LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
 SAVE_EVERY = 100      # steps between saved training states (--resume)
@@ -73,6 +76,8 @@ SD3_TRANSFORMER = {"sample_size": M.RESOLUTION // 2, "patch_size": 1, "in_channe
                    "num_layers": 4, "attention_head_dim": 16, "num_attention_heads": 4,
                    "caption_projection_dim": 64, "joint_attention_dim": 64, "pooled_projection_dim": 64,
                    "pos_embed_max_size": 16}
+# The Z-Image-like base's transformer: models.CONFIGS' tiny one with 4 main layers, 2 refiners of each kind.
+ZIMAGE_TRANSFORMER = {**M.CONFIGS["z-image"]["transformer"], "n_layers": 4, "n_refiner_layers": 2}
 
 # The Chroma-like base's transformer: 2 double and 2 single blocks of width 64 (4 heads of 16), its modulation
 # approximator 64 wide; the tiny chroma config (models/chroma.py) is the random one the tests use.
@@ -81,7 +86,8 @@ CHROMA_TRANSFORMER = {"patch_size": 1, "in_channels": 16, "out_channels": None, 
                       "joint_attention_dim": 64, "axes_dims_rope": [4, 4, 8], "approximator_num_channels": 16,
                       "approximator_hidden_dim": 64, "approximator_layers": 2}
 TRANSFORMERS = {"sd3": ("SD3Transformer2DModel", SD3_TRANSFORMER),
-                "chroma": ("ChromaTransformer2DModel", CHROMA_TRANSFORMER)}
+                "chroma": ("ChromaTransformer2DModel", CHROMA_TRANSFORMER),
+                "z-image": ("ZImageTransformer2DModel", ZIMAGE_TRANSFORMER)}
 
 HERE = Path(__file__).resolve().parent
 
@@ -99,8 +105,8 @@ def lr_at(step: int, steps: int, base: float) -> float:
 
 
 def build(kind: str):
-    """The untrained pipeline: sdxl from the tiny config; sd3 (chroma) with SD3_TRANSFORMER
-    (CHROMA_TRANSFORMER) and data/base/sdxl's VAE."""
+    """The untrained pipeline: sdxl from the tiny config; the others with their TRANSFORMERS entry
+    (SD3_TRANSFORMER, CHROMA_TRANSFORMER, ZIMAGE_TRANSFORMER) and data/base/sdxl's VAE."""
     if kind == "sdxl":
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
@@ -145,12 +151,12 @@ def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
 
 def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> dict[str, torch.Tensor]:
     """Text embeddings with gradients; a dropped caption (keep = 0) becomes the pipeline's unconditional
-    input: zero embeddings for SDXL, the encoded empty prompt for SD3 and Chroma."""
+    input: zero embeddings for SDXL, the encoded empty prompt for the others."""
     if kind == "sdxl":
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
-    if kind == "chroma":
+    if kind != "sd3":  # the kind's own encode (sd3's: the pipeline's, every encoder with gradients)
         return model_kind(kind).encode(pipe, captions, "cpu")
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
                                               do_classifier_free_guidance=False,

@@ -41,7 +41,8 @@ def check_config_for_base(config: TrainConfig, kind: ModelKind, pipe, resolution
     check_adapter_for_base(config, model)
     vae_factor = pipe.vae_scale_factor
     # latents reach the denoiser in patches: packed n x n (Flux), or cut by its patch embedding (SD3)
-    patch = kind.latent_packing * int(getattr(model.config, "patch_size", None) or 1)
+    patch = kind.latent_packing * int(getattr(model.config, "patch_size", None)
+                                      or getattr(model.config, "all_patch_size", [1])[0])  # Z-Image's
     if resolution % (vae_factor * patch):
         raise TrainConfigError(f"TrainConfig.resolution={resolution}: the {kind.name} base needs a multiple "
                                f"of {vae_factor * patch} "
@@ -72,8 +73,8 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
 
 
 def clip_encoders(kind: ModelKind) -> list[str]:
-    """The pipeline components of a kind's CLIP text encoders (not T5)."""
-    return [e.component for e in kind.text_encoders if e.arch != "t5"]
+    """The pipeline components of a kind's CLIP text encoders (not T5, not Qwen3)."""
+    return [e.component for e in kind.text_encoders if e.arch.startswith("clip")]
 
 
 def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe

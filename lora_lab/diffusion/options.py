@@ -163,6 +163,10 @@ def check_knob_fields(config, bad) -> None:
             "not trained)")
     if config.train_guidance != 1.0 and config.model != "flux":
         bad("train_guidance", "applies to flux only (its guidance embedding)")
+    if config.text_encoder_lr is not None and not any(e.arch.startswith("clip")
+                                                      for e in model_kind(config.model).text_encoders):
+        bad("text_encoder_lr", f"trains LoRAs on CLIP text encoders; {config.model} has none (its "
+            "encoder stays frozen, its embeddings cached)")
     if config.dynamic_shift and config.timestep_shift is not None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:

@@ -122,7 +122,9 @@ def training_objective(config: TrainConfig, pipe, resolution: int):
     elif "shift" in own and not config.dynamic_shift:
         flow["shift"] = own["shift"]
     elif config.dynamic_shift or scheduler.get("use_dynamic_shifting"):
-        patch = kind.latent_packing * int(getattr(denoiser(pipe).config, "patch_size", None) or 1)
+        cfg = denoiser(pipe).config  # Z-Image's patches: all_patch_size
+        patch = kind.latent_packing * int(getattr(cfg, "patch_size", None)
+                                          or getattr(cfg, "all_patch_size", [1])[0])
         tokens = (resolution // (pipe.vae_scale_factor * patch)) ** 2
         flow["mu"] = dynamic_shift_mu(tokens, scheduler)
     return objectives.objective_for(pipe, **flow)

@@ -17,6 +17,7 @@ On disk (safetensors only, never pickle):
                       lora_te_ (SD1.5) / lora_te1_, lora_te2_ (SDXL), lora_te3_ for the text encoders
                       (CLIP always as lora_te*_text_model_..., see `canonical_name`),
                       lora_transformer_ for the SD3 / Flux transformer (OneTrainer's names, read by ComfyUI);
+                      diffusion_model.<dotted path> for Z-Image's transformer (ComfyUI's key map for it);
                       read also: kohya's Flux files in BFL's layout
                       (lora_unet_double_blocks_0_img_attn_qkv, ...), whose fused projections split exactly
                       into diffusers' modules by output rows

@@ -61,6 +61,10 @@ _COMPOUND_SEGMENTS = sorted(
 # installed: `canonical_name` puts it back, `_live_paths` gives both spellings when matching a model's
 # weights.
 # T5's encoder is `encoder.block.` (no such level in either version), so it is left alone.
+# The denoisers written `kohya_dotted` (Z-Image: `diffusion_model.layers.0.attention.to_q`, ComfyUI's key
+# map in comfy/lora.py for Lumina2 / Z-Image, built by comfy/utils.py `z_image_to_diffusers`): prefix -> kind.
+_DOTTED = {k.kohya_dotted: k for k in REGISTRY.values() if k.kohya_dotted}
+DOTTED_PREFIXES = tuple(_DOTTED)
 _TEXT_MODEL = "text_model."
 _CLIP_TEXT_MODEL_CHILDREN = ("embeddings.", "encoder.layers.", "final_layer_norm")
 
@@ -156,12 +160,16 @@ def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None =
     `lora_unet_input_blocks_4_1_proj_in`); without a layout, the diffusers name (ComfyUI and diffusers read
     both, sd-scripts only the first). CLIP text encoders get their `text_model_` level whatever transformers
     is installed (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`); the prefixes are `_kohya_prefix`'s.
+    A denoiser whose kind sets `kohya_dotted` keeps its dotted path after that prefix (Z-Image:
+    `diffusion_model.layers.0.attention.to_q`, the names ComfyUI's key map takes for it).
     """
     comp, _, path = canonical_name(module).partition(".")
     if comp not in COMPONENTS or not path:
         raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
     if comp == "unet" and layout is not None and base in REGISTRY and REGISTRY[base].ldm_names:
         path = _ldm_path(path, layout)
+    if base in REGISTRY and REGISTRY[base].kohya_dotted and comp == REGISTRY[base].component:
+        return REGISTRY[base].kohya_dotted + path
     return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
@@ -179,6 +187,9 @@ def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | Non
     Raises LoraFormatError for a prefix this module does not know (LyCORIS `lycoris_`, cascade
     `lora_prior_`) and for names of fused modules (Flux's BFL layout: `load_lora` splits those).
     """
+    dotted = next((p for p in DOTTED_PREFIXES if kohya.startswith(p)), None)
+    if dotted is not None:  # a dotted diffusers path after the prefix
+        return canonical_name(f"{_DOTTED[dotted].component}.{kohya[len(dotted):]}")
     for prefix, comp in _KOHYA_PREFIXES.items():
         if kohya.startswith(prefix):
             break

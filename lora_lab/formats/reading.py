@@ -24,6 +24,7 @@ from .names import (
     _FLUX_SINGLE,
     _KOHYA_PREFIXES,
     COMPONENTS,
+    DOTTED_PREFIXES,
     UNET_LAYOUT_KEY,
     UnetLayout,
     _live_paths,
@@ -114,7 +115,7 @@ def _scalar(where: str, t: torch.Tensor) -> float:
 
 
 def _detect_format(path: Path, tensors: Mapping[str, torch.Tensor]) -> str:
-    kohya = [k for k in tensors if k.startswith(tuple(_KOHYA_PREFIXES))]
+    kohya = [k for k in tensors if k.startswith((*_KOHYA_PREFIXES, *DOTTED_PREFIXES))]
     if len(kohya) == len(tensors):
         return "kohya"
     peft = [k for k in tensors if k.startswith(tuple(f"{c}." for c in COMPONENTS))]

@@ -1,5 +1,6 @@
-"""The model kinds lora_lab trains (sd15, sdxl, sd3, flux, chroma) and how to build them: low in the house, so
-that LoRA files (formats/), the trainer and the planner all depend on it and it depends on none of them.
+"""The model kinds lora_lab trains (kinds.KINDS: sd15, sdxl, sd3, flux, chroma, z-image) and how to build
+them: low in the house, so that LoRA files (formats/), the trainer and the planner all depend on it and it
+depends on none of them.
 
     kinds.py     ModelKind per kind: classes, text encoders, objective, blocks to checkpoint, how it encodes
                  and predicts; KINDS, model_kind(name), kind_of(pipe)

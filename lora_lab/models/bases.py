@@ -34,7 +34,8 @@ import torch
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
-from .builders import CONFIGS, build_components, build_tokenizer, denoiser, pipeline_class
+from . import z_image
+from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
 from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
@@ -359,7 +360,10 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
 
 
 def _real_tokenizer(kind: ModelKind, arch: str):
-    """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens)."""
+    """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens;
+    Qwen3 the pipeline's 512)."""
+    if arch == "qwen3":
+        return z_image.build_tokenizer(WORDS, z_image.PIPELINE_TOKENS)
     tok = build_tokenizer("t5" if arch == "t5" else "clip")
     tok.model_max_length = kind.t5_tokens if arch == "t5" else CLIP_TOKENS
     return tok
@@ -369,6 +373,8 @@ def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
     import transformers
 
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if class_name == "Qwen3Model":  # the real vocabulary (the tiny tokenizer's ids are all below it)
+        return z_image.text_model(cfg, tokenizer).eval()
     if class_name.startswith("T5"):
         return transformers.T5EncoderModel(transformers.T5Config(**cfg, **ids,
                                                                  decoder_start_token_id=0)).eval()

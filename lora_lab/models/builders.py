@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import z_image
 from .chroma import TINY_SCHEDULER as _CHROMA_SCHEDULER
 from .chroma import TINY_TRANSFORMER as _CHROMA
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
@@ -115,6 +116,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
     "chroma": {"transformer": _CHROMA, "vae": _VAE, "text_encoder": _T5, "scheduler": _CHROMA_SCHEDULER},
+    # the transformer's 2x2 patches cut inside it (in_channels = latent channels); cap_feat_dim = Qwen3 hidden
+    "z-image": {"transformer": z_image.TRANSFORMER, "vae": _VAE, "text_encoder": z_image.TEXT_ENCODER,
+                "scheduler": z_image.SCHEDULER},
 }
 
 
@@ -208,7 +212,13 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch == "t5":
+        if enc.arch == "qwen3":
+            qwen_tok = z_image.build_tokenizer(WORDS)
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed,
+                                            lambda c=cfg[enc.component]: z_image.text_model(c, qwen_tok))
+            out[enc.tokenizer] = qwen_tok
+        elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
             out[enc.tokenizer] = t5_tok

@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma", "z-image")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
-from . import chroma
+from . import chroma, z_image
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -40,6 +40,7 @@ class TextEncoder:
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    # | "qwen3" (Qwen3Model)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -76,6 +77,12 @@ class ModelKind:
     # the flow knobs the family's own trainer uses where a config leaves them at their defaults (chroma: its
     # timestep density, unshifted); the scheduler's shift is then its sampler's only
     own_flow: tuple[tuple[str, object], ...] = ()
+    # (embeds, guidance) -> the pipeline's __call__ keywords, where cached embeddings and guidance differ
+    # from them (None: the embeddings as they are, guidance_scale=guidance)
+    pipeline_inputs: Callable[..., dict] | None = None
+    # kohya/ComfyUI files name the denoiser's modules by this prefix and their dotted diffusers paths, where
+    # ComfyUI's key map for the family takes no lora_transformer_ names (Z-Image: "diffusion_model.")
+    kohya_dotted: str = ""
 
     def denoiser_class(self):
         import diffusers
@@ -183,6 +190,12 @@ _KINDS = (
                        "diffusers.models.transformers.transformer_chroma:ChromaSingleTransformerBlock"),
               chroma.encode, chroma.predict, t5_tokens=chroma.T5_TOKENS, latent_packing=2,
               kohya_version="chroma", own_flow=(("sampling", "chroma"), ("shift", 1.0))),
+    ModelKind("z-image", "transformer", "ZImagePipeline", "ZImageTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen3", 2),), "flow",
+              ("diffusers.models.transformers.transformer_z_image:ZImageTransformerBlock",),
+              z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs,
+              kohya_version="z_image", kohya_version_written="z_image",  # musubi-tuner's zimage_train
+              kohya_dotted="diffusion_model."),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

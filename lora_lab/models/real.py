@@ -1,10 +1,10 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
     REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev,
-                                           chroma1-hd
+                                           chroma1-hd, z-image-turbo
     REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
                                            config.json files
-    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux | chroma
+    real_kind(name)                     -> the trainer's kind of a model (a name in models.KINDS)
     build_real(name, components=None)   -> {component: module}, built in the current device context
                                            (under a FakeTensorMode or on "meta": no memory is allocated)
 
@@ -12,7 +12,8 @@ Each config is copied from the model's public `config.json` (the Hugging Face re
 comment above it); only the fields that change the architecture are written out, the rest are the
 classes' defaults, which equal the published values. `tests/models/test_real.py` checks the parameter counts
 against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
-2.5 B, Chroma1-HD 8.9 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
+2.5 B, Chroma1-HD 8.9 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M, Z-Image 6.15 B,
+Qwen3-4B 4.02 B).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ CLIP_BIGG = {"vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120
 T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
           "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
           "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0, "is_encoder_decoder": False}
+
+# Tongyi-MAI/Z-Image-Turbo/text_encoder/config.json (Qwen3-4B; the pipeline loads it as Qwen3Model: no
+# lm_head, the embeddings tied)
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645}
 
 # ----------------------------------------------------------------------------- VAEs
 
@@ -95,6 +103,12 @@ CHROMA1_HD = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_lay
               "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
               "joint_attention_dim": 4096, "axes_dims_rope": [16, 56, 56], "approximator_num_channels": 64,
               "approximator_hidden_dim": 5120, "approximator_layers": 5}
+# Tongyi-MAI/Z-Image-Turbo/transformer/config.json (Tongyi-MAI/Z-Image's is the same architecture); its
+# vae/config.json is FLUX.1's VAE (VAE_FLUX)
+Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+           "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-5, "qk_norm": True,
+           "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+           "axes_lens": [1536, 512, 512]}
 
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
@@ -115,6 +129,8 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     # lodestones/Chroma1-HD: FLUX.1's VAE (vae/config.json) and T5-XXL (text_encoder/config.json) alone
     "chroma1-hd": {"transformer": ("ChromaTransformer2DModel", CHROMA1_HD),
                    "vae": ("AutoencoderKL", VAE_FLUX), "text_encoder": ("T5EncoderModel", T5_XXL)},
+    "z-image-turbo": {"transformer": ("ZImageTransformer2DModel", Z_IMAGE),
+                      "vae": ("AutoencoderKL", VAE_FLUX), "text_encoder": ("Qwen3Model", QWEN3_4B)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -132,21 +148,23 @@ REAL_SCHEDULERS = {
     # does not shift (the kind's own_flow: the authors' trainer draws its sigmas unshifted)
     "chroma1-hd": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "z-image-turbo": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
-         "chroma1-hd": "chroma"}
+         "chroma1-hd": "chroma", "z-image-turbo": "z-image"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
 REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev",
-                "chroma": "chroma1-hd"}
-# Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
+                "chroma": "chroma1-hd", "z-image": "z-image-turbo"}
+# Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux and Chroma
+# 512 T5; Z-Image at most 512 Qwen3 tokens (the chat template's and the caption's: a plan counts all 512)
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
-               "chroma1-hd": 512}
+               "chroma1-hd": 512, "z-image-turbo": 512}
 
 
 def real_kind(name: str) -> str:
-    """The trainer's model kind (sd15 | sdxl | sd3 | flux | chroma) of a real model name."""
+    """The trainer's model kind (a name in models.KINDS) of a real model name."""
     if name not in _KIND:
         raise ModelLoadError(f"unknown real model {name!r}; choose one of {', '.join(REAL_MODELS)}")
     return _KIND[name]
@@ -156,6 +174,8 @@ def _build(class_name: str, cfg: dict):
     import diffusers
     import transformers
 
+    if class_name == "Qwen3Model":
+        return transformers.Qwen3Model(transformers.Qwen3Config(**cfg))
     if class_name.startswith(("CLIP", "T5")):
         config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
         return getattr(transformers, class_name)(config_cls(**cfg))

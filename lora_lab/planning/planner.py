@@ -200,8 +200,8 @@ PLAN_DEFAULTS = {"device": "cuda", "mixed_precision": "bf16", "progress": False}
 def plan_config(model: str = "sdxl", *, size: str = "real", **fields) -> TrainConfig:
     """The `TrainConfig` a plan of `model` describes: `fields` are TrainConfig's (its names and checks), over
     `PLAN_DEFAULTS`. model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev |
-    chroma1-hd, the base "real:NAME", its published configs) or a kind (`size="tiny"`: sd15 | sdxl | sd3 |
-    flux | chroma, the base the trainer trains by default: the one shipped in data/base/, else the tiny
+    chroma1-hd | z-image-turbo, the base "real:NAME", its published configs) or a kind (`size="tiny"`: a name
+    in models.KINDS, the base the trainer trains by default: the one shipped in data/base/, else the tiny
     configs of `lora_lab.models.builders`), or a kind with a local diffusers folder as `size` (only its
     configs are read). PlanError for a model, size or field that cannot be planned."""
     if not (size in ("real", "tiny") or (Path(str(size)) / "model_index.json").is_file()):

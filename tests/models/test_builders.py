@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from lora_lab import models as M
-from lora_lab.models import KINDS, ModelLoadError
+from lora_lab.models import KINDS, ModelLoadError, model_kind
 from lora_lab.models.inputs import sdxl_time_ids
 
 SEED = 3
@@ -22,6 +22,8 @@ SIZE = M.RESOLUTION  # pixels; latents are half as wide
 
 def _call(pipe, kind, embeds, steps=2, **kw):
     extra = {"max_sequence_length": M.TEXT_LEN} if kind in ("sd3", "flux") else {}
+    if (inputs := model_kind(kind).pipeline_inputs) is not None:  # z-image: lists, its guidance_scale
+        embeds, kw = {}, {**kw, **inputs(embeds, kw.get("guidance_scale", 1.0))}
     return pipe(**embeds, num_inference_steps=steps, height=SIZE, width=SIZE, output_type="pt",
                 generator=torch.Generator().manual_seed(SEED), **extra, **kw).images
 
@@ -61,6 +63,9 @@ def test_predict_matches_the_pipeline_denoiser_call(kind):
         expected = seen["out"]
     elif kind == "sd3":
         x, t, expected = kw["hidden_states"], kw["timestep"] / 1000, seen["out"]
+    elif kind == "z-image":  # lists of (C, 1, h, w) latents, t = 1 - sigma, the output negated
+        x, t = torch.stack(seen["args"][0]).squeeze(2), 1 - seen["args"][1]
+        expected = -torch.stack(seen["out"]).squeeze(2)
     else:
         h = w = SIZE // 2
         from lora_lab.models.inputs import unpack_latents

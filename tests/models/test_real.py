@@ -19,6 +19,10 @@ PUBLISHED = [
     ("sdxl", "text_encoder_2", 695e6, 0.002),  # OpenCLIP bigG text (with projection)
     ("sd15", "unet", 859.5e6, 0.001),
     ("chroma1-hd", "transformer", 8.9e9, 0.001),  # lodestones' model card: "8.9B parameters"
+    # Z-Image: "6B" (Tongyi-MAI's model card; 6.155 B built); Qwen3-4B: "4.0B" (Qwen's card), 4,022,468,096 as
+    # Qwen3Model without lm_head, pinned below
+    ("z-image-turbo", "transformer", 6.0e9, 0.03),
+    ("z-image-turbo", "text_encoder", 4.0e9, 0.006),
 ]
 
 
@@ -38,6 +42,8 @@ def test_exact_counts_pinned():
         counts = {(name, c): _count(m) for name in REAL_MODELS for c, m in build_real(name).items()}
     assert counts[("sdxl", "unet")] == 2_567_463_684
     assert counts[("sd35-medium", "transformer")] // 1_000_000 == 2243
+    assert counts[("z-image-turbo", "transformer")] == 6_154_908_736
+    assert counts[("z-image-turbo", "text_encoder")] == 4_022_468_096
     # the same T5-XXL
     assert counts[("flux-dev", "text_encoder_2")] == counts[("sd35-large", "text_encoder_3")]
     # both 16-channel VAEs without quant convs
