@@ -98,7 +98,8 @@ def sample(pipe, prompts: list[str] | str, seed: int = 0, steps: int = 20, guida
     embeds = {k: v.to(pipe.device, dtype) for k, v in inputs.items()}
     kwargs = {"max_sequence_length": t5_length(pipe)} if kind.t5_encoder is not None else {}
     with loras_applied(pipe, loras), vae_decoding(pipe.vae, tiled):
-        out = pipe(**embeds, num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
+        out = pipe(**embeds, num_inference_steps=steps, **{kind.guidance_keyword: guidance}, height=height,
+                   width=width,
                    generator=generators(seed, len(prompts) if noise_per_prompt else None), output_type="pt",
                    **kwargs)
     images = out.images.float().cpu()

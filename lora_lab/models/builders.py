@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import qwen_image
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -113,6 +114,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
 }
+CONFIGS["qwen-image"] = qwen_image.TINY  # models/qwen_image.py
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -157,7 +159,9 @@ def build_tokenizer(family: str = "clip"):
         pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
         pieces += [("\u2581" + w, -1.0) for w in WORDS] + [(c, -5.0) for c in letters]
         return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LEN)
-    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip or t5")
+    if family == "qwen2_5_vl":  # the template's prefix, then 2 TEXT_LEN: the prompt and the template's end
+        return qwen_image.build_tokenizer(WORDS, qwen_image.DROPPED + 2 * TEXT_LEN)
+    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip, t5 or qwen2_5_vl")
 
 
 def _clip_text_model(cfg: dict, tokenizer, with_projection: bool):
@@ -200,12 +204,17 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
 
     out: dict = {}
     if wanted("vae"):
-        out["vae"] = seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))
+        out["vae"] = seeded(1, lambda: getattr(diffusers, spec.vae)(**cfg["vae"]))
     if wanted(spec.component):
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch == "t5":
+        if enc.arch == "qwen2_5_vl":
+            qwen_tok = build_tokenizer(enc.arch)
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed, lambda: qwen_image.text_encoder(cfg[enc.component], qwen_tok))
+            out[enc.tokenizer] = qwen_tok
+        elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
             out[enc.tokenizer] = t5_tok
@@ -276,6 +285,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
     """Images in [-1, 1], (B, 3, H, W) -> latents (B, 4, H/2, W/2) (tiny VAE) in the denoiser's units:
     (z - shift_factor) * scaling_factor, z sampled from the VAE posterior with `generator`."""
     vae = pipe.vae
+    if kind_of(pipe).to_latents is not None:
+        return kind_of(pipe).to_latents(vae, images, generator)
     z = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator)
     shift = vae.config.shift_factor or 0.0
     return (z - shift) * vae.config.scaling_factor
@@ -285,6 +296,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     """The inverse of `encode_images` (up to the VAE's error): latents -> images in [-1, 1]."""
     vae = pipe.vae
+    if kind_of(pipe).from_latents is not None:
+        return kind_of(pipe).from_latents(vae, latents)
     shift = vae.config.shift_factor or 0.0
     z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + shift
     return vae.decode(z).sample.clamp(-1, 1)

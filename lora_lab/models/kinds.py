@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "qwen-image")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
+from . import qwen_image
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -39,6 +40,7 @@ class TextEncoder:
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    # | "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -72,6 +74,12 @@ class ModelKind:
     kohya_version_written: str | None = None
     ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
+    vae: str = "AutoencoderKL"  # diffusers class of the VAE
+    # images (B, 3, H, W) <-> the denoiser's latents (B, C, h, w), where the VAE's own units are not
+    # (z - shift_factor) * scaling_factor: (vae, images, generator) -> latents, (vae, latents) -> images
+    to_latents: Callable[..., torch.Tensor] | None = None
+    from_latents: Callable[..., torch.Tensor] | None = None
+    guidance_keyword: str = "guidance_scale"  # the pipeline's __call__ keyword of `sample`'s guidance
 
     def denoiser_class(self):
         import diffusers
@@ -173,6 +181,13 @@ _KINDS = (
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
               _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux"),
+    # the transformer's patch_size 2 is the 2x2 packing (latent_packing 1: not counted twice)
+    ModelKind("qwen-image", "transformer", "QwenImagePipeline", "QwenImageTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen2_5_vl", 2),), "flow",
+              ("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",),
+              qwen_image.encode, qwen_image.predict, kohya_version="qwen_image", vae="AutoencoderKLQwenImage",
+              to_latents=qwen_image.to_latents, from_latents=qwen_image.from_latents,
+              guidance_keyword="true_cfg_scale"),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -35,6 +35,7 @@ from ..fileio import BASE_DTYPES, weight_dtype_problem
 from ..quant import QuantLinear
 from ..torch_private import buffers_of, parameters_of
 from .kinds import ModelLoadError
+from .qwen_image import rope_tables
 
 
 def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
@@ -47,6 +48,7 @@ def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
     if meta_buffers:
         with torch.device("meta"):
             model = build()
+        rope_tables(model)  # Qwen-Image's rotary tables: tensors its constructor makes, not buffers
     else:
         with _parameters_on_meta():
             model = build()
