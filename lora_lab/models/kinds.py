@@ -80,6 +80,7 @@ class ModelKind:
     to_latents: Callable[..., torch.Tensor] | None = None
     from_latents: Callable[..., torch.Tensor] | None = None
     guidance_keyword: str = "guidance_scale"  # the pipeline's __call__ keyword of `sample`'s guidance
+    kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not the component's (lora_transformer_)
 
     def denoiser_class(self):
         import diffusers
@@ -187,7 +188,7 @@ _KINDS = (
               ("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",),
               qwen_image.encode, qwen_image.predict, kohya_version="qwen_image", vae="AutoencoderKLQwenImage",
               to_latents=qwen_image.to_latents, from_latents=qwen_image.from_latents,
-              guidance_keyword="true_cfg_scale"),
+              guidance_keyword="true_cfg_scale", kohya_prefix="lora_unet_"),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

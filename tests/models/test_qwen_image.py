@@ -110,3 +110,71 @@ def test_trains_samples_resumes_and_loads_in_diffusers(digits_folder, tmp_path):
     theirs = sample(fresh, prompt, seed=SEED, steps=steps)
     assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image: the comparison proves something
     torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
+
+
+def _comfyui_keys(transformer: torch.nn.Module) -> set[str]:
+    """The LoRA names ComfyUI's key map gives a Qwen-Image model (comfy/lora.py `model_lora_keys_unet`: for
+    every `diffusion_model.<path>.weight`, the generic `lora_unet_<path with _>` and `diffusion_model.<path>`,
+    and for comfy.model_base.QwenImage `<path>`, `transformer.<path>` and `lycoris_<path with _>`; ComfyUI's
+    Qwen-Image model has diffusers' module names)."""
+    keys = set()
+    for name in transformer.state_dict():
+        if name.endswith(".weight"):
+            path = name[: -len(".weight")]
+            under = path.replace(".", "_")
+            keys |= {f"lora_unet_{under}", f"diffusion_model.{path}", path, f"transformer.{path}",
+                     f"lycoris_{under}"}
+    return keys
+
+
+def test_lora_files_comfyui_keys_diffusers_loader_inspect_convert_merge(pipe, tmp_path, capsys):
+    """A LoRA on the tiny transformer saved as kohya/ComfyUI and PEFT files: every kohya key is one ComfyUI
+    maps; diffusers' loader takes both and predicts what lora_lab's merge predicts; `lora-lab inspect`,
+    `convert` (both ways, the same modules) and `merge` (the weights lora_lab merges) handle them."""
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    from lora_lab.cli import main as cli_main
+    from lora_lab.formats import load_lora, save_lora
+    from lora_lab.lora import LoRAConfig, add_lora, remove_lora
+
+    model = QwenImageTransformer2DModel(**qwen_image.TINY["transformer"]).eval()
+    model.load_state_dict(pipe.transformer.state_dict())
+    base_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    add_lora(model, LoRAConfig(rank=2, alpha=2.0, targets=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
+                                                           "to_add_out", "img_mlp.net.2", "txt_mod.1"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    kohya = save_lora(tmp_path / "k.safetensors", model, "kohya", base="qwen-image")
+    peft = save_lora(tmp_path / "p.safetensors", model, "peft", base="qwen-image")
+    names = {k.rsplit(".", 2)[0] for k in load_file(str(kohya)) if k.endswith("lora_down.weight")}
+    assert names and all(n.startswith("lora_unet_transformer_blocks_") for n in names)
+    assert names <= _comfyui_keys(pipe.transformer)
+    assert load_lora(kohya).base == "qwen-image" and set(load_lora(kohya).modules) == set(load_lora(peft).modules)
+
+    embeds = encode_prompts(pipe, PROMPTS[:1])
+    x, t = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.6])
+    remove_lora(model)  # the plain modules, their weights merged
+    with torch.no_grad():
+        want = predict("qwen-image", model, x, t, embeds)
+        for path in (kohya, peft):
+            fresh = build_pipeline("qwen-image", seed=SEED)
+            fresh.load_lora_weights(str(path))
+            got = predict("qwen-image", fresh.transformer, x, t, embeds)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(path))
+
+    assert cli_main(["inspect", str(kohya)]) == 0 and "qwen-image" in capsys.readouterr().out
+    back = tmp_path / "back.safetensors"
+    assert cli_main(["convert", str(peft), str(tmp_path / "c.safetensors"), "--to", "kohya"]) == 0
+    assert cli_main(["convert", str(tmp_path / "c.safetensors"), str(back), "--to", "peft"]) == 0
+    assert set(load_file(str(tmp_path / "c.safetensors"))) == set(load_file(str(kohya)))
+    assert set(load_file(str(back))) == set(load_file(str(peft)))
+    save_file(base_weights, str(tmp_path / "base.safetensors"))
+    assert cli_main(["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "m.safetensors"),
+                     "--lora", f"{kohya}:1"]) == 0
+    merged = load_file(str(tmp_path / "m.safetensors"))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)
