@@ -48,7 +48,6 @@ def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
     if meta_buffers:
         with torch.device("meta"):
             model = build()
-        rope_tables(model)  # Qwen-Image's rotary tables: tensors its constructor makes, not buffers
     else:
         with _parameters_on_meta():
             model = build()
@@ -246,4 +245,5 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
     for name, q in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
+    rope_tables(model, device)  # Qwen-Image's rotary tables: tensors its constructor makes, not buffers
     return model

@@ -59,10 +59,12 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "<|im_end|>\n<|im_start|>assistant\n")  # QwenImagePipeline.prompt_template_encode
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
-# Qwen/Qwen-Image/scheduler/scheduler_config.json (the tiny base's too: its dynamic shift is the family's)
+# Qwen/Qwen-Image/scheduler/scheduler_config.json
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
              "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
              "time_shift_type": "exponential"}
+# the tiny base's: the same but shift_terminal, which divides 0 by 0 in a 1-step sampling (the tests' and the
+# plans' `sample_steps=1`; the real pipeline's too)
 
 TINY = {
     # in_channels = 4 latent channels * 2x2 packing; rope axes add up to the head dim (4 + 6 + 6 = 16);
@@ -83,7 +85,7 @@ TINY = {
         "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                           "out_hidden_size": 64, "fullatt_block_indexes": [1]},
     },
-    "scheduler": SCHEDULER,
+    "scheduler": {k: v for k, v in SCHEDULER.items() if k != "shift_terminal"},
 }
 
 
@@ -182,14 +184,16 @@ def encode(pipe, prompts: list[str], device) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the denoiser and the VAE
 
 
-def rope_tables(model: torch.nn.Module) -> None:
-    """The rotary tables of a Qwen-Image transformer built on the meta device (`loading.skeleton`) made again
-    in the current device context: they are plain attributes, not buffers, so no weights fill them (a no-op
-    for any other model)."""
+def rope_tables(model: torch.nn.Module, device: torch.device | str) -> None:
+    """The rotary tables of a Qwen-Image transformer built on the meta device (`loading.skeleton`), made on
+    `device` when its weights are loaded (`loading.fill`): plain attributes, not buffers, so no weights hold
+    them (a buffer's complex values would lose their imaginary part in `module.to(dtype)`). A no-op for any
+    other model."""
     for name, m in list(model.named_modules()):
         freqs = getattr(m, "pos_freqs", None)
         if isinstance(freqs, torch.Tensor) and freqs.is_meta and hasattr(m, "scale_rope"):
-            fresh = type(m)(theta=m.theta, axes_dim=list(m.axes_dim), scale_rope=m.scale_rope)
+            with torch.device(device):
+                fresh = type(m)(theta=m.theta, axes_dim=list(m.axes_dim), scale_rope=m.scale_rope)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, fresh)
 

@@ -16,6 +16,7 @@ against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 
 
 from __future__ import annotations
 
+from . import qwen_image
 from .kinds import ModelLoadError
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -88,6 +89,29 @@ FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layer
             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
+# Qwen/Qwen-Image/transformer/config.json (20.4 B)
+QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+              "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+              "axes_dims_rope": [16, 56, 56]}
+# Qwen/Qwen-Image/vae/config.json (AutoencoderKLQwenImage; latents_mean / latents_std: the class defaults,
+# which are the published values)
+VAE_QWEN_IMAGE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                  "temperal_downsample": [False, True, True], "dropout": 0.0}
+# Qwen/Qwen-Image/text_encoder/config.json: Qwen2.5-VL-7B-Instruct (Qwen2_5_VLForConditionalGeneration, 8.3 B
+# with its vision tower and lm_head)
+QWEN25_VL_7B = {
+    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
+                    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+                    "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "in_chans": 3,
+                      "hidden_act": "silu"},
+    "tie_word_embeddings": False,
+}
+
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
              "text_encoder": ("CLIPTextModel", CLIP_L)},
@@ -104,6 +128,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
                    "text_encoder_3": ("T5EncoderModel", T5_XXL)},
     "flux-dev": {"transformer": ("FluxTransformer2DModel", FLUX_DEV), "vae": ("AutoencoderKL", VAE_FLUX),
                  "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("T5EncoderModel", T5_XXL)},
+    "qwen-image": {"transformer": ("QwenImageTransformer2DModel", QWEN_IMAGE),
+                   "vae": ("AutoencoderKLQwenImage", VAE_QWEN_IMAGE),
+                   "text_encoder": ("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -117,14 +144,17 @@ REAL_SCHEDULERS = {
     "sd35-large": {"num_train_timesteps": 1000, "shift": 3.0},
     "flux-dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                  "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "qwen-image": qwen_image.SCHEDULER,
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
-_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
+_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
+         "qwen-image": "qwen-image"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
-REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev"}
+REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev", "qwen-image": "qwen-image"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
-TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}
+TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
+               "qwen-image": qwen_image.PROMPT_TOKENS}
 
 
 def real_kind(name: str) -> str:
@@ -138,6 +168,8 @@ def _build(class_name: str, cfg: dict):
     import diffusers
     import transformers
 
+    if class_name.startswith("Qwen2_5_VL"):
+        return qwen_image.text_encoder(cfg)
     if class_name.startswith(("CLIP", "T5")):
         config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
         return getattr(transformers, class_name)(config_cls(**cfg))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lora_lab.models import REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
+from lora_lab.models import KINDS, REAL_CONFIGS, REAL_MODELS, ModelLoadError, build_real, real_kind
 
 # Published totals (model cards / papers), in parameters, and how close the build must come.
 # SD3.5 Medium: Stability's model card says "2.5 billion parameters"; the published transformer config
@@ -48,7 +48,7 @@ def test_every_model_has_a_denoiser_vae_and_text_encoders():
         comps = REAL_CONFIGS[name]
         assert ("unet" in comps) != ("transformer" in comps)
         assert "vae" in comps and "text_encoder" in comps
-        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux")
+        assert real_kind(name) in KINDS
 
 
 def test_unknown_names_are_clear_errors():
