@@ -147,6 +147,9 @@ def check_knob_fields(config, bad) -> None:
             bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
     if config.train_guidance != 1.0 and config.model != "flux":
         bad("train_guidance", "applies to flux only (its guidance embedding)")
+    if config.text_encoder_lr is not None and not any(e.arch.startswith("clip")
+                                                      for e in model_kind(config.model).text_encoders):
+        bad("text_encoder_lr", f"trains LoRAs on CLIP text encoders; {config.model} has none")
     if config.dynamic_shift and config.timestep_shift is not None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:

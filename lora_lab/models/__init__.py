@@ -1,5 +1,6 @@
-"""The model kinds lora_lab trains (sd15, sdxl, sd3, flux) and how to build them: low in the house, so that
-LoRA files (formats/), the trainer and the planner all depend on it and it depends on none of them.
+"""The model kinds lora_lab trains (sd15, sdxl, sd3, flux, qwen-image) and how to build them: low in the
+house, so that LoRA files (formats/), the trainer and the planner all depend on it and it depends on none of
+them.
 
     kinds.py     ModelKind per kind: classes, text encoders, objective, blocks to checkpoint, how it encodes
                  and predicts; KINDS, model_kind(name), kind_of(pipe)
@@ -9,7 +10,9 @@ LoRA files (formats/), the trainer and the planner all depend on it and it depen
     loading.py   a denoiser built without memory and filled module by module from its weights, in the base
                  dtype, quantized as it loads
     bases.py     where a base comes from (tiny, a folder, real:NAME), opened for training; build_pipeline
-    real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev), build_real
+    real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev, qwen-image),
+                 build_real
+    qwen_image.py  Qwen-Image's own parts: tiny configs, tokenizer, prompt encoding, predict, latents
 
 diffusers and transformers are imported where a class is needed (they take seconds to import).
 """

@@ -212,7 +212,8 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
         if enc.arch == "qwen2_5_vl":
             qwen_tok = build_tokenizer(enc.arch)
             if wanted(enc.component):
-                out[enc.component] = seeded(enc.seed, lambda: qwen_image.text_encoder(cfg[enc.component], qwen_tok))
+                out[enc.component] = seeded(
+                    enc.seed, lambda c=cfg[enc.component], t=qwen_tok: qwen_image.text_encoder(c, t))
             out[enc.tokenizer] = qwen_tok
         elif enc.arch == "t5":
             if wanted(enc.component):

@@ -80,7 +80,7 @@ class ModelKind:
     to_latents: Callable[..., torch.Tensor] | None = None
     from_latents: Callable[..., torch.Tensor] | None = None
     guidance_keyword: str = "guidance_scale"  # the pipeline's __call__ keyword of `sample`'s guidance
-    kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not the component's (lora_transformer_)
+    kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not its component's
 
     def denoiser_class(self):
         import diffusers

@@ -11,28 +11,28 @@
     to_latents(vae, images, generator) / from_latents(vae, latents)  -> the VAE's normalised latents
 
 The pipeline (diffusers' QwenImagePipeline) writes each prompt into a chat template, runs Qwen2.5-VL over it
-and keeps the last hidden states after the template's first 34 tokens (`prompt_template_encode_start_idx`:
-the system turn and "<|im_start|>user\\n"), so each prompt's embeddings are its own tokens and the 5 that close
-the template ("<|im_end|>\\n<|im_start|>assistant\\n"). `encode` runs the same template, encoder and drop
-with fixed shapes: right-padded to `prompt_tokens(pipe)` tokens with a mask (the pipeline pads to the batch's
+and keeps the last hidden states after the template's first 34 tokens (`prompt_template_encode_start_idx`: the
+system turn and "<|im_start|>user\\n"), so each prompt's embeddings are its own tokens and the 5 that close
+the template ("<|im_end|>\\n<|im_start|>assistant\\n"). `encode` runs the same template, encoder and drop with
+fixed shapes: right-padded to `prompt_tokens(pipe)` tokens with a mask (the pipeline pads to the batch's
 longest prompt; the transformer masks padding out of its attention and gives the text tokens their rotary
 positions from the start, so the padding changes no output; tests/models/test_qwen_image.py checks it against
 `pipe.encode_prompt`). Fixed shapes are what the cache stacks and what a plan on fake tensors can run (the
 pipeline's boolean gather cannot).
 
 The tiny tokenizer is the real one's construction (transformers' Qwen2Tokenizer: its pre-tokenizer regex,
-byte-level alphabet, the special tokens <|endoftext|>, <|im_start|>, <|im_end|>) over a vocabulary made by hand:
-the 256 byte symbols, every word of the template and of `words` (with and without the leading space) as one
-token each. So the template's prefix is 34 tokens as with the real vocabulary, and the pipeline's drop index
-holds. What differs: the vocabulary (~500 tokens instead of 151,646; other words fall back to bytes).
+byte-level alphabet, the special tokens <|endoftext|>, <|im_start|>, <|im_end|>) over a vocabulary made by
+hand: the 256 byte symbols, every word of the template and of `words` (with and without the leading space) as
+one token each. So the template's prefix is 34 tokens as with the real vocabulary, and the pipeline's drop
+index holds. What differs: the vocabulary (~500 tokens instead of 151,646; other words fall back to bytes).
 
 The tiny base keeps every structural feature: the 2x2 packed latents with the transformer's `patch_size` 2
 (the packing is the patch: lora_lab's kind has latent_packing 1, the patch is in the config), dual-stream
 blocks with joint attention and 3-axis rotary positions (frame, row, column), RMS-normed text input, the
 causal 3D VAE with its frame axis and per-channel latents_mean / latents_std, Qwen2.5-VL with grouped-query
-attention, multimodal rotary sections and a vision tower, the scheduler's dynamic shift. Its VAE has 4
-latent channels (the real one 16), as the other tiny bases have 4, and downsamples 2x (16x16 images, 8x8
-latents, 4x4 tokens).
+attention, multimodal rotary sections and a vision tower, the scheduler's dynamic shift. Its VAE has 4 latent
+channels (the real one 16), as the other tiny bases have 4, and downsamples 2x (16x16 images, 8x8 latents, 4x4
+tokens).
 
 Training: flow matching, sigma = the logit-normal draw shifted by e^mu, mu linear in the image's tokens from
 (256, 0.5) to (8192, 0.9): the scheduler's `use_dynamic_shifting` settings, and what kohya's musubi-tuner does
@@ -73,7 +73,8 @@ TINY = {
                     "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 64,
                     "axes_dims_rope": [4, 6, 6]},
     # one spatial downsampling (2x), no temporal one; latents_mean / std: make_base.py sets the trained VAE's
-    "vae": {"base_dim": 32, "z_dim": 4, "dim_mult": [1, 2], "num_res_blocks": 1, "temperal_downsample": [False],
+    "vae": {"base_dim": 32, "z_dim": 4, "dim_mult": [1, 2], "num_res_blocks": 1,
+            "temperal_downsample": [False],
             "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4},
     # Qwen2.5-VL: grouped-query attention (4 heads, 2 key/value heads), mrope sections adding up to half the
     # head dim (2 + 3 + 3 = 8), a two-block vision tower projecting to the text hidden size
@@ -136,7 +137,8 @@ def build_tokenizer(words: tuple[str, ...], max_length: int):
     from transformers import Qwen2Tokenizer
 
     stripped = dict.fromkeys(w.strip() for w in (*_template_words(), *words))
-    corpus = [form.replace(" ", "\u0120") for w in stripped for form in (w, " " + w)]  # byte-level: " " is "Ġ"
+    # byte-level symbols: " " is "Ġ"
+    corpus = [form.replace(" ", "\u0120") for w in stripped for form in (w, " " + w)]
     merges = _learn_merges(corpus)
     vocab = {SPECIAL[0]: 0}
     for token in [*sorted(pre_tokenizers.ByteLevel.alphabet()), *(a + b for a, b in merges)]:
@@ -162,8 +164,8 @@ def text_encoder(cfg: dict, tokenizer=None):
 
 
 def prompt_tokens(pipe) -> int:
-    """Text tokens per prompt in lora_lab's cache: the pipeline's 512, capped by its tokenizer's length less the
-    dropped prefix (the tiny tokenizer: 32)."""
+    """Text tokens per prompt in lora_lab's cache: the pipeline's 512, capped by its tokenizer's length less
+    the dropped prefix (the tiny tokenizer: 32)."""
     return min(PROMPT_TOKENS, pipe.tokenizer.model_max_length - pipe.prompt_template_encode_start_idx)
 
 
@@ -177,7 +179,7 @@ def encode(pipe, prompts: list[str], device) -> dict[str, torch.Tensor]:
     encoder = pipe.text_encoder
     out = encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True)
     mask = tokens.attention_mask[:, drop:]
-    embeds = out.hidden_states[-1][:, drop:] * mask[..., None].to(encoder.dtype)  # padding zero, as the pipe's
+    embeds = out.hidden_states[-1][:, drop:] * mask[..., None].to(encoder.dtype)  # padding 0, as the pipe's
     return {"prompt_embeds": embeds.to(encoder.dtype), "prompt_embeds_mask": mask}
 
 

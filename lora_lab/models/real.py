@@ -1,9 +1,11 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
-    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev
+    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev,
+                                           qwen-image
     REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
                                            config.json files
-    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux
+    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux |
+                                           qwen-image
     build_real(name, components=None)   -> {component: module}, built in the current device context
                                            (under a FakeTensorMode or on "meta": no memory is allocated)
 
@@ -11,7 +13,8 @@ Each config is copied from the model's public `config.json` (the Hugging Face re
 comment above it); only the fields that change the architecture are written out, the rest are the
 classes' defaults, which equal the published values. `tests/models/test_real.py` checks the parameter counts
 against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
-2.5 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M).
+2.5 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M; Qwen-Image's 20.4 B transformer
+and 8.29 B Qwen2.5-VL-7B: tests/models/test_qwen_image.py).
 """
 
 from __future__ import annotations
@@ -90,25 +93,25 @@ FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layer
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
 # Qwen/Qwen-Image/transformer/config.json (20.4 B)
-QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
-              "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
-              "axes_dims_rope": [16, 56, 56]}
+QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+              "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+              "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]}
 # Qwen/Qwen-Image/vae/config.json (AutoencoderKLQwenImage; latents_mean / latents_std: the class defaults,
 # which are the published values)
-VAE_QWEN_IMAGE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-                  "temperal_downsample": [False, True, True], "dropout": 0.0}
+VAE_QWEN_IMAGE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                  "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0}
 # Qwen/Qwen-Image/text_encoder/config.json: Qwen2.5-VL-7B-Instruct (Qwen2_5_VLForConditionalGeneration, 8.3 B
 # with its vision tower and lm_head)
 QWEN25_VL_7B = {
-    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
-                    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-                    "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
-                    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+                    "pad_token_id": 151643, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
     "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "in_chans": 3,
-                      "hidden_act": "silu"},
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                      "in_chans": 3, "hidden_act": "silu"},
     "tie_word_embeddings": False,
 }
 
@@ -151,7 +154,8 @@ REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with 
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
          "qwen-image": "qwen-image"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
-REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev", "qwen-image": "qwen-image"}
+REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev",
+                "qwen-image": "qwen-image"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
                "qwen-image": qwen_image.PROMPT_TOKENS}

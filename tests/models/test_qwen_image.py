@@ -81,7 +81,8 @@ def test_latents_are_one_frame_normalised_per_channel(pipe):
 def test_training_shift_is_musubi_tuners_qwen_shift(pipe):
     """mu linear in the image tokens from (256, 0.5) to (8192, 0.9): 1024 px -> 64 x 64 tokens, shift 2."""
     assert dynamic_shift_mu(4096, dict(pipe.scheduler.config)) == pytest.approx(0.5 + 3840 * 0.4 / 7936)
-    assert torch.exp(torch.tensor(dynamic_shift_mu(4096, qwen_image.SCHEDULER))) == pytest.approx(2.0, abs=0.01)
+    shift = torch.exp(torch.tensor(dynamic_shift_mu(4096, qwen_image.SCHEDULER)))
+    assert shift == pytest.approx(2.0, abs=0.01)
 
 
 @pytest.mark.slow
@@ -153,7 +154,8 @@ def test_lora_files_comfyui_keys_diffusers_loader_inspect_convert_merge(pipe, tm
     names = {k.rsplit(".", 2)[0] for k in load_file(str(kohya)) if k.endswith("lora_down.weight")}
     assert names and all(n.startswith("lora_unet_transformer_blocks_") for n in names)
     assert names <= _comfyui_keys(pipe.transformer)
-    assert load_lora(kohya).base == "qwen-image" and set(load_lora(kohya).modules) == set(load_lora(peft).modules)
+    assert load_lora(kohya).base == "qwen-image"
+    assert set(load_lora(kohya).modules) == set(load_lora(peft).modules)
 
     embeds = encode_prompts(pipe, PROMPTS[:1])
     x, t = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.6])
@@ -178,3 +180,24 @@ def test_lora_files_comfyui_keys_diffusers_loader_inspect_convert_merge(pipe, tm
     merged = load_file(str(tmp_path / "m.safetensors"))
     for k, v in model.state_dict().items():
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_real_parameter_counts_match_the_published_totals():
+    """Qwen/Qwen-Image's model card: a 20 B MMDiT (20.43 B on its config); Qwen2.5-VL-7B-Instruct 8.29 B
+    (its model card: with the vision tower and lm_head); the VAE 127 M (Wan 2.1's architecture)."""
+    from lora_lab.models import build_real
+
+    with torch.device("meta"):
+        counts = {c: sum(p.numel() for p in m.parameters()) for c, m in build_real("qwen-image").items()}
+    assert counts["transformer"] == 20_430_401_088
+    assert counts["text_encoder"] == pytest.approx(8.29e9, rel=0.001)
+    assert counts["vae"] == pytest.approx(127e6, rel=0.002)
+
+
+def test_validation_says_what_does_not_apply():
+    from lora_lab.diffusion import TrainConfigError
+
+    with pytest.raises(TrainConfigError, match="text_encoder_lr=.*CLIP text encoders; qwen-image has none"):
+        TrainConfig(model="qwen-image", text_encoder_lr=1e-4).validate()
+    with pytest.raises(TrainConfigError, match="train_guidance=.*flux only"):
+        TrainConfig(model="qwen-image", train_guidance=3.5).validate()
