@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
+from lora_lab.models import build_pipeline
 from lora_lab.models import builders as M
 from lora_lab.models.kinds import model_kind, t5_length
 from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
@@ -283,9 +284,10 @@ def main() -> None:
         old = out.parent / f"{kind}_metrics.json"
         kept = {k: v for k, v in json.loads(old.read_text()).items()
                 if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
+                         "vae_latents_mean", "vae_latents_std",
                          "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads",
                          "seed", "note")}
-        write_measurements(out, kind, M.build_pipeline(kind, out), kept)
+        write_measurements(out, kind, build_pipeline(kind, out), kept)
         return
 
     t_start = time.time()
@@ -323,7 +325,8 @@ def main() -> None:
     write_measurements(out, kind, pipe, {
         "vae_reconstruction_mse": rec_mse,
         "vae_reconstruction_mse_inverted": inv_mse,
-        "vae_scaling_factor": scaling,
+        **({"vae_latents_mean": pipe.vae.config.latents_mean, "vae_latents_std": scaling} if frame
+           else {"vae_scaling_factor": scaling}),
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
         "steps": {"vae": args.vae_steps if kind in ("sdxl", *FRAMED) else 0, kind: steps},

@@ -80,15 +80,18 @@ class FolderWeights:
 
     NAMES = ("diffusion_pytorch_model", "model")
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, rename: Callable[[str], str] | None = None):
         from safetensors import safe_open
 
         folder = Path(folder)
         files = self._files(folder)
         self.where: dict[str, Path] = {}
+        self.stored: dict[str, str] = {}  # a module's tensor name -> its key on file (`rename`: key -> name)
         for f in files:
             with safe_open(str(f), "pt") as h:
-                self.where.update(dict.fromkeys(h.keys(), f))
+                for key in h.keys():
+                    name = rename(key) if rename else key
+                    self.where[name], self.stored[name] = f, key
         self._open: dict[Path, object] = {}
         self._safe_open = safe_open
 
@@ -120,7 +123,7 @@ class FolderWeights:
             raise KeyError(name)
         if f not in self._open:
             self._open[f] = self._safe_open(str(f), "pt")
-        return self._open[f].get_tensor(name)
+        return self._open[f].get_tensor(self.stored[name])
 
 
 class ModuleWeights:

@@ -163,6 +163,24 @@ def text_encoder(cfg: dict, tokenizer=None):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
+def stored_names(model: torch.nn.Module):
+    """For a Qwen2.5-VL model, the module name of each key its checkpoints hold (Qwen/Qwen-Image/text_encoder
+    and transformers' save_pretrained: `model.*` the language model, `visual.*` the vision tower; transformers
+    5's modules: `model.language_model.*`, `model.visual.*`, renamed by its conversion mapping on load);
+    None for any other model (its keys are its names)."""
+    if type(model).__name__ != "Qwen2_5_VLForConditionalGeneration":
+        return None
+
+    def rename(key: str) -> str:
+        if key.startswith("visual."):
+            return "model." + key
+        if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+            return "model.language_model." + key.removeprefix("model.")
+        return key
+
+    return rename
+
+
 def prompt_tokens(pipe) -> int:
     """Text tokens per prompt in lora_lab's cache: the pipeline's 512, capped by its tokenizer's length less
     the dropped prefix (the tiny tokenizer: 32)."""

@@ -201,3 +201,21 @@ def test_validation_says_what_does_not_apply():
         TrainConfig(model="qwen-image", text_encoder_lr=1e-4).validate()
     with pytest.raises(TrainConfigError, match="train_guidance=.*flux only"):
         TrainConfig(model="qwen-image", train_guidance=3.5).validate()
+
+
+@pytest.mark.slow
+def test_every_phase_of_a_tiny_run_is_planned_within_five_percent(tmp_path):
+    """The planner's validation on this kind: each phase of a real run of the trainer (caching with the
+    Qwen2.5-VL encoder, loading, the steps, saving, sampling) measured by PyTorch's MemTracker and by
+    LiveBytes on the CPU, against the plan of the same config."""
+    from lora_lab.diffusion.trainer import PHASES
+    from lora_lab.planning import plan_memory
+    from lora_lab.planning.measure import measure_phases
+
+    config = TrainConfig(model="qwen-image", output=str(tmp_path), rank=8, steps=2, sample_steps=1,
+                         progress=False, device="cpu")
+    measured = measure_phases(config, ("torch", "live"))
+    planned = plan_memory(config, cache=False).phases
+    for phase in PHASES:
+        for tracker in ("torch", "live"):
+            assert planned[phase] == pytest.approx(measured[tracker][phase], rel=0.05), (phase, tracker)
