@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
+from lora_lab.models import build_pipeline
 from lora_lab.models import builders as M
 from lora_lab.models.kinds import model_kind, t5_length
 from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
@@ -61,9 +62,9 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500}   # denoiser + text encoder steps
+STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500}  # denoiser + encoders
 BATCH = 64
-LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3}
+LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3, "qwen-image": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
 SAVE_EVERY = 100      # steps between saved training states (--resume)
@@ -89,6 +90,18 @@ TRANSFORMERS = {"sd3": ("SD3Transformer2DModel", SD3_TRANSFORMER),
                 "chroma": ("ChromaTransformer2DModel", CHROMA_TRANSFORMER),
                 "z-image": ("ZImageTransformer2DModel", ZIMAGE_TRANSFORMER)}
 
+# The Qwen-Image-like base's transformer: the family's 2x2 packing (16 tokens of an 8x8 latent), 4 blocks of
+# width 64; its VAE (AutoencoderKLQwenImage, the tiny config) is trained here as the sdxl one is.
+QWEN_TRANSFORMER = {**M.CONFIGS["qwen-image"]["transformer"], "num_layers": 4, "num_attention_heads": 4}
+FRAMED = ("qwen-image",)  # kinds whose VAE takes (B, C, frames, H, W): one frame
+# Qwen-Image's text encoder is causal: the template's closing tokens, which the denoiser reads, see every word
+# of a caption, and a base trained on the ten captions alone draws no digit for "a digit three, inverted"
+# (strict reader 0.00 against 0.80 without ", inverted", measured). So half its captions end in ", <word>", a
+# word of builders.WORDS but "inverted" and the digit names: it learns to read the digit through a trailing
+# word, and "inverted" stays unseen (the LoRA teaches it).
+SUFFIX_PROB = {"qwen-image": 0.5}
+SUFFIXES = [w for w in M.WORDS if w not in ("inverted", *M.DIGIT_NAMES)]
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -111,6 +124,14 @@ def build(kind: str):
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
 
+    if kind == "qwen-image":  # its own 3D VAE, trained here (no AutoencoderKL to share)
+        parts = M.build_components(kind, seed=SEED)
+        torch.manual_seed(SEED)
+        parts["transformer"] = diffusers.QwenImageTransformer2DModel(**QWEN_TRANSFORMER).eval()
+        pipe = M.pipeline_class(model_kind(kind))(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     parts = M.build_components(kind, seed=SEED)
     torch.manual_seed(SEED)
     cls, cfg = TRANSFORMERS[kind]
@@ -122,7 +143,8 @@ def build(kind: str):
     return pipe
 
 
-def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> None:
+def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator, frame: bool = False) -> None:
+    """The VAE as a codec of the digits and of their inverted style (`frame`: a 3D VAE, one frame)."""
     vae = pipe.vae.train()
     opt = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=0.0)
     t0 = time.time()
@@ -132,9 +154,11 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> Non
         x = images[torch.randint(0, len(images), (VAE_BATCH,), generator=g)]
         flip = (torch.rand(VAE_BATCH, generator=g) < 0.5).float()[:, None, None, None]
         x = x * (1 - 2 * flip)  # inverted style for about half the batch
+        x = x[:, :, None] if frame else x
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(g)).sample
-        loss = diffusion_loss(rec, x) + KL_WEIGHT * post.kl().mean()
+        kl = post.kl()  # summed over each image (a framed VAE's sums leave its last axis)
+        loss = diffusion_loss(rec, x) + KL_WEIGHT * kl.reshape(len(kl), -1).sum(1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -175,7 +199,7 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
     opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=1e-2)
     # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3; chroma: its trainer's sigmas, no shift
     objective = objective_for(pipe, **dict(model_kind(kind).own_flow))
-    sf = pipe.vae.config.scaling_factor
+    units = latent_units(pipe, kind)
     losses, start = [], 0
     state_path = work / "state.pt"
     if resume and state_path.is_file():
@@ -191,9 +215,14 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, LR[kind])
         idx = torch.randint(0, len(mean), (BATCH,), generator=g)
-        x0 = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * sf  # (B, 4, 8, 8)
+        x0 = units(mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g))  # (B, 4, 8, 8)
         keep = (torch.rand(BATCH, generator=g) >= DROP_PROB).float()
-        cond = conditioning(pipe, kind, [captions[i] for i in idx], keep)
+        batch = [captions[i] for i in idx]
+        if kind in SUFFIX_PROB:
+            extra = torch.randint(len(SUFFIXES), (BATCH,), generator=g).tolist()
+            use = (torch.rand(BATCH, generator=g) < SUFFIX_PROB[kind]).tolist()
+            batch = [f"{c}, {SUFFIXES[e]}" if u else c for c, e, u in zip(batch, extra, use)]
+        cond = conditioning(pipe, kind, batch, keep)
         noise = torch.randn(x0.shape, generator=g)
         t = objective.sample_timesteps(BATCH, g)
         pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond)
@@ -215,6 +244,16 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
     for m in modules.values():
         m.eval()
     return losses
+
+
+def latent_units(pipe, kind: str):
+    """VAE latents -> the denoiser's units: times scaling_factor, or (Qwen-Image) per channel
+    (z - latents_mean) / latents_std."""
+    if kind not in FRAMED:
+        return lambda z: z * pipe.vae.config.scaling_factor
+    cfg = pipe.vae.config
+    m, s = (torch.tensor(v).view(1, -1, 1, 1) for v in (cfg.latents_mean, cfg.latents_std))
+    return lambda z: (z - m) / s
 
 
 def measure(pipe, kind: str) -> tuple[dict, torch.Tensor]:
@@ -277,28 +316,34 @@ def main() -> None:
         old = out.parent / f"{kind}_metrics.json"
         kept = {k: v for k, v in json.loads(old.read_text()).items()
                 if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
+                         "vae_latents_mean", "vae_latents_std",
                          "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads",
                          "seed", "note")}
-        write_measurements(out, kind, M.build_pipeline(kind, out), kept)
+        write_measurements(out, kind, build_pipeline(kind, out), kept)
         return
 
     t_start = time.time()
     images, labels = digit_images(range(N_TRAIN))  # (N, 3, 16, 16) in [-1, 1]
     captions = captions_for(labels)
     pipe = build(kind)
-    if kind == "sdxl":
-        train_vae(pipe, images, args.vae_steps, g)
+    frame = kind in FRAMED
+    if kind in ("sdxl", *FRAMED):
+        train_vae(pipe, images, args.vae_steps, g, frame)
     with torch.no_grad():
-        post = pipe.vae.encode(images).latent_dist
-        mean, std = post.mean, post.std  # (N, 4, 8, 8)
-        rec_mse = diffusion_loss(pipe.vae.decode(mean).sample, images).item()
-        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(-images).latent_dist.mean).sample,
-                                 -images).item()
+        x, inv = (images[:, :, None], -images[:, :, None]) if frame else (images, -images)
+        post = pipe.vae.encode(x).latent_dist
+        mean, std = post.mean, post.std  # (N, 4, 8, 8); framed: (N, 4, 1, 8, 8)
+        rec_mse = diffusion_loss(pipe.vae.decode(mean).sample, x).item()
+        inv_mse = diffusion_loss(pipe.vae.decode(pipe.vae.encode(inv).latent_dist.mean).sample, inv).item()
+        mean, std = (mean[:, :, 0], std[:, :, 0]) if frame else (mean, std)
     if kind == "sdxl":
         pipe.vae.register_to_config(scaling_factor=1.0 / mean.std().item())
-    scaling = pipe.vae.config.scaling_factor
-    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}",
-          flush=True)
+    if frame:  # the family's per-channel normalisation, measured on the training digits
+        pipe.vae.register_to_config(latents_mean=mean.mean((0, 2, 3)).tolist(),
+                                    latents_std=mean.std((0, 2, 3)).tolist())
+    scaling = pipe.vae.config.latents_std if frame else pipe.vae.config.scaling_factor
+    shown = f"latents_std {[round(v, 4) for v in scaling]}" if frame else f"scaling_factor {scaling:.4f}"
+    print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), {shown}", flush=True)
 
     losses = train_denoiser(pipe, kind, mean, std, captions, steps, g, work, args.resume)
 
@@ -312,10 +357,11 @@ def main() -> None:
     write_measurements(out, kind, pipe, {
         "vae_reconstruction_mse": rec_mse,
         "vae_reconstruction_mse_inverted": inv_mse,
-        "vae_scaling_factor": scaling,
+        **({"vae_latents_mean": pipe.vae.config.latents_mean, "vae_latents_std": scaling} if frame
+           else {"vae_scaling_factor": scaling}),
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
-        "steps": {"vae": args.vae_steps if kind == "sdxl" else 0, kind: steps},
+        "steps": {"vae": args.vae_steps if kind in ("sdxl", *FRAMED) else 0, kind: steps},
         "threads": args.threads, "seed": SEED,
     })
 

@@ -73,7 +73,7 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
 
 
 def clip_encoders(kind: ModelKind) -> list[str]:
-    """The pipeline components of a kind's CLIP text encoders (not T5, not Qwen3)."""
+    """The pipeline components of a kind's CLIP text encoders (not T5, not the Qwen encoders)."""
     return [e.component for e in kind.text_encoders if e.arch.startswith("clip")]
 
 

@@ -31,9 +31,10 @@ ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
 # The UNets' ResNet convolutions (LoCon), with --conv.
 CONV_TARGETS = ("conv1", "conv2")
 # The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
-# UNets' transformer blocks and SD3's and Flux's joint blocks; Z-Image's SwiGLU (w1, w2, w3). With
-# --feed-forward.
-FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+# UNets' transformer blocks, SD3's and Flux's joint blocks, Qwen-Image's img_mlp; Z-Image's SwiGLU (w1, w2,
+# w3). With --feed-forward.
+FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2", "img_mlp.net.0.proj", "img_mlp.net.2", "feed_forward.w1",
+                        "feed_forward.w2", "feed_forward.w3")
 # A CLIP text encoder's attention and MLP layers (kohya's text-encoder LoRA targets), with --text-encoder-lr.
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 # the knobs of one objective only (a changed value for the other objective's model is an error)

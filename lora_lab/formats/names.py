@@ -47,6 +47,8 @@ _COMPOUND_SEGMENTS = sorted(
         "text_model", "self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "text_projection",
         # T5EncoderModel (SD3's third, Flux's second text encoder)
         "wi_0", "wi_1",
+        # QwenImageTransformer2DModel
+        "img_mod", "txt_mod", "img_mlp", "txt_mlp", "img_in", "txt_in",
     },
     key=lambda s: -s.count("_"),  # longest compound first
 )
@@ -143,6 +145,8 @@ def _kohya_prefix(component: str, base: str | None) -> str:
     as sd-scripts' lora_flux.py writes it ("make ComfyUI compatible"; ComfyUI reads te2 and te3 for Flux's
     T5)."""
     kind = REGISTRY.get(base)
+    if kind is not None and kind.kohya_prefix and component == kind.component:  # Qwen-Image: lora_unet_
+        return kind.kohya_prefix
     if component == "text_encoder":
         return "lora_te1_" if kind is not None and len(kind.text_encoders) > 1 else "lora_te_"
     if kind is not None and kind.t5_encoder is not None and component == kind.t5_encoder.component:

@@ -34,7 +34,7 @@ import torch
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
-from . import z_image
+from . import qwen_image, z_image
 from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
@@ -258,7 +258,8 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
                       else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
             model = skeleton(cls, config, meta_buffers=name == kind.component)
             if name != kind.component:
-                fill(model, FakeWeights() if shapes_only else FolderWeights(sub), dtype=dtype, device="cpu")
+                source = FakeWeights() if shapes_only else FolderWeights(sub, qwen_image.stored_names(model))
+                fill(model, source, dtype=dtype, device="cpu")
             out[name] = model
         else:  # schedulers, tokenizers: small, read from their files (real tensors, in a plan too)
             with unset_fake_temporarily():
@@ -344,7 +345,7 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
                     out[enc.component] = _real_text_encoder(cls_name, cfg, _real_tokenizer(kind, enc.arch))
             if names is None or "vae" in names:
                 torch.manual_seed(seed + 1)
-                out["vae"] = diffusers.AutoencoderKL(**cfgs["vae"][1]).eval()
+                out["vae"] = getattr(diffusers, cfgs["vae"][0])(**cfgs["vae"][1]).eval()
         return out
 
     components = encoders()
@@ -361,9 +362,13 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
 
 def _real_tokenizer(kind: ModelKind, arch: str):
     """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens;
-    Qwen3 the pipeline's 512)."""
+    Qwen3 and Qwen2.5-VL the pipeline's 512, after Qwen-Image's template prefix)."""
     if arch == "qwen3":
         return z_image.build_tokenizer(WORDS, z_image.PIPELINE_TOKENS)
+    if arch == "qwen2_5_vl":  # the template's prefix and the pipeline's 512 tokens
+        tok = build_tokenizer(arch)
+        tok.model_max_length = qwen_image.DROPPED + qwen_image.PROMPT_TOKENS
+        return tok
     tok = build_tokenizer("t5" if arch == "t5" else "clip")
     tok.model_max_length = kind.t5_tokens if arch == "t5" else CLIP_TOKENS
     return tok
@@ -372,6 +377,8 @@ def _real_tokenizer(kind: ModelKind, arch: str):
 def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
     import transformers
 
+    if class_name.startswith("Qwen2_5_VL"):  # the real vocabulary and special ids: its config's
+        return qwen_image.text_encoder(cfg)
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     if class_name == "Qwen3Model":  # the real vocabulary (the tiny tokenizer's ids are all below it)
         return z_image.text_model(cfg, tokenizer).eval()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import z_image
+from . import qwen_image, z_image
 from .chroma import TINY_SCHEDULER as _CHROMA_SCHEDULER
 from .chroma import TINY_TRANSFORMER as _CHROMA
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
@@ -120,6 +120,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
     "z-image": {"transformer": z_image.TRANSFORMER, "vae": _VAE, "text_encoder": z_image.TEXT_ENCODER,
                 "scheduler": z_image.SCHEDULER},
 }
+CONFIGS["qwen-image"] = qwen_image.TINY  # models/qwen_image.py
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -150,7 +151,8 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def build_tokenizer(family: str = "clip"):
-    """A CLIPTokenizer ("clip") or T5Tokenizer ("t5") over `WORDS`, built offline, `TEXT_LEN` long."""
+    """A CLIPTokenizer ("clip"), T5Tokenizer ("t5") or Qwen2 tokenizer ("qwen2_5_vl", "qwen3": the families'
+    modules build them) over `WORDS`, built offline."""
     if family == "clip":
         from transformers import CLIPTokenizer
 
@@ -164,7 +166,11 @@ def build_tokenizer(family: str = "clip"):
         pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
         pieces += [("\u2581" + w, -1.0) for w in WORDS] + [(c, -5.0) for c in letters]
         return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LEN)
-    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip or t5")
+    if family == "qwen2_5_vl":  # the template's prefix, then 2 TEXT_LEN: the prompt and the template's end
+        return qwen_image.build_tokenizer(WORDS, qwen_image.DROPPED + 2 * TEXT_LEN)
+    if family == "qwen3":  # Z-Image's: Qwen3's special tokens and chat template
+        return z_image.build_tokenizer(WORDS)
+    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip, t5, qwen2_5_vl or qwen3")
 
 
 def _clip_text_model(cfg: dict, tokenizer, with_projection: bool):
@@ -207,16 +213,17 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
 
     out: dict = {}
     if wanted("vae"):
-        out["vae"] = seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))
+        out["vae"] = seeded(1, lambda: getattr(diffusers, spec.vae)(**cfg["vae"]))
     if wanted(spec.component):
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch == "qwen3":
-            qwen_tok = z_image.build_tokenizer(WORDS)
+        if enc.arch in ("qwen3", "qwen2_5_vl"):  # Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL
+            qwen_tok = build_tokenizer(enc.arch)
+            make = z_image.text_model if enc.arch == "qwen3" else qwen_image.text_encoder
             if wanted(enc.component):
-                out[enc.component] = seeded(enc.seed,
-                                            lambda c=cfg[enc.component]: z_image.text_model(c, qwen_tok))
+                out[enc.component] = seeded(
+                    enc.seed, lambda c=cfg[enc.component], t=qwen_tok, m=make: m(c, t))
             out[enc.tokenizer] = qwen_tok
         elif enc.arch == "t5":
             if wanted(enc.component):
@@ -289,6 +296,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
     """Images in [-1, 1], (B, 3, H, W) -> latents (B, 4, H/2, W/2) (tiny VAE) in the denoiser's units:
     (z - shift_factor) * scaling_factor, z sampled from the VAE posterior with `generator`."""
     vae = pipe.vae
+    if kind_of(pipe).to_latents is not None:
+        return kind_of(pipe).to_latents(vae, images, generator)
     z = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator)
     shift = vae.config.shift_factor or 0.0
     return (z - shift) * vae.config.scaling_factor
@@ -298,6 +307,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     """The inverse of `encode_images` (up to the VAE's error): latents -> images in [-1, 1]."""
     vae = pipe.vae
+    if kind_of(pipe).from_latents is not None:
+        return kind_of(pipe).from_latents(vae, latents)
     shift = vae.config.shift_factor or 0.0
     z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + shift
     return vae.decode(z).sample.clamp(-1, 1)

@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma", "z-image")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma", "z-image", "qwen-image")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
-from . import chroma, z_image
+from . import chroma, qwen_image, z_image
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -40,7 +40,7 @@ class TextEncoder:
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
-    # | "qwen3" (Qwen3Model)
+    # | "qwen3" (Qwen3Model) | "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -83,6 +83,12 @@ class ModelKind:
     # kohya/ComfyUI files name the denoiser's modules by this prefix and their dotted diffusers paths, where
     # ComfyUI's key map for the family takes no lora_transformer_ names (Z-Image: "diffusion_model.")
     kohya_dotted: str = ""
+    kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not its component's (lora_unet_)
+    vae: str = "AutoencoderKL"  # diffusers class of the VAE
+    # images (B, 3, H, W) <-> the denoiser's latents (B, C, h, w), where the VAE's own units are not
+    # (z - shift_factor) * scaling_factor: (vae, images, generator) -> latents, (vae, latents) -> images
+    to_latents: Callable[..., torch.Tensor] | None = None
+    from_latents: Callable[..., torch.Tensor] | None = None
 
     def denoiser_class(self):
         import diffusers
@@ -196,6 +202,13 @@ _KINDS = (
               z_image.encode, z_image.predict, pipeline_inputs=z_image.pipeline_inputs,
               kohya_version="z_image", kohya_version_written="z_image",  # musubi-tuner's zimage_train
               kohya_dotted="diffusion_model."),
+    # the transformer's patch_size 2 is the 2x2 packing (latent_packing 1: not counted twice)
+    ModelKind("qwen-image", "transformer", "QwenImagePipeline", "QwenImageTransformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "qwen2_5_vl", 2),), "flow",
+              ("diffusers.models.transformers.transformer_qwenimage:QwenImageTransformerBlock",),
+              qwen_image.encode, qwen_image.predict, kohya_version="qwen_image", vae="AutoencoderKLQwenImage",
+              to_latents=qwen_image.to_latents, from_latents=qwen_image.from_latents,
+              pipeline_inputs=qwen_image.pipeline_inputs, kohya_prefix="lora_unet_"),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -36,6 +36,7 @@ from ..quant import QuantLinear
 from ..torch_private import buffers_of, parameters_of
 from .chroma import modulation_indices
 from .kinds import ModelLoadError
+from .qwen_image import rope_tables
 
 # Buffers no weights file holds (a constructor computes them, non-persistent), by name: made from their shape.
 DERIVED_BUFFERS = {"time_text_embed.mod_proj": modulation_indices}
@@ -83,15 +84,18 @@ class FolderWeights:
 
     NAMES = ("diffusion_pytorch_model", "model")
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, rename: Callable[[str], str] | None = None):
         from safetensors import safe_open
 
         folder = Path(folder)
         files = self._files(folder)
         self.where: dict[str, Path] = {}
+        self.stored: dict[str, str] = {}  # a module's tensor name -> its key on file (`rename`: key -> name)
         for f in files:
             with safe_open(str(f), "pt") as h:
-                self.where.update(dict.fromkeys(h.keys(), f))
+                for key in h.keys():
+                    name = rename(key) if rename else key
+                    self.where[name], self.stored[name] = f, key
         self._open: dict[Path, object] = {}
         self._safe_open = safe_open
 
@@ -123,7 +127,7 @@ class FolderWeights:
             raise KeyError(name)
         if f not in self._open:
             self._open[f] = self._safe_open(str(f), "pt")
-        return self._open[f].get_tensor(name)
+        return self._open[f].get_tensor(self.stored[name])
 
 
 class ModuleWeights:
@@ -250,4 +254,5 @@ def fill(model: nn.Module, source, *, dtype: torch.dtype, device: torch.device |
     for name, q in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
+    rope_tables(model, device)  # Qwen-Image's rotary tables: tensors its constructor makes, not buffers
     return model

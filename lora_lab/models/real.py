@@ -13,11 +13,12 @@ comment above it); only the fields that change the architecture are written out,
 classes' defaults, which equal the published values. `tests/models/test_real.py` checks the parameter counts
 against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 8.1 B, SD3.5 Medium
 2.5 B, Chroma1-HD 8.9 B, T5-XXL encoder 4.76 B, CLIP-L text 123 M, OpenCLIP bigG text 695 M, Z-Image 6.15 B,
-Qwen3-4B 4.02 B).
+Qwen3-4B 4.02 B; Qwen-Image's 20.4 B transformer and 8.29 B Qwen2.5-VL-7B: tests/models/test_qwen_image.py).
 """
 
 from __future__ import annotations
 
+from . import qwen_image
 from .kinds import ModelLoadError
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -110,6 +111,29 @@ Z_IMAGE = {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "d
            "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
            "axes_lens": [1536, 512, 512]}
 
+# Qwen/Qwen-Image/transformer/config.json (20.4 B)
+QWEN_IMAGE = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+              "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+              "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]}
+# Qwen/Qwen-Image/vae/config.json (AutoencoderKLQwenImage; latents_mean / latents_std: the class defaults,
+# which are the published values)
+VAE_QWEN_IMAGE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                  "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0}
+# Qwen/Qwen-Image/text_encoder/config.json: Qwen2.5-VL-7B-Instruct (Qwen2_5_VLForConditionalGeneration, 8.3 B
+# with its vision tower and lm_head)
+QWEN25_VL_7B = {
+    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+                    "pad_token_id": 151643, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                      "in_chans": 3, "hidden_act": "silu"},
+    "tie_word_embeddings": False,
+}
+
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
              "text_encoder": ("CLIPTextModel", CLIP_L)},
@@ -131,6 +155,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
                    "vae": ("AutoencoderKL", VAE_FLUX), "text_encoder": ("T5EncoderModel", T5_XXL)},
     "z-image-turbo": {"transformer": ("ZImageTransformer2DModel", Z_IMAGE),
                       "vae": ("AutoencoderKL", VAE_FLUX), "text_encoder": ("Qwen3Model", QWEN3_4B)},
+    "qwen-image": {"transformer": ("QwenImageTransformer2DModel", QWEN_IMAGE),
+                   "vae": ("AutoencoderKLQwenImage", VAE_QWEN_IMAGE),
+                   "text_encoder": ("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -149,18 +176,20 @@ REAL_SCHEDULERS = {
     "chroma1-hd": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
     "z-image-turbo": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
+    "qwen-image": qwen_image.SCHEDULER,
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
-         "chroma1-hd": "chroma", "z-image-turbo": "z-image"}
+         "chroma1-hd": "chroma", "z-image-turbo": "z-image", "qwen-image": "qwen-image"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
 REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev",
-                "chroma": "chroma1-hd", "z-image": "z-image-turbo"}
+                "chroma": "chroma1-hd", "z-image": "z-image-turbo", "qwen-image": "qwen-image"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux and Chroma
-# 512 T5; Z-Image at most 512 Qwen3 tokens (the chat template's and the caption's: a plan counts all 512)
+# 512 T5; Z-Image at most 512 Qwen3 tokens (the chat template's and the caption's: a plan counts all 512);
+# Qwen-Image its prompt's tokens after the template's dropped prefix
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
-               "chroma1-hd": 512, "z-image-turbo": 512}
+               "chroma1-hd": 512, "z-image-turbo": 512, "qwen-image": qwen_image.PROMPT_TOKENS}
 
 
 def real_kind(name: str) -> str:
@@ -176,6 +205,8 @@ def _build(class_name: str, cfg: dict):
 
     if class_name == "Qwen3Model":
         return transformers.Qwen3Model(transformers.Qwen3Config(**cfg))
+    if class_name.startswith("Qwen2_5_VL"):
+        return qwen_image.text_encoder(cfg)
     if class_name.startswith(("CLIP", "T5")):
         config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
         return getattr(transformers, class_name)(config_cls(**cfg))

@@ -143,9 +143,10 @@ def warm_caches() -> None:
             quantize_blocks(torch.zeros(4), signed, keep_nonzero=keep_nonzero)
     # import the model classes outside the fake mode (import-time tensors must be real)
     for name in ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL",
-                 "ChromaTransformer2DModel"):
+                 "ChromaTransformer2DModel", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage"):
         getattr(diffusers, name)
-    for name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
+    for name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel",
+                 "Qwen2_5_VLForConditionalGeneration"):
         getattr(transformers, name)
     model_kind("flux").checkpoint_blocks()
     warm_tables()  # a quantized base's format tables
