@@ -383,7 +383,8 @@ class PlannedRun(TrainingRun):
             if kind.name != "flux":  # classifier-free guidance: the unconditional input beside the prompt's
                 embeds = {k: torch.cat([inputs[f"negative_{k}"], v]) for k, v in embeds.items()}
             size = default_resolution(pipe) // pipe.vae_scale_factor
-            channels = model.config.out_channels or model.config.in_channels // kind.latent_packing**2
+            channels = (getattr(model.config, "out_channels", None)
+                        or model.config.in_channels // kind.latent_packing**2)
             latents = torch.randn(len(embeds["prompt_embeds"]), channels, size, size, dtype=model.dtype)
             t = torch.full((len(latents),), 0.5 if kind.objective == "flow" else 500.0)
             with one_of_identical_blocks(model):

@@ -40,7 +40,7 @@ def test_encoding_is_the_pipelines_padded_with_its_mask(pipe):
     n = theirs.shape[1]
     assert ours["prompt_embeds"].shape == (2, 32, 64) and ours["prompt_embeds_mask"].shape == (2, 32)
     torch.testing.assert_close(ours["prompt_embeds"][:, :n], theirs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours["prompt_embeds_mask"][:, :n], mask.float())
+    torch.testing.assert_close(ours["prompt_embeds_mask"][:, :n], mask)  # the mask keeps its dtype
     assert ours["prompt_embeds"][:, n:].abs().max() == 0 and ours["prompt_embeds_mask"][:, n:].sum() == 0
     # each prompt keeps its own tokens and the template's closing 5: "a handwritten digit seven" is 4
     assert ours["prompt_embeds_mask"].sum(1).tolist() == [4 + 5, 8 + 5]
