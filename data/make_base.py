@@ -203,7 +203,7 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
     losses, start = [], 0
     state_path = work / "state.pt"
     if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=False)  # our own file, written below
+        state = torch.load(state_path, weights_only=True)  # tensors, numbers and lists: nothing runs
         for n, m in modules.items():
             m.load_state_dict(state["modules"][n])
         opt.load_state_dict(state["optimizer"])
