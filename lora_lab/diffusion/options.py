@@ -145,8 +145,8 @@ def check_knob_fields(config, bad) -> None:
     for name in only:
         if getattr(config, name) != defaults[name]:
             bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
-    if config.train_guidance != 1.0 and config.model != "flux":
-        bad("train_guidance", "applies to flux only (its guidance embedding)")
+    if config.train_guidance != 1.0 and config.model not in ("flux", "flux2"):
+        bad("train_guidance", "applies to flux and flux2 only (their guidance embedding)")
     if config.dynamic_shift and config.timestep_shift is not None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:

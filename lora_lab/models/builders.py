@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import flux2
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -112,6 +113,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "text_encoder_2": _T5,
         "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
+    "flux2": flux2.CONFIG,  # its Mistral text encoder, its VAE with batch-norm statistics: flux2.py
 }
 
 
@@ -200,12 +202,18 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
 
     out: dict = {}
     if wanted("vae"):
-        out["vae"] = seeded(1, lambda: diffusers.AutoencoderKL(**cfg["vae"]))
+        out["vae"] = seeded(1, lambda: getattr(diffusers, spec.vae)(**cfg["vae"]))
     if wanted(spec.component):
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch == "t5":
+        if enc.arch == "mistral3":
+            processor = flux2.build_processor(WORDS)
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed,
+                                            lambda: flux2.text_encoder(cfg[enc.component], processor))
+            out[enc.tokenizer] = processor
+        elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))
             out[enc.tokenizer] = t5_tok
@@ -276,6 +284,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
     """Images in [-1, 1], (B, 3, H, W) -> latents (B, 4, H/2, W/2) (tiny VAE) in the denoiser's units:
     (z - shift_factor) * scaling_factor, z sampled from the VAE posterior with `generator`."""
     vae = pipe.vae
+    if hasattr(vae, "bn"):  # flux2: the posterior's mode, normalised by the VAE's batch-norm statistics
+        return flux2.normalize(vae, vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mode())
     z = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.sample(generator)
     shift = vae.config.shift_factor or 0.0
     return (z - shift) * vae.config.scaling_factor
@@ -285,6 +295,8 @@ def encode_images(pipe, images: torch.Tensor, generator: torch.Generator | None 
 def decode_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
     """The inverse of `encode_images` (up to the VAE's error): latents -> images in [-1, 1]."""
     vae = pipe.vae
+    if hasattr(vae, "bn"):  # flux2
+        return vae.decode(flux2.denormalize(vae, latents.to(vae.device, vae.dtype))).sample.clamp(-1, 1)
     shift = vae.config.shift_factor or 0.0
     z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + shift
     return vae.decode(z).sample.clamp(-1, 1)

@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "flux2")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
+from . import flux2
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -39,6 +40,7 @@ class TextEncoder:
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
+    # | "mistral3" (Mistral3ForConditionalGeneration, flux2)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -72,6 +74,7 @@ class ModelKind:
     kohya_version_written: str | None = None
     ldm_names: bool = False  # kohya's tools name its UNet modules in the LDM/sgm layout (sd-scripts' SDXL)
     pipeline_extras: tuple[tuple[str, object], ...] = ()  # other keywords of the tiny pipeline's constructor
+    vae: str = "AutoencoderKL"  # diffusers class of the VAE
 
     def denoiser_class(self):
         import diffusers
@@ -173,6 +176,11 @@ _KINDS = (
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
               _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux"),
+    ModelKind("flux2", "transformer", "Flux2Pipeline", "Flux2Transformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "mistral3", 2),),
+              "flow", ("diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
+                       "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"),
+              flux2.encode, flux2.predict, latent_packing=2, vae="AutoencoderKLFlux2"),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -1,0 +1,101 @@
+"""models/flux2.py: the tiny FLUX.2 [dev] kind against diffusers' Flux2Pipeline (tokenizer and chat template,
+latents, the denoiser's call), and a run trained, resumed bit for bit, its LoRA file loaded by diffusers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+from lora_lab.models import build_pipeline, builders, flux2
+
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return build_pipeline("flux2", seed=SEED)
+
+
+def test_tokenizer_makes_each_caption_word_one_token_and_renders_mistrals_chat(pipe):
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    tok = pipe.tokenizer
+    for word in builders.WORDS:
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
+        assert len(tok(" " + word, add_special_tokens=False).input_ids) == 1, word
+    assert [tok.convert_tokens_to_ids(t) for t in ("<s>", "[INST]", "[IMG]", "<pad>", "[SYSTEM_PROMPT]")] == [
+        1, 3, 10, 11, 17]
+    chat = tok.apply_chat_template(format_input(["a digit seven"]), add_generation_prompt=False,
+                                   tokenize=True, return_dict=True, return_tensors="pt",
+                                   padding="max_length", truncation=True, max_length=flux2.TINY_TOKENS)
+    tokens = tok.convert_ids_to_tokens(chat["input_ids"][0].tolist())
+    n = int(chat["attention_mask"].sum())
+    assert tokens[:2] == ["<s>", "[SYSTEM_PROMPT]"] and "[/SYSTEM_PROMPT]" in tokens
+    # the caption whole after [INST], then padding to the tokenizer's length
+    assert tokens[n - 5:n] == ["[INST]", "a", "\u0120digit", "\u0120seven", "[/INST]"]
+    assert set(tokens[n:]) == {"<pad>"} and n < flux2.TINY_TOKENS
+
+
+def test_prompt_embeds_stack_three_hidden_layers_of_the_text_encoder(pipe):
+    embeds = builders.encode_prompts(pipe, ["a digit one", "a digit two"])["prompt_embeds"]
+    hidden = pipe.text_encoder.config.text_config.hidden_size
+    assert embeds.shape == (2, flux2.TINY_TOKENS, 3 * hidden)
+    assert pipe.transformer.config.joint_attention_dim == 3 * hidden
+
+
+def test_latents_are_the_pipelines_patchified_normalised_latents_in_pack_order(pipe):
+    from diffusers import Flux2Pipeline
+
+    from lora_lab.models.inputs import pack_latents
+
+    vae = pipe.vae
+    vae.bn.running_mean.uniform_(-0.5, 0.5)  # statistics that are not the identity
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    images = torch.rand(2, 3, 16, 16) * 2 - 1
+    ours = builders.encode_images(pipe, images)
+    assert ours.shape == (2, 4, 8, 8)
+    theirs = Flux2Pipeline._pack_latents(pipe._encode_vae_image(images, generator=None))  # (B, 16, 16)
+    torch.testing.assert_close(pack_latents(ours), theirs)
+    z = vae.encode(images).latent_dist.mode()
+    torch.testing.assert_close(flux2.denormalize(vae, ours), z, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_flux2_trains_resumes_bit_for_bit_and_its_lora_loads_in_diffusers(digits_folder, tmp_path):
+    """A run of 4 steps equals one stopped after 2 and resumed; pipe.load_lora_weights(its diffusers file)
+    on a fresh tiny pipeline samples lora_lab's image."""
+    from lora_lab.diffusion import TrainConfig, sample, train
+
+    data = digits_folder(4)
+    cfg = dict(model="flux2", dataset=str(data), rank=4, lr=1e-1, batch_size=2, seed=SEED, sample_steps=0,
+               progress=False, save_every=2, feed_forward=True)
+    run = tmp_path / "run"
+    whole = train(TrainConfig(output=str(run), steps=4, **cfg))
+    assert any(name.endswith("ff.linear_out") for name in whole.adapted)
+    assert any(name.endswith("single_transformer_blocks.1.attn.to_qkv_mlp_proj") for name in whole.adapted)
+    a = load_file(str(whole.outputs["lora_diffusers"]))
+    # the run as a kill after its step-2 checkpoint leaves it, then resumed
+    (run / "checkpoints" / "step_0000004.pt").unlink()
+    log = run / "loss.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
+    resumed = train(TrainConfig(output=str(run), steps=4, resume=True, **cfg))
+    assert resumed.losses == whole.losses and all(map(math.isfinite, whole.losses))
+    b = load_file(str(resumed.outputs["lora_diffusers"]))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
+
+    prompt, steps = "a digit three", 4
+    ours = sample(whole.pipe, prompt, seed=SEED, steps=steps)
+    fresh = build_pipeline("flux2", builders.shipped_base("flux2"))
+    plain = sample(fresh, prompt, seed=SEED, steps=steps)
+    fresh.load_lora_weights(str(whole.outputs["lora_diffusers"]))
+    theirs = sample(fresh, prompt, seed=SEED, steps=steps)
+    assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image: the comparison proves something
+    torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
