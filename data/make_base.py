@@ -45,6 +45,7 @@ import torch
 
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
 from lora_lab.models import builders as M
+from lora_lab.models import flux2
 from lora_lab.models.kinds import model_kind, t5_length
 from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
 
@@ -54,9 +55,9 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500}   # denoiser + text encoder steps
+STEPS = {"sdxl": 600, "sd3": 1500, "flux2": 1500}   # denoiser + text encoder steps
 BATCH = 64
-LR = {"sdxl": 2e-3, "sd3": 1e-3}
+LR = {"sdxl": 2e-3, "sd3": 1e-3, "flux2": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
 SAVE_EVERY = 100      # steps between saved training states (--resume)
@@ -69,6 +70,15 @@ SD3_TRANSFORMER = {"sample_size": M.RESOLUTION // 2, "patch_size": 1, "in_channe
                    "num_layers": 4, "attention_head_dim": 16, "num_attention_heads": 4,
                    "caption_projection_dim": 64, "joint_attention_dim": 64, "pooled_projection_dim": 64,
                    "pos_embed_max_size": 16}
+
+# The Flux.2-like base's transformer: 2 double-stream and 2 single-stream blocks of width 64 (the random tiny
+# flux2 config is too small, as sd3's), the tiny Mistral's 3 stacked layers (3 x 16) as its text input.
+FLUX2_TRANSFORMER = {**flux2.CONFIG["transformer"], "num_layers": 2, "num_single_layers": 2,
+                     "attention_head_dim": 16, "num_attention_heads": 4}
+# flux2 is guidance-distilled: no unconditional branch to distil from here, so the guidance embedding is
+# trained on values drawn uniformly from this range and learns to ignore them: sampling at any guidance in it
+# (the metrics' GUIDANCE, a LoRA run's train_guidance 1.0) is in distribution.
+FLUX2_GUIDANCE = (1.0, 5.0)
 
 HERE = Path(__file__).resolve().parent
 
@@ -87,10 +97,18 @@ def lr_at(step: int, steps: int, base: float) -> float:
 
 def build(kind: str):
     """The untrained pipeline: sdxl from the tiny config; sd3 with SD3_TRANSFORMER and data/base/sdxl's
-    VAE."""
+    VAE; flux2 with FLUX2_TRANSFORMER and its own VAE class (AutoencoderKLFlux2), trained here as sdxl's."""
     if kind == "sdxl":
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
+
+    if kind == "flux2":
+        parts = M.build_components("flux2", seed=SEED)
+        torch.manual_seed(SEED)
+        parts["transformer"] = diffusers.Flux2Transformer2DModel(**FLUX2_TRANSFORMER).eval()
+        pipe = M.pipeline_class(model_kind("flux2"))(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     parts = M.build_components("sd3", seed=SEED)
     torch.manual_seed(SEED)
@@ -124,8 +142,8 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> Non
 
 
 def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
-    names = ["unet", "text_encoder", "text_encoder_2"] if kind == "sdxl" else \
-        ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"]
+    names = {"sdxl": ["unet", "text_encoder", "text_encoder_2"], "flux2": ["transformer", "text_encoder"],
+             "sd3": ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"]}[kind]
     return {n: getattr(pipe, n) for n in names}
 
 
@@ -136,6 +154,10 @@ def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> di
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
+    if kind == "flux2":  # (guidance-distilled: the dropped captions are only a weaker conditioning here)
+        embeds, _ = pipe.encode_prompt(captions, device="cpu",
+                                       max_sequence_length=flux2.sequence_length(pipe))
+        return {"prompt_embeds": embeds}
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=t5_length(pipe))
@@ -151,8 +173,10 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         m.train()
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=1e-2)
-    objective = objective_for(pipe)  # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3
-    sf = pipe.vae.config.scaling_factor
+    # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3; flux2: flow, unshifted (diffusers')
+    objective = objective_for(pipe, **({"shift": 1.0} if kind == "flux2" else {}))
+    to_denoiser = (lambda z: flux2.normalize(pipe.vae, z)) if kind == "flux2" else \
+        (lambda z: z * pipe.vae.config.scaling_factor)
     losses, start = [], 0
     state_path = work / "state.pt"
     if resume and state_path.is_file():
@@ -168,12 +192,14 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, LR[kind])
         idx = torch.randint(0, len(mean), (BATCH,), generator=g)
-        x0 = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * sf  # (B, 4, 8, 8)
+        x0 = to_denoiser(mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g))  # (B, 4, 8, 8)
         keep = (torch.rand(BATCH, generator=g) >= DROP_PROB).float()
         cond = conditioning(pipe, kind, [captions[i] for i in idx], keep)
         noise = torch.randn(x0.shape, generator=g)
         t = objective.sample_timesteps(BATCH, g)
-        pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond)
+        low, high = FLUX2_GUIDANCE
+        guidance = low + (high - low) * torch.rand(BATCH, generator=g) if kind == "flux2" else 1.0
+        pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond, guidance=guidance)
         loss = diffusion_loss(pred, objective.target(x0, noise, t))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -232,7 +258,7 @@ def write_measurements(out: Path, kind: str, pipe, extra: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kind", choices=["sdxl", "sd3"], default="sdxl")
+    ap.add_argument("--kind", choices=["sdxl", "sd3", "flux2"], default="sdxl")
     ap.add_argument("--out", type=Path, default=None, help="default: data/base/<kind>")
     ap.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     ap.add_argument("--steps", type=int, default=None, help="denoiser steps (default: STEPS[kind])")
@@ -263,7 +289,7 @@ def main() -> None:
     images, labels = digit_images(range(N_TRAIN))  # (N, 3, 16, 16) in [-1, 1]
     captions = captions_for(labels)
     pipe = build(kind)
-    if kind == "sdxl":
+    if kind in ("sdxl", "flux2"):
         train_vae(pipe, images, args.vae_steps, g)
     with torch.no_grad():
         post = pipe.vae.encode(images).latent_dist
@@ -273,7 +299,11 @@ def main() -> None:
                                  -images).item()
     if kind == "sdxl":
         pipe.vae.register_to_config(scaling_factor=1.0 / mean.std().item())
-    scaling = pipe.vae.config.scaling_factor
+    if kind == "flux2":  # its batch norm's statistics: the training digits' patchified latents, per channel
+        patches = flux2.patchify(mean)
+        pipe.vae.bn.running_mean.copy_(patches.mean((0, 2, 3)))
+        pipe.vae.bn.running_var.copy_(patches.var((0, 2, 3)))
+    scaling = pipe.vae.config.get("scaling_factor", 1.0)
     print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), scaling_factor {scaling:.4f}",
           flush=True)
 
@@ -292,7 +322,7 @@ def main() -> None:
         "vae_scaling_factor": scaling,
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
-        "steps": {"vae": args.vae_steps if kind == "sdxl" else 0, kind: steps},
+        "steps": {"vae": args.vae_steps if kind in ("sdxl", "flux2") else 0, kind: steps},
         "threads": args.threads, "seed": SEED,
     })
 

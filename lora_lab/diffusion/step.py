@@ -92,8 +92,9 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
 
 def training_objective(config: TrainConfig, pipe, resolution: int):
     """The pipeline's objective with the config's timestep knobs: for sd3/flux the sampling, and the shift
-    (`timestep_shift`; else Flux's resolution-dependent one where the scheduler uses it or `dynamic_shift`
-    asks for it; else the scheduler's fixed shift)."""
+    (`timestep_shift`; else none for flux2, as diffusers' Flux.2 trainer draws its scheduler's unshifted
+    sigmas; else Flux's resolution-dependent one where the scheduler uses it or `dynamic_shift` asks for it;
+    else the scheduler's fixed shift)."""
     kind = kind_of(pipe)
     if kind.objective == "ddpm":
         return objectives.objective_for(pipe)
@@ -102,6 +103,8 @@ def training_objective(config: TrainConfig, pipe, resolution: int):
     scheduler = dict(pipe.scheduler.config)
     if config.timestep_shift is not None:
         flow["shift"] = config.timestep_shift
+    elif kind.name == "flux2" and not config.dynamic_shift:  # diffusers' Flux.2 trainer: unshifted sigmas
+        flow["shift"] = 1.0
     elif config.dynamic_shift or scheduler.get("use_dynamic_shifting"):
         patch = kind.latent_packing * int(getattr(denoiser(pipe).config, "patch_size", None) or 1)
         tokens = (resolution // (pipe.vae_scale_factor * patch)) ** 2

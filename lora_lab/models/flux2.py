@@ -75,6 +75,10 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
 )
 
+# black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler)
+SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+             "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+
 # The tiny components. Transformer: 1 double-stream + 2 single-stream blocks; in_channels = 4 latent channels
 # x 2x2 patch; joint_attention_dim = 3 stacked layers x the text hidden size 16; 4 rope axes (T, H, W, L)
 # adding up to the head dim 16. Text encoder: Mistral with 32 layers, so the stacked layers 10, 20, 30 are
@@ -96,7 +100,9 @@ CONFIG: dict[str, dict] = {
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                           "num_attention_heads": 2, "head_dim": 8, "patch_size": 4, "image_size": 16},
         "spatial_merge_size": 2, "projector_hidden_act": "gelu", "multimodal_projector_bias": False},
-    "scheduler": {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
+    # FLUX.2-dev's: sampling shifts by the pipeline's empirical mu (compute_empirical_mu); training draws
+    # the scheduler's unshifted sigmas (diffusers' trainer; diffusion/step.training_objective)
+    "scheduler": SCHEDULER,
 }
 
 
@@ -177,10 +183,10 @@ def text_ids(batch: int, tokens: int) -> torch.Tensor:
 
 def predict(model, x, t, ctx, embeds, guidance, vae_scale_factor):
     """The transformer on packed latents (2x2 patches), sigma as its timestep (it multiplies by 1000), the
-    guidance embedding's value where the model has one."""
+    guidance embedding's value (a number, or one per example) where the model has one."""
     B, _, h, w = x.shape
     out = model(hidden_states=pack_latents(x), timestep=t.to(x.dtype),
-                guidance=(torch.full((B,), float(guidance), device=x.device, dtype=x.dtype)
+                guidance=(torch.as_tensor(guidance, device=x.device, dtype=x.dtype).expand(B)
                           if model.config.guidance_embeds else None),
                 encoder_hidden_states=ctx, txt_ids=text_ids(B, ctx.shape[1]).to(x.device),
                 img_ids=latent_ids(B, h, w).to(x.device)).sample
@@ -194,14 +200,14 @@ def _statistics(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
 
 
-def _patchify(z: torch.Tensor) -> torch.Tensor:
+def patchify(z: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, 4C, h/2, w/2), channels (C, 2, 2): the pipeline's `_patchify_latents`."""
     B, C, h, w = z.shape
     return z.view(B, C, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(B, C * 4, h // 2, w // 2)
 
 
-def _unpatchify(p: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_patchify`."""
+def unpatchify(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of `patchify`."""
     B, C4, h, w = p.shape
     return p.view(B, C4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(B, C4 // 4, h * 2, w * 2)
 
@@ -210,10 +216,10 @@ def normalize(vae, z: torch.Tensor) -> torch.Tensor:
     """The VAE's latents (B, C, h, w) -> the denoiser's units, same layout: each 2x2-patch channel less the
     batch norm's running mean, over its standard deviation, as the pipeline does to its patchified latents."""
     mean, std = _statistics(vae, z)
-    return _unpatchify((_patchify(z) - mean) / std)
+    return unpatchify((patchify(z) - mean) / std)
 
 
 def denormalize(vae, latents: torch.Tensor) -> torch.Tensor:
     """The inverse of `normalize`: the denoiser's units -> the VAE decoder's latents."""
     mean, std = _statistics(vae, latents)
-    return _unpatchify(_patchify(latents) * std + mean)
+    return unpatchify(patchify(latents) * std + mean)
