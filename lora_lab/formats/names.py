@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import LoraFormatError
 from ..fileio import parse_json
+from ..models import flux2
 from ..models.kinds import COMPONENTS, REGISTRY
 
 # kohya prefixes, read side. `lora_te_` and `lora_te1_` both mean the first text encoder
@@ -47,6 +48,9 @@ _COMPOUND_SEGMENTS = sorted(
         "text_model", "self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "text_projection",
         # T5EncoderModel (SD3's third, Flux's second text encoder)
         "wi_0", "wi_1",
+        # Flux2Transformer2DModel
+        "to_qkv_mlp_proj", "linear_in", "linear_out", "double_stream_modulation_img",
+        "double_stream_modulation_txt", "single_stream_modulation", "time_guidance_embed",
     },
     key=lambda s: -s.count("_"),  # longest compound first
 )
@@ -162,6 +166,8 @@ def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None =
         raise LoraFormatError(f"{module!r}: a LoRA module name must start with one of {COMPONENTS}")
     if comp == "unet" and layout is not None and base in REGISTRY and REGISTRY[base].ldm_names:
         path = _ldm_path(path, layout)
+    if comp == "transformer" and base == "flux2" and flux2.bfl_name(path):  # ComfyUI knows only this name
+        return "lora_unet_" + flux2.bfl_name(path).replace(".", "_")
     return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
@@ -189,6 +195,8 @@ def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | Non
         ldm = _ldm_unet_path(rest, layout.layers_per_block if layout else LDM_LAYERS_PER_BLOCK)
         if ldm is not None:
             return f"unet.{ldm}"
+        if base == "flux2" and flux2.from_bfl_kohya(rest) is not None:
+            return f"transformer.{flux2.from_bfl_kohya(rest)}"
     t5 = REGISTRY[base].t5_encoder if base in REGISTRY else None
     # the base's T5, whichever component it is (Flux: text_encoder_2)
     if comp == "text_encoder_3" and t5 is not None:

@@ -223,3 +223,38 @@ def denormalize(vae, latents: torch.Tensor) -> torch.Tensor:
     """The inverse of `normalize`: the denoiser's units -> the VAE decoder's latents."""
     mean, std = _statistics(vae, latents)
     return unpatchify(patchify(latents) * std + mean)
+
+
+# ----------------------------------------------------------------------------- ComfyUI's names
+
+# ComfyUI loads a Flux.2 LoRA by Black Forest Labs' module names (`lora_unet_double_blocks_0_img_mlp_0`: its
+# key map names every weight of the model it holds, comfy/lora.py `model_lora_keys_unet`), and by diffusers'
+# names only where its Flux map knows them (comfy/utils.py `flux_to_diffusers`: Flux.1's, so the double-stream
+# attention's to_q/k/v, to_out.0, add_*_proj and to_add_out, as slices of BFL's fused qkv). The modules whose
+# diffusers names are Flux.2's own are written by their BFL name, one to one (same weight, same shape).
+_BFL_DOUBLE = {"ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0",
+               "ff_context.linear_out": "txt_mlp.2"}
+_BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+_BLOCKS = (("transformer_blocks", "double_blocks", _BFL_DOUBLE),
+           ("single_transformer_blocks", "single_blocks", _BFL_SINGLE))
+
+
+def bfl_name(path: str) -> str | None:
+    """A transformer module's BFL name where ComfyUI knows it only by that:
+    `transformer_blocks.0.ff.linear_in` -> `double_blocks.0.img_mlp.0`; None for the others."""
+    for ours, theirs, table in _BLOCKS:
+        match = re.fullmatch(rf"{ours}\.(\d+)\.(.+)", path)
+        if match and match[2] in table:
+            return f"{theirs}.{match[1]}.{table[match[2]]}"
+    return None
+
+
+def from_bfl_kohya(name: str) -> str | None:
+    """The inverse of `bfl_name` on a kohya name after `lora_unet_` (dots as "_"): `double_blocks_0_img_mlp_0`
+    -> `transformer_blocks.0.ff.linear_in`; None for a name that is not one of these modules."""
+    for ours, theirs, table in _BLOCKS:
+        match = re.fullmatch(rf"{theirs}_(\d+)_(.+)", name)
+        inverse = {v.replace(".", "_"): k for k, v in table.items()}
+        if match and match[2] in inverse:
+            return f"{ours}.{match[1]}.{inverse[match[2]]}"
+    return None

@@ -180,7 +180,8 @@ _KINDS = (
               "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "mistral3", 2),),
               "flow", ("diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
                        "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"),
-              flux2.encode, flux2.predict, latent_packing=2, vae="AutoencoderKLFlux2"),
+              flux2.encode, flux2.predict, latent_packing=2, kohya_version="flux2",
+              vae="AutoencoderKLFlux2"),
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -99,3 +99,67 @@ def test_flux2_trains_resumes_bit_for_bit_and_its_lora_loads_in_diffusers(digits
     theirs = sample(fresh, prompt, seed=SEED, steps=steps)
     assert (ours - plain).abs().max() > 0.02  # the LoRA changes the image: the comparison proves something
     torch.testing.assert_close(theirs, ours, atol=2e-3, rtol=0)
+
+
+def comfyui_key_map(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ComfyUI's LoRA key map for a Flux.2 model (comfy/lora.py `model_lora_keys_unet`), restated: ComfyUI
+    cannot be installed here. Every weight of its BFL state dict as `lora_unet_<name with _>`; and its
+    Flux branch (model_base.Flux2 subclasses Flux) maps the diffusers names that comfy/utils.py
+    `flux_to_diffusers` knows (Flux.1's) as `lora_transformer_<name>`: the double-stream attention, q/k/v
+    as slices of the fused qkv.
+    -> {LoRA key: (the BFL weight, the shape the LoRA's update must have)}."""
+    from torch import nn
+
+    hidden = model.inner_dim
+    keys = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        shape = tuple(module.weight.shape)
+        bfl = flux2.bfl_name(name)
+        if bfl is not None:  # in ComfyUI's state dict under this name, the whole weight
+            keys[f"lora_unet_{bfl.replace('.', '_')}"] = (f"diffusion_model.{bfl}.weight", shape)
+        block, _, tail = name.partition(".attn.")
+        if name.startswith("transformer_blocks.") and tail in FLUX1_ATTENTION:
+            double = block.replace("transformer_blocks", "double_blocks")
+            fused = f"diffusion_model.{double}.{FLUX1_ATTENTION[tail]}"
+            keys[f"lora_transformer_{name.replace('.', '_')}"] = (fused, (hidden, shape[1]))
+    return keys
+
+
+# comfy/utils.py flux_to_diffusers: diffusers attention module -> BFL weight (q/k/v: a `hidden` slice of qkv)
+FLUX1_ATTENTION = {"to_q": "img_attn.qkv", "to_k": "img_attn.qkv", "to_v": "img_attn.qkv",
+                   "to_out.0": "img_attn.proj", "add_q_proj": "txt_attn.qkv", "add_k_proj": "txt_attn.qkv",
+                   "add_v_proj": "txt_attn.qkv", "to_add_out": "txt_attn.proj"}
+
+
+def test_comfyui_file_keys_each_map_to_a_flux2_weight_and_convert_and_merge_read_them(tmp_path):
+    from lora_lab.cli import main as cli_main
+    from lora_lab.diffusion.config import ATTENTION_TARGETS, FEED_FORWARD_TARGETS
+    from lora_lab.formats import load_lora, save_lora
+    from lora_lab.lora import LoRAConfig, add_lora
+    from lora_lab.merge import apply_loras
+
+    model = builders.build_components("flux2", only=["transformer"])["transformer"]
+    targets = [*ATTENTION_TARGETS, *FEED_FORWARD_TARGETS, "ff_context.linear_in", "ff_context.linear_out"]
+    adapted = add_lora(model, LoRAConfig(rank=2, alpha=2, targets=targets))
+    assert len(adapted) == 8 + 4 + 2 * 2  # 1 double-stream block (attention, ff) and 2 single-stream blocks
+    for p in (p for n, p in model.named_parameters() if n.endswith(".up")):
+        torch.nn.init.normal_(p, std=0.1)
+    path = save_lora(tmp_path / "comfy.safetensors", model, format="kohya")
+    keys = {k.rsplit(".", 2)[0] for k in load_file(str(path)) if k.endswith("lora_down.weight")}
+    comfy = comfyui_key_map(builders.build_components("flux2", only=["transformer"])["transformer"])
+    assert keys <= comfy.keys(), keys - comfy.keys()
+    lf = load_lora(path)
+    assert lf.base == "flux2" and sorted(lf.modules) == sorted(f"transformer.{n}" for n in adapted)
+    for m in lf.modules.values():
+        assert tuple(m.delta().shape) == comfy[m.key][1]
+    # convert to PEFT and back: the same modules and tensors; merge applies either the same
+    assert cli_main(["convert", str(path), str(tmp_path / "peft.safetensors"), "--to", "peft"]) == 0
+    peft = load_lora(tmp_path / "peft.safetensors")
+    assert sorted(peft.modules) == sorted(lf.modules)
+    assert cli_main(["inspect", str(path)]) == 0
+    a, b = (builders.build_components("flux2", only=["transformer"])["transformer"] for _ in range(2))
+    apply_loras(a, [(path, 1.0)], mode="merge")
+    apply_loras(b, [(tmp_path / "peft.safetensors", 1.0)], mode="merge")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
