@@ -73,7 +73,7 @@ def add_adapter(model: torch.nn.Module, config: TrainConfig, kind: ModelKind) ->
 
 def clip_encoders(kind: ModelKind) -> list[str]:
     """The pipeline components of a kind's CLIP text encoders (not T5)."""
-    return [e.component for e in kind.text_encoders if e.arch != "t5"]
+    return [e.component for e in kind.text_encoders if e.arch.startswith("clip")]
 
 
 def text_encoder_adapters(config: TrainConfig, kind: ModelKind, pipe

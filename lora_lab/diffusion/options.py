@@ -145,6 +145,8 @@ def check_knob_fields(config, bad) -> None:
     for name in only:
         if getattr(config, name) != defaults[name]:
             bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
+    if config.text_encoder_lr is not None and config.model == "flux2":
+        bad("text_encoder_lr", "flux2's text encoder is Mistral Small 3 (24B), not CLIP: no LoRA on it")
     if config.train_guidance != 1.0 and config.model not in ("flux", "flux2"):
         bad("train_guidance", "applies to flux and flux2 only (their guidance embedding)")
     if config.dynamic_shift and config.timestep_shift is not None:

@@ -34,7 +34,8 @@ import torch
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
-from .builders import CONFIGS, build_components, build_tokenizer, denoiser, pipeline_class
+from . import flux2
+from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
 from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
@@ -343,7 +344,7 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
                     out[enc.component] = _real_text_encoder(cls_name, cfg, _real_tokenizer(kind, enc.arch))
             if names is None or "vae" in names:
                 torch.manual_seed(seed + 1)
-                out["vae"] = diffusers.AutoencoderKL(**cfgs["vae"][1]).eval()
+                out["vae"] = getattr(diffusers, cfgs["vae"][0])(**cfgs["vae"][1]).eval()
         return out
 
     components = encoders()
@@ -359,7 +360,10 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
 
 
 def _real_tokenizer(kind: ModelKind, arch: str):
-    """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens)."""
+    """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens;
+    Flux.2's Mistral 512, flux2.py's)."""
+    if arch == "mistral3":
+        return flux2.build_processor(WORDS, flux2.PIPELINE_TOKENS)
     tok = build_tokenizer("t5" if arch == "t5" else "clip")
     tok.model_max_length = kind.t5_tokens if arch == "t5" else CLIP_TOKENS
     return tok
@@ -368,6 +372,8 @@ def _real_tokenizer(kind: ModelKind, arch: str):
 def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
     import transformers
 
+    if class_name.startswith("Mistral3"):
+        return flux2.text_encoder(cfg)  # its config has the real vocabulary and ids
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     if class_name.startswith("T5"):
         return transformers.T5EncoderModel(transformers.T5Config(**cfg, **ids,

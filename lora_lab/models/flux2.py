@@ -133,10 +133,10 @@ def build_processor(words: tuple[str, ...], length: int = TINY_TOKENS):
                                    pad_token="<pad>", model_max_length=length, chat_template=CHAT_TEMPLATE)
 
 
-def text_encoder(cfg: dict, tokenizer) -> torch.nn.Module:
+def text_encoder(cfg: dict, tokenizer=None) -> torch.nn.Module:
     """Mistral3ForConditionalGeneration from a config dict ({"text_config": ..., "vision_config": ..., the
     rest Mistral3Config's}); the vocabulary and special ids from `tokenizer` (a processor or its tokenizer)
-    where `text_config` does not give them."""
+    where the config does not give them (the real one does: models/real.py)."""
     from transformers import (
         Mistral3Config,
         Mistral3ForConditionalGeneration,
@@ -145,12 +145,13 @@ def text_encoder(cfg: dict, tokenizer) -> torch.nn.Module:
     )
 
     tok = getattr(tokenizer, "tokenizer", tokenizer)
-    ids = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-           "eos_token_id": tok.eos_token_id}
+    ids = {} if tok is None else {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+                                  "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                                  "image_token_index": tok.convert_tokens_to_ids("[IMG]")}
+    image = {"image_token_index": ids.pop("image_token_index")} if ids else {}
     rest = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     config = Mistral3Config(text_config=MistralConfig(**{**ids, **cfg["text_config"]}),
-                            vision_config=PixtralVisionConfig(**cfg["vision_config"]),
-                            image_token_index=tok.convert_tokens_to_ids("[IMG]"), **rest)
+                            vision_config=PixtralVisionConfig(**cfg["vision_config"]), **{**image, **rest})
     return Mistral3ForConditionalGeneration(config).eval()
 
 

@@ -1,9 +1,9 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
-    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev
+    REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev, flux2-dev
     REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
                                            config.json files
-    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux
+    real_kind(name)                     -> the trainer's kind of a model: sd15 | sdxl | sd3 | flux | flux2
     build_real(name, components=None)   -> {component: module}, built in the current device context
                                            (under a FakeTensorMode or on "meta": no memory is allocated)
 
@@ -16,6 +16,7 @@ against the published totals (SDXL UNet 2.567 B, Flux.1-dev 11.9 B, SD3.5 Large 
 
 from __future__ import annotations
 
+from . import flux2
 from .kinds import ModelLoadError
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -38,6 +39,20 @@ T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_
           "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
           "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0, "is_encoder_decoder": False}
 
+# black-forest-labs/FLUX.2-dev/text_encoder/config.json: Mistral Small 3.1/3.2 24B
+# (Mistral3ForConditionalGeneration: the Mistral text model with its lm_head, a Pixtral vision tower, its
+# patch merger and projector; Tekken's vocabulary, bos 1, eos 2, pad 11, [IMG] 10).
+MISTRAL_SMALL_3 = {
+    "text_config": {"vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 131072, "rope_theta": 1e9, "rms_norm_eps": 1e-5,
+                    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11},
+    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540},
+    "image_token_index": 10, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": False, "tie_word_embeddings": False}
+
 # ----------------------------------------------------------------------------- VAEs
 
 _VAE_SD = {"in_channels": 3, "out_channels": 3, "latent_channels": 4,
@@ -54,6 +69,10 @@ VAE_SD3 = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_facto
 # black-forest-labs/FLUX.1-dev/vae/config.json
 VAE_FLUX = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611,
             "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False}
+
+# black-forest-labs/FLUX.2-dev/vae/config.json (AutoencoderKLFlux2: 32 channels, batch norm over 2x2 patches)
+VAE_FLUX2 = {**_VAE_SD, "latent_channels": 32, "sample_size": 1024, "batch_norm_eps": 1e-4,
+             "batch_norm_momentum": 0.1, "patch_size": [2, 2]}
 
 # ----------------------------------------------------------------------------- denoisers
 
@@ -88,6 +107,12 @@ FLUX_DEV = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layer
             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]}
 
+# black-forest-labs/FLUX.2-dev/transformer/config.json (8 double-stream, 48 single-stream blocks, width 6144)
+FLUX2_DEV = {"patch_size": 1, "in_channels": 128, "out_channels": None, "num_layers": 8,
+             "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
+             "joint_attention_dim": 15360, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
+             "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "guidance_embeds": True}
+
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
              "text_encoder": ("CLIPTextModel", CLIP_L)},
@@ -104,6 +129,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
                    "text_encoder_3": ("T5EncoderModel", T5_XXL)},
     "flux-dev": {"transformer": ("FluxTransformer2DModel", FLUX_DEV), "vae": ("AutoencoderKL", VAE_FLUX),
                  "text_encoder": ("CLIPTextModel", CLIP_L), "text_encoder_2": ("T5EncoderModel", T5_XXL)},
+    "flux2-dev": {"transformer": ("Flux2Transformer2DModel", FLUX2_DEV),
+                  "vae": ("AutoencoderKLFlux2", VAE_FLUX2),
+                  "text_encoder": ("Mistral3ForConditionalGeneration", MISTRAL_SMALL_3)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -117,14 +145,17 @@ REAL_SCHEDULERS = {
     "sd35-large": {"num_train_timesteps": 1000, "shift": 3.0},
     "flux-dev": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
                  "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "flux2-dev": flux2.SCHEDULER,  # black-forest-labs/FLUX.2-dev/scheduler/scheduler_config.json
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
-_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux"}
+_KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
+         "flux2-dev": "flux2"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
-REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev"}
+REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev", "flux2": "flux2-dev"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux 512 T5.
-TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512}
+TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
+               "flux2-dev": flux2.PIPELINE_TOKENS}  # Flux.2: 512 tokens of the chat (system message included)
 
 
 def real_kind(name: str) -> str:
@@ -138,6 +169,8 @@ def _build(class_name: str, cfg: dict):
     import diffusers
     import transformers
 
+    if class_name.startswith("Mistral3"):
+        return flux2.text_encoder(cfg)
     if class_name.startswith(("CLIP", "T5")):
         config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
         return getattr(transformers, class_name)(config_cls(**cfg))

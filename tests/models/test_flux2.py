@@ -163,3 +163,25 @@ def test_comfyui_file_keys_each_map_to_a_flux2_weight_and_convert_and_merge_read
     apply_loras(a, [(path, 1.0)], mode="merge")
     apply_loras(b, [(tmp_path / "peft.safetensors", 1.0)], mode="merge")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_real_flux2_dev_has_the_published_sizes():
+    """black-forest-labs/FLUX.2-dev: a 32B transformer, Mistral Small 3.x 24B as its text encoder (with its
+    lm_head and Pixtral vision tower, as the repository ships it), the 32-channel VAE."""
+    from lora_lab.models import build_real
+
+    with torch.device("meta"):
+        parts = build_real("flux2-dev")
+    count = {name: sum(p.numel() for p in m.parameters()) for name, m in parts.items()}
+    assert count["transformer"] == pytest.approx(32.2e9, rel=0.005)
+    assert count["text_encoder"] == pytest.approx(24.0e9, rel=0.005)
+    assert count["vae"] == pytest.approx(84.0e6, rel=0.005)
+    assert parts["vae"].bn.num_features == 128 and parts["transformer"].config.joint_attention_dim == 3 * 5120
+
+
+def test_options_that_cannot_apply_to_flux2_say_so():
+    from lora_lab.diffusion import TrainConfig, TrainConfigError
+
+    with pytest.raises(TrainConfigError, match="text_encoder_lr.*Mistral"):
+        TrainConfig(model="flux2", text_encoder_lr=1e-4)
+    TrainConfig(model="flux2", train_guidance=3.5)  # its guidance embedding takes a value

@@ -48,7 +48,7 @@ def test_every_model_has_a_denoiser_vae_and_text_encoders():
         comps = REAL_CONFIGS[name]
         assert ("unet" in comps) != ("transformer" in comps)
         assert "vae" in comps and "text_encoder" in comps
-        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux")
+        assert real_kind(name) in ("sd15", "sdxl", "sd3", "flux", "flux2")
 
 
 def test_unknown_names_are_clear_errors():
