@@ -185,3 +185,22 @@ def test_options_that_cannot_apply_to_flux2_say_so():
     with pytest.raises(TrainConfigError, match="text_encoder_lr.*Mistral"):
         TrainConfig(model="flux2", text_encoder_lr=1e-4)
     TrainConfig(model="flux2", train_guidance=3.5)  # its guidance embedding takes a value
+
+
+@pytest.mark.slow
+def test_every_phase_of_a_flux2_run_is_planned_within_5_percent(tmp_path):
+    """A tiny flux2 run on the CPU measured phase by phase by PyTorch's MemTracker and lora_lab's LiveBytes,
+    against its plan (the trainer's stages on fake tensors). The cache phase holds the Mistral encoder's
+    33 hidden states and its logits, as large as the cached rows: planned as encode_captions makes them."""
+    from lora_lab.diffusion import TrainConfig
+    from lora_lab.diffusion.trainer import PHASES
+    from lora_lab.planning import plan_memory
+    from lora_lab.planning.measure import measure_phases
+
+    config = TrainConfig(model="flux2", output=str(tmp_path), rank=8, steps=2, sample_steps=1, progress=False,
+                         device="cpu")
+    measured = measure_phases(config, ("torch", "live"))
+    plan = plan_memory(config, cache=False)
+    for tracker in ("torch", "live"):
+        for phase in PHASES:
+            assert plan.phases[phase] == pytest.approx(measured[tracker][phase], rel=0.05), (tracker, phase)
