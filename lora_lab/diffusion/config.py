@@ -52,7 +52,7 @@ class TrainConfig:
     Each field's `help` is the CLI's help text; `None` means "the default described there".
     """
 
-    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux"})
+    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux | flux2"})
     dataset: str | None = field(
         default=None,
         metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"},

@@ -9,7 +9,9 @@ LoRA files (formats/), the trainer and the planner all depend on it and it depen
     loading.py   a denoiser built without memory and filled module by module from its weights, in the base
                  dtype, quantized as it loads
     bases.py     where a base comes from (tiny, a folder, real:NAME), opened for training; build_pipeline
-    real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev), build_real
+    real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev, flux2-dev),
+                 build_real
+    flux2.py     FLUX.2 [dev] (kind flux2): its tiny configs, tokenizer, encode, predict, latents, names
 
 diffusers and transformers are imported where a class is needed (they take seconds to import).
 """
