@@ -1,5 +1,5 @@
-"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM) and SD3-like (flow matching), on sklearn's
-digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like and FLUX.2-like (flow matching),
+on sklearn's digits.
 
     PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
     PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
@@ -20,7 +20,11 @@ What it does, seeded (SEED) and in this order:
    than the random tiny sd3 config, still ~2 MB) with rectified flow, logit-normal sigmas shifted by 3.
    10% of captions are dropped to the pipeline's own unconditional input for classifier-free guidance:
    zero embeddings for SDXL, the empty prompt "" for SD3 (what each pipeline feeds its negative branch);
-   with --resume the run continues from the state saved every SAVE_EVERY steps in --work;
+   with --resume the run continues from the state saved every SAVE_EVERY steps in --work.
+   flux2 (FLUX2_TRANSFORMER): its own VAE class trained as sdxl's, its batch norm's statistics set from the
+   digits' patchified latents; the transformer alone trains, on the posterior's mode, with its Mistral frozen
+   (as FLUX.2 is trained), rectified flow with unshifted sigmas and the guidance embedding's values drawn in
+   FLUX2_GUIDANCE (guidance-distilled: no unconditional branch to distil from);
 4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
 5. samples SAMPLE_SEEDS seeds of every digit with classifier-free guidance and writes
    data/base/<kind>_samples.png and data/base/<kind>_metrics.json: the accuracy of a digit classifier
@@ -142,7 +146,7 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator) -> Non
 
 
 def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
-    names = {"sdxl": ["unet", "text_encoder", "text_encoder_2"], "flux2": ["transformer", "text_encoder"],
+    names = {"sdxl": ["unet", "text_encoder", "text_encoder_2"], "flux2": ["transformer"],
              "sd3": ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"]}[kind]
     return {n: getattr(pipe, n) for n in names}
 
@@ -154,14 +158,24 @@ def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> di
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
-    if kind == "flux2":  # (guidance-distilled: the dropped captions are only a weaker conditioning here)
-        embeds, _ = pipe.encode_prompt(captions, device="cpu",
-                                       max_sequence_length=flux2.sequence_length(pipe))
-        return {"prompt_embeds": embeds}
+    if kind == "flux2":  # its Mistral frozen, as FLUX.2 trains: each caption's embeddings computed once
+        return {"prompt_embeds": torch.cat([frozen_embeds(pipe, c) for c in captions])}
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+_FROZEN: dict[str, torch.Tensor] = {}
+
+
+def frozen_embeds(pipe, caption: str) -> torch.Tensor:
+    """flux2: a caption's prompt embeddings (1, T, D) from the frozen text encoder, computed once."""
+    if caption not in _FROZEN:
+        with torch.no_grad():
+            _FROZEN[caption] = pipe.encode_prompt([caption], device="cpu",
+                                                  max_sequence_length=flux2.sequence_length(pipe))[0]
+    return _FROZEN[caption]
 
 
 def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, captions: list[str], steps: int,
@@ -192,7 +206,9 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, LR[kind])
         idx = torch.randint(0, len(mean), (BATCH,), generator=g)
-        x0 = to_denoiser(mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g))  # (B, 4, 8, 8)
+        # (B, 4, 8, 8): sampled from the posterior; flux2: its mode, as diffusers' Flux.2 trainer and pipeline
+        z = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)
+        x0 = to_denoiser(mean[idx] if kind == "flux2" else z)
         keep = (torch.rand(BATCH, generator=g) >= DROP_PROB).float()
         cond = conditioning(pipe, kind, [captions[i] for i in idx], keep)
         noise = torch.randn(x0.shape, generator=g)
