@@ -258,7 +258,8 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
                       else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
             model = skeleton(cls, config, meta_buffers=name == kind.component)
             if name != kind.component:
-                fill(model, FakeWeights() if shapes_only else FolderWeights(sub), dtype=dtype, device="cpu")
+                fill(model, FakeWeights() if shapes_only else flux2.weights_for(model, FolderWeights(sub)),
+                     dtype=dtype, device="cpu")
             out[name] = model
         else:  # schedulers, tokenizers: small, read from their files (real tensors, in a plan too)
             with unset_fake_temporarily():

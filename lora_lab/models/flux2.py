@@ -259,3 +259,42 @@ def from_bfl_kohya(name: str) -> str | None:
         if match and match[2] in inverse:
             return f"{ours}.{match[1]}.{inverse[match[2]]}"
     return None
+
+
+# ----------------------------------------------------------------------------- its text encoder's files
+
+# transformers 5 saves Mistral3ForConditionalGeneration in the original checkpoints' layout
+# (`language_model.model.`, ...) and builds it as `model.language_model.`, ...: module path <- stored prefix.
+_SAVED_PREFIXES = (("model.language_model.", "language_model.model."),
+                   ("lm_head.", "language_model.lm_head."), ("model.vision_tower.", "vision_tower."),
+                   ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
+class SavedLayout:
+    """A weights source (`loading.FolderWeights`) of a Mistral3 text encoder read by the model's own names,
+    whichever layout the file has."""
+
+    def __init__(self, source):
+        self.source = source
+        self.stored = {self.live(k): k for k in source.keys()}
+
+    @staticmethod
+    def live(stored: str) -> str:
+        for live, saved in _SAVED_PREFIXES:
+            if stored.startswith(saved):
+                return live + stored[len(saved):]
+        return stored
+
+    def keys(self) -> set[str]:
+        return set(self.stored)
+
+    def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self.source.tensor(self.stored[name], like)
+
+    def describe(self, name: str) -> str:
+        return self.source.describe(self.stored.get(name, name))
+
+
+def weights_for(model, source):
+    """`source` as `model` reads it: a Mistral3 text encoder's through `SavedLayout`, others as they are."""
+    return SavedLayout(source) if type(model).__name__.startswith("Mistral3") else source
