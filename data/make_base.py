@@ -1,5 +1,5 @@
-"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like, Chroma-like and Z-Image-like
-(flow matching), on sklearn's digits.
+"""Pre-train the tiny bases shipped in data/base/: SDXL-like (DDPM), SD3-like, Chroma-like, Z-Image-like,
+Qwen-Image-like and FLUX.2-like (flow matching), on sklearn's digits.
 
     PYTHONPATH=. python data/make_base.py --kind sdxl           # ~10 minutes on 2 shared CPU cores
     PYTHONPATH=. python data/make_base.py --kind sd3 --resume   # continues from its last saved state
@@ -28,6 +28,10 @@ What it does, seeded (SEED) and in this order:
    zero embeddings for SDXL, the empty prompt "" for the others (what each pipeline feeds its negative
    branch);
    with --resume the run continues from the state saved every SAVE_EVERY steps in --work;
+   flux2 (FLUX2_TRANSFORMER): its own VAE class trained as sdxl's, its batch norm's statistics set from the
+   digits' patchified latents; the transformer alone trains, on the posterior's mode, with its Mistral frozen
+   (as FLUX.2 is trained), rectified flow with unshifted sigmas and the guidance embedding's values drawn in
+   FLUX2_GUIDANCE (guidance-distilled: no unconditional branch to distil from);
 4. saves the pipeline with `save_pretrained` (safetensors, tokenizers included) to data/base/<kind>;
 5. samples SAMPLE_SEEDS seeds of every digit with classifier-free guidance and writes
    data/base/<kind>_samples.png and data/base/<kind>_metrics.json: the accuracy of a digit classifier
@@ -51,7 +55,7 @@ from pathlib import Path
 import torch
 
 from lora_lab.diffusion import diffusion_loss, image_grid, objective_for, sample
-from lora_lab.models import build_pipeline
+from lora_lab.models import build_pipeline, flux2
 from lora_lab.models import builders as M
 from lora_lab.models.kinds import model_kind, t5_length
 from lora_lab.notebook.effect import DigitClassifier, InvertedClassifier, StrictReader, digit_images
@@ -62,9 +66,10 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500}  # denoiser + encoders
+STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500,  # denoiser + encoders
+         "flux2": 1500}
 BATCH = 64
-LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3, "qwen-image": 1e-3}
+LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3, "qwen-image": 1e-3, "flux2": 1e-3}
 WARMUP = 30
 DROP_PROB = 0.1       # caption dropout (unconditional training for classifier-free guidance)
 SAVE_EVERY = 100      # steps between saved training states (--resume)
@@ -102,6 +107,15 @@ FRAMED = ("qwen-image",)  # kinds whose VAE takes (B, C, frames, H, W): one fram
 SUFFIX_PROB = {"qwen-image": 0.5}
 SUFFIXES = [w for w in M.WORDS if w not in ("inverted", *M.DIGIT_NAMES)]
 
+# The Flux.2-like base's transformer: 2 double-stream and 2 single-stream blocks of width 64 (the random tiny
+# flux2 config is too small, as sd3's), the tiny Mistral's 3 stacked layers (3 x 16) as its text input.
+FLUX2_TRANSFORMER = {**flux2.CONFIG["transformer"], "num_layers": 2, "num_single_layers": 2,
+                     "attention_head_dim": 16, "num_attention_heads": 4}
+# flux2 is guidance-distilled: no unconditional branch to distil from here, so the guidance embedding is
+# trained on values drawn uniformly from this range and learns to ignore them: sampling at any guidance in it
+# (the metrics' GUIDANCE, a LoRA run's train_guidance 1.0) is in distribution.
+FLUX2_GUIDANCE = (1.0, 5.0)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -118,16 +132,20 @@ def lr_at(step: int, steps: int, base: float) -> float:
 
 
 def build(kind: str):
-    """The untrained pipeline: sdxl from the tiny config; the others with their TRANSFORMERS entry
-    (SD3_TRANSFORMER, CHROMA_TRANSFORMER, ZIMAGE_TRANSFORMER) and data/base/sdxl's VAE."""
+    """The untrained pipeline: sdxl from the tiny config; qwen-image and flux2 with their transformers
+    (QWEN_TRANSFORMER, FLUX2_TRANSFORMER) and their own VAE classes, trained here as sdxl's; the others with
+    their TRANSFORMERS entry (SD3_TRANSFORMER, CHROMA_TRANSFORMER, ZIMAGE_TRANSFORMER) and data/base/sdxl's
+    VAE."""
     if kind == "sdxl":
         return M.build_pipeline("sdxl", seed=SEED)
     import diffusers
 
-    if kind == "qwen-image":  # its own 3D VAE, trained here (no AutoencoderKL to share)
+    if kind in ("qwen-image", "flux2"):  # their own VAE classes, trained here (no AutoencoderKL to share)
         parts = M.build_components(kind, seed=SEED)
         torch.manual_seed(SEED)
-        parts["transformer"] = diffusers.QwenImageTransformer2DModel(**QWEN_TRANSFORMER).eval()
+        cls, cfg = (("QwenImageTransformer2DModel", QWEN_TRANSFORMER) if kind == "qwen-image"
+                    else ("Flux2Transformer2DModel", FLUX2_TRANSFORMER))
+        parts["transformer"] = getattr(diffusers, cls)(**cfg).eval()
         pipe = M.pipeline_class(model_kind(kind))(**parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -168,8 +186,8 @@ def train_vae(pipe, images: torch.Tensor, steps: int, g: torch.Generator, frame:
 
 
 def trained_modules(pipe, kind: str) -> dict[str, torch.nn.Module]:
-    spec = model_kind(kind)
-    names = [spec.component] + [e.component for e in spec.text_encoders]
+    spec = model_kind(kind)  # flux2's Mistral stays frozen, as FLUX.2 is trained
+    names = [spec.component] + ([] if kind == "flux2" else [e.component for e in spec.text_encoders])
     return {n: getattr(pipe, n) for n in names}
 
 
@@ -180,12 +198,26 @@ def conditioning(pipe, kind: str, captions: list[str], keep: torch.Tensor) -> di
         embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds * keep[:, None, None], "pooled_prompt_embeds": pooled * keep[:, None]}
     captions = [c if k else "" for c, k in zip(captions, keep.tolist())]
+    if kind == "flux2":  # its Mistral frozen, as FLUX.2 trains: each caption's embeddings computed once
+        return {"prompt_embeds": torch.cat([frozen_embeds(pipe, c) for c in captions])}
     if kind != "sd3":  # the kind's own encode (sd3's: the pipeline's, every encoder with gradients)
         return model_kind(kind).encode(pipe, captions, "cpu")
     embeds, _, pooled, _ = pipe.encode_prompt(captions, captions, captions, device="cpu",
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=t5_length(pipe))
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+_FROZEN: dict[str, torch.Tensor] = {}
+
+
+def frozen_embeds(pipe, caption: str) -> torch.Tensor:
+    """flux2: a caption's prompt embeddings (1, T, D) from the frozen text encoder, computed once."""
+    if caption not in _FROZEN:
+        with torch.no_grad():
+            _FROZEN[caption] = pipe.encode_prompt([caption], device="cpu",
+                                                  max_sequence_length=flux2.sequence_length(pipe))[0]
+    return _FROZEN[caption]
 
 
 def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, captions: list[str], steps: int,
@@ -197,7 +229,8 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         m.train()
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=LR[kind], weight_decay=1e-2)
-    # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3; chroma: its trainer's sigmas, no shift
+    # sdxl: DDPM epsilon (the scheduler's betas); sd3: flow, shift 3; chroma, flux2: their trainers' sigmas,
+    # no shift (the kind's own_flow)
     objective = objective_for(pipe, **dict(model_kind(kind).own_flow))
     units = latent_units(pipe, kind)
     losses, start = [], 0
@@ -215,7 +248,9 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, LR[kind])
         idx = torch.randint(0, len(mean), (BATCH,), generator=g)
-        x0 = units(mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g))  # (B, 4, 8, 8)
+        # (B, 4, 8, 8): sampled from the posterior; flux2: its mode, as diffusers' Flux.2 trainer and pipeline
+        z = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)
+        x0 = units(mean[idx] if kind == "flux2" else z)
         keep = (torch.rand(BATCH, generator=g) >= DROP_PROB).float()
         batch = [captions[i] for i in idx]
         if kind in SUFFIX_PROB:
@@ -225,7 +260,9 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
         cond = conditioning(pipe, kind, batch, keep)
         noise = torch.randn(x0.shape, generator=g)
         t = objective.sample_timesteps(BATCH, g)
-        pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond)
+        low, high = FLUX2_GUIDANCE
+        guidance = low + (high - low) * torch.rand(BATCH, generator=g) if kind == "flux2" else 1.0
+        pred = M.predict(kind, M.denoiser(pipe), objective.noisy(x0, noise, t), t, cond, guidance=guidance)
         loss = diffusion_loss(pred, objective.target(x0, noise, t))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -249,6 +286,8 @@ def train_denoiser(pipe, kind: str, mean: torch.Tensor, std: torch.Tensor, capti
 def latent_units(pipe, kind: str):
     """VAE latents -> the denoiser's units: times scaling_factor, or (Qwen-Image) per channel
     (z - latents_mean) / latents_std."""
+    if kind == "flux2":  # the VAE's batch-norm statistics over 2x2 patches
+        return lambda z: flux2.normalize(pipe.vae, z)
     if kind not in FRAMED:
         return lambda z: z * pipe.vae.config.scaling_factor
     cfg = pipe.vae.config
@@ -327,7 +366,7 @@ def main() -> None:
     captions = captions_for(labels)
     pipe = build(kind)
     frame = kind in FRAMED
-    if kind in ("sdxl", *FRAMED):
+    if kind in ("sdxl", "flux2", *FRAMED):
         train_vae(pipe, images, args.vae_steps, g, frame)
     with torch.no_grad():
         x, inv = (images[:, :, None], -images[:, :, None]) if frame else (images, -images)
@@ -341,7 +380,11 @@ def main() -> None:
     if frame:  # the family's per-channel normalisation, measured on the training digits
         pipe.vae.register_to_config(latents_mean=mean.mean((0, 2, 3)).tolist(),
                                     latents_std=mean.std((0, 2, 3)).tolist())
-    scaling = pipe.vae.config.latents_std if frame else pipe.vae.config.scaling_factor
+    if kind == "flux2":  # its batch norm's statistics: the training digits' patchified latents, per channel
+        patches = flux2.patchify(mean)
+        pipe.vae.bn.running_mean.copy_(patches.mean((0, 2, 3)))
+        pipe.vae.bn.running_var.copy_(patches.var((0, 2, 3)))
+    scaling = pipe.vae.config.latents_std if frame else pipe.vae.config.get("scaling_factor", 1.0)
     shown = f"latents_std {[round(v, 4) for v in scaling]}" if frame else f"scaling_factor {scaling:.4f}"
     print(f"vae reconstruction MSE {rec_mse:.4f} (inverted {inv_mse:.4f}), {shown}", flush=True)
 
@@ -361,7 +404,7 @@ def main() -> None:
            else {"vae_scaling_factor": scaling}),
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
-        "steps": {"vae": args.vae_steps if kind in ("sdxl", *FRAMED) else 0, kind: steps},
+        "steps": {"vae": args.vae_steps if kind in ("sdxl", "flux2", *FRAMED) else 0, kind: steps},
         "threads": args.threads, "seed": SEED,
     })
 

@@ -28,13 +28,15 @@ DEFAULT_DATASET = "lora_inverted"  # in data/: digits drawn dark on light, capti
 # text stream's projections of SD3's and Flux's joint attention. Suffixes of module names (LoRAConfig).
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                      "to_add_out")
+# Flux.2's single-stream blocks: attention fused with the MLP, one projection in and one out.
+ATTENTION_TARGETS += ("to_qkv_mlp_proj", "to_out")
 # The UNets' ResNet convolutions (LoCon), with --conv.
 CONV_TARGETS = ("conv1", "conv2")
 # The feed-forward layers (the MLP after attention) of every diffusers transformer block, image stream: the
 # UNets' transformer blocks, SD3's and Flux's joint blocks, Qwen-Image's img_mlp; Z-Image's SwiGLU (w1, w2,
-# w3). With --feed-forward.
+# w3); Flux.2's double-stream blocks (linear_in, linear_out). With --feed-forward.
 FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2", "img_mlp.net.0.proj", "img_mlp.net.2", "feed_forward.w1",
-                        "feed_forward.w2", "feed_forward.w3")
+                        "feed_forward.w2", "feed_forward.w3", "ff.linear_in", "ff.linear_out")
 # A CLIP text encoder's attention and MLP layers (kohya's text-encoder LoRA targets), with --text-encoder-lr.
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 # the knobs of one objective only (a changed value for the other objective's model is an error)
@@ -52,7 +54,7 @@ class TrainConfig:
     """
 
     model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux | chroma | "
-                                                         "z-image"})
+                                                         "z-image | qwen-image | flux2"})
     dataset: str | None = field(
         default=None,
         metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"},

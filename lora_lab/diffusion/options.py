@@ -10,7 +10,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..lora import ADAPTER_KINDS
-from ..models import model_kind, shipped_base
+from ..models import KINDS, model_kind, shipped_base
 from ..models.real import REAL_PREFIX
 from .bounds import MAX_REPEATS
 from .data import caption_extension_problem
@@ -157,16 +157,14 @@ def check_knob_fields(config, bad) -> None:
     for name in only:
         if getattr(config, name) != defaults[name]:
             bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
-    if config.text_encoder_lr is not None and all(e.arch == "t5"
-                                                  for e in model_kind(config.model).text_encoders):
-        bad("text_encoder_lr", f"{config.model} has no CLIP text encoder to adapt (a T5 encoder's LoRA is "
-            "not trained)")
-    if config.train_guidance != 1.0 and config.model != "flux":
-        bad("train_guidance", "applies to flux only (its guidance embedding)")
-    if config.text_encoder_lr is not None and not any(e.arch.startswith("clip")
-                                                      for e in model_kind(config.model).text_encoders):
+    kind = model_kind(config.model)
+    if config.text_encoder_lr is not None and not any(e.arch.startswith("clip") for e in kind.text_encoders):
         bad("text_encoder_lr", f"trains LoRAs on CLIP text encoders; {config.model} has none (its "
             "encoder stays frozen, its embeddings cached)")
+    if config.train_guidance != 1.0 and not kind.guidance_embedding:
+        guided = ", ".join(k for k in KINDS if model_kind(k).guidance_embedding)
+        bad("train_guidance", f"applies to the guidance-distilled families only ({guided}: their guidance "
+            "embedding)")
     if config.dynamic_shift and config.timestep_shift is not None:
         bad("dynamic_shift", "and timestep_shift are two shifts: choose one")
     if config.min_snr_gamma is not None and config.debiased_estimation:

@@ -65,7 +65,7 @@ def prompt_inputs(pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
     fp32, on the host: encoded once (a training run does it while caching), sampled from without the text
     encoders."""
     embeds = encode_prompts(pipe, prompts)
-    if kind_of(pipe).name == "flux":  # guidance-distilled: no unconditional branch
+    if kind_of(pipe).guidance_embedding:  # guidance-distilled: no unconditional branch
         return embeds
     empty = unconditional_embeds(pipe)
     return {**embeds, **{f"negative_{k}": empty[k].expand_as(v) for k, v in embeds.items()}}

@@ -104,9 +104,10 @@ def draw_step(config: TrainConfig, objective, data: EncodedExamples, reg: Encode
 
 
 def training_objective(config: TrainConfig, pipe, resolution: int):
-    """The pipeline's objective with the config's timestep knobs: for sd3/flux the sampling, and the shift
-    (`timestep_shift`; else Flux's resolution-dependent one where the scheduler uses it or `dynamic_shift`
-    asks for it; else the scheduler's fixed shift)."""
+    """The pipeline's objective with the config's timestep knobs: for the flow kinds the sampling, and the
+    shift (`timestep_shift`; else the family trainer's own (`ModelKind.own_flow`: chroma's and flux2's none,
+    as their trainers draw unshifted sigmas); else Flux's resolution-dependent one where the scheduler uses it
+    or `dynamic_shift` asks for it; else the scheduler's fixed shift)."""
     kind = kind_of(pipe)
     if kind.objective == "ddpm":
         return objectives.objective_for(pipe)

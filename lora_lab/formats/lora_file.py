@@ -209,6 +209,8 @@ def _base_from_metadata(metadata: Mapping[str, str]) -> str | None:
     if metadata.get("lora_lab.base_model") in REGISTRY:
         return metadata["lora_lab.base_model"]
     v = metadata.get("ss_base_model_version", "")
-    return next((kind.name for kind in REGISTRY.values() if v.startswith(kind.kohya_version)), None)
+    # the longest prefix: "flux2..." is flux2, not flux; a kind without one (kohya_version "") matches nothing
+    found = [kind for kind in REGISTRY.values() if kind.kohya_version and v.startswith(kind.kohya_version)]
+    return max(found, key=lambda kind: len(kind.kohya_version)).name if found else None
 
 

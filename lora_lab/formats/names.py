@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import LoraFormatError
 from ..fileio import parse_json
+from ..models import flux2
 from ..models.kinds import COMPONENTS, REGISTRY
 
 # kohya prefixes, read side. `lora_te_` and `lora_te1_` both mean the first text encoder
@@ -49,6 +50,9 @@ _COMPOUND_SEGMENTS = sorted(
         "wi_0", "wi_1",
         # QwenImageTransformer2DModel
         "img_mod", "txt_mod", "img_mlp", "txt_mlp", "img_in", "txt_in",
+        # Flux2Transformer2DModel
+        "to_qkv_mlp_proj", "linear_in", "linear_out", "double_stream_modulation_img",
+        "double_stream_modulation_txt", "single_stream_modulation", "time_guidance_embed",
     },
     key=lambda s: -s.count("_"),  # longest compound first
 )
@@ -174,6 +178,8 @@ def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None =
         path = _ldm_path(path, layout)
     if base in REGISTRY and REGISTRY[base].kohya_dotted and comp == REGISTRY[base].component:
         return REGISTRY[base].kohya_dotted + path
+    if comp == "transformer" and base == "flux2" and flux2.bfl_name(path):  # ComfyUI knows only this name
+        return "lora_unet_" + flux2.bfl_name(path).replace(".", "_")
     return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
@@ -204,6 +210,8 @@ def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | Non
         ldm = _ldm_unet_path(rest, layout.layers_per_block if layout else LDM_LAYERS_PER_BLOCK)
         if ldm is not None:
             return f"unet.{ldm}"
+        if base == "flux2" and flux2.from_bfl_kohya(rest) is not None:
+            return f"transformer.{flux2.from_bfl_kohya(rest)}"
     t5 = REGISTRY[base].t5_encoder if base in REGISTRY else None
     # the base's T5, whichever component it is (Flux: text_encoder_2)
     if comp == "text_encoder_3" and t5 is not None:

@@ -85,9 +85,10 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
         m = _checked_module(where, down, up, alpha, dora, key, values=False)
-        # a Flux module in BFL's layout splits into diffusers modules; the rest map one to one
-        named = ({canonical_name(key): m} if fmt == "peft"
-                 else _flux_bfl(where, key, m) or {diffusers_name(key, base, layout): m})
+        # a Flux module in BFL's layout splits into diffusers modules (Flux.2's BFL names are one to one);
+        # the rest map one to one
+        named = ({canonical_name(key): m} if fmt == "peft" else
+                 (base != "flux2" and _flux_bfl(where, key, m)) or {diffusers_name(key, base, layout): m})
         for name, mod in named.items():
             comp, _, sub = name.partition(".")
             if not sub or "" in sub.split("."):  # `unet.lora_A.weight`, `lora_unet_.lora_down.weight`, `a__b`

@@ -10,9 +10,9 @@ depends on none of them.
     loading.py   a denoiser built without memory and filled module by module from its weights, in the base
                  dtype, quantized as it loads
     bases.py     where a base comes from (tiny, a folder, real:NAME), opened for training; build_pipeline
-    real.py      the real models' configs as data (sd15, sdxl, sd35-medium, sd35-large, flux-dev, qwen-image),
-                 build_real
+    real.py      the real models' configs as data (REAL_MODELS), build_real
     qwen_image.py  Qwen-Image's own parts: tiny configs, tokenizer, prompt encoding, predict, latents
+    flux2.py     FLUX.2 [dev] (kind flux2): its tiny configs, tokenizer, encode, predict, latents, names
 
 diffusers and transformers are imported where a class is needed (they take seconds to import).
 """

@@ -34,7 +34,7 @@ import torch
 from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
-from . import qwen_image, z_image
+from . import flux2, qwen_image, z_image
 from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
@@ -258,7 +258,10 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
                       else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
             model = skeleton(cls, config, meta_buffers=name == kind.component)
             if name != kind.component:
-                source = FakeWeights() if shapes_only else FolderWeights(sub, qwen_image.stored_names(model))
+                # transformers 5 renames the VLM encoders' stored keys: Qwen2.5-VL's by name, Mistral3's by
+                # layout
+                source = (FakeWeights() if shapes_only
+                          else flux2.weights_for(model, FolderWeights(sub, qwen_image.stored_names(model))))
                 fill(model, source, dtype=dtype, device="cpu")
             out[name] = model
         else:  # schedulers, tokenizers: small, read from their files (real tensors, in a plan too)
@@ -362,13 +365,16 @@ def _open_real(kind: ModelKind, name: str, dtype: torch.dtype, seed: int, shapes
 
 def _real_tokenizer(kind: ModelKind, arch: str):
     """The offline tokenizer of builders.py at the real encoders' length (CLIP 77; T5 the kind's tokens;
-    Qwen3 and Qwen2.5-VL the pipeline's 512, after Qwen-Image's template prefix)."""
+    Qwen3 and Qwen2.5-VL the pipeline's 512, after Qwen-Image's template prefix; Flux.2's Mistral 512,
+    flux2.py's)."""
     if arch == "qwen3":
         return z_image.build_tokenizer(WORDS, z_image.PIPELINE_TOKENS)
     if arch == "qwen2_5_vl":  # the template's prefix and the pipeline's 512 tokens
         tok = build_tokenizer(arch)
         tok.model_max_length = qwen_image.DROPPED + qwen_image.PROMPT_TOKENS
         return tok
+    if arch == "mistral3":
+        return flux2.build_processor(WORDS, flux2.PIPELINE_TOKENS)
     tok = build_tokenizer("t5" if arch == "t5" else "clip")
     tok.model_max_length = kind.t5_tokens if arch == "t5" else CLIP_TOKENS
     return tok
@@ -379,6 +385,8 @@ def _real_text_encoder(class_name: str, cfg: dict, tokenizer):
 
     if class_name.startswith("Qwen2_5_VL"):  # the real vocabulary and special ids: its config's
         return qwen_image.text_encoder(cfg)
+    if class_name.startswith("Mistral3"):
+        return flux2.text_encoder(cfg)  # its config has the real vocabulary and ids
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     if class_name == "Qwen3Model":  # the real vocabulary (the tiny tokenizer's ids are all below it)
         return z_image.text_model(cfg, tokenizer).eval()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import qwen_image, z_image
+from . import flux2, qwen_image, z_image
 from .chroma import TINY_SCHEDULER as _CHROMA_SCHEDULER
 from .chroma import TINY_TRANSFORMER as _CHROMA
 from .kinds import ModelKind, ModelLoadError, kind_of, model_kind
@@ -119,6 +119,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
     # the transformer's 2x2 patches cut inside it (in_channels = latent channels); cap_feat_dim = Qwen3 hidden
     "z-image": {"transformer": z_image.TRANSFORMER, "vae": _VAE, "text_encoder": z_image.TEXT_ENCODER,
                 "scheduler": z_image.SCHEDULER},
+    "flux2": flux2.CONFIG,  # its Mistral text encoder, its VAE with batch-norm statistics: flux2.py
 }
 CONFIGS["qwen-image"] = qwen_image.TINY  # models/qwen_image.py
 
@@ -225,6 +226,12 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
                 out[enc.component] = seeded(
                     enc.seed, lambda c=cfg[enc.component], t=qwen_tok, m=make: m(c, t))
             out[enc.tokenizer] = qwen_tok
+        if enc.arch == "mistral3":
+            processor = flux2.build_processor(WORDS)
+            if wanted(enc.component):
+                out[enc.component] = seeded(enc.seed,
+                                            lambda: flux2.text_encoder(cfg[enc.component], processor))
+            out[enc.tokenizer] = processor
         elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))

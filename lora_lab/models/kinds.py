@@ -1,6 +1,6 @@
 """The model kinds (families) lora_lab trains, one `ModelKind` each: everything that differs between them.
 
-    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma", "z-image", "qwen-image")
+    KINDS                  -> ("sd15", "sdxl", "sd3", "flux", "chroma", "z-image", "qwen-image", "flux2")
     REGISTRY[name]         -> its ModelKind;  COMPONENTS -> every pipeline component a LoRA may adapt
     model_kind(name)       -> its ModelKind (ModelLoadError for a name not in KINDS)
     kind_of(pipe)          -> the ModelKind of a diffusers pipeline, from its class
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoraLabError
-from . import chroma, qwen_image, z_image
+from . import chroma, flux2, qwen_image, z_image
 from .inputs import flux_guidance, flux_latent_ids, flux_text_ids, pack_latents, sdxl_time_ids, unpack_latents
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -41,6 +41,7 @@ class TextEncoder:
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
     # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
     # | "qwen3" (Qwen3Model) | "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration)
+    # | "mistral3" (Mistral3ForConditionalGeneration, flux2)
     arch: str
     seed: int  # models.build_components seeds it with seed + this
 
@@ -85,6 +86,9 @@ class ModelKind:
     kohya_dotted: str = ""
     kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not its component's (lora_unet_)
     vae: str = "AutoencoderKL"  # diffusers class of the VAE
+    # guidance-distilled: a guidance embedding takes the guidance value (`--train-guidance`), sampling makes
+    # no unconditional pass (Flux.1-dev, FLUX.2-dev)
+    guidance_embedding: bool = False
     # images (B, 3, H, W) <-> the denoiser's latents (B, C, h, w), where the VAE's own units are not
     # (z - shift_factor) * scaling_factor: (vae, images, generator) -> latents, (vae, latents) -> images
     to_latents: Callable[..., torch.Tensor] | None = None
@@ -189,7 +193,8 @@ _KINDS = (
               (TextEncoder("text_encoder", "clip", 2), TextEncoder("text_encoder_2", "t5", 4)),
               "flow", ("diffusers.models.transformers.transformer_flux:FluxTransformerBlock",
                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock"),
-              _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux"),
+              _encode_flux, _predict_flux, t5_tokens=512, latent_packing=2, kohya_version="flux",
+              guidance_embedding=True),
     ModelKind("chroma", "transformer", "ChromaPipeline", "ChromaTransformer2DModel",
               "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "t5", 4),),
               "flow", ("diffusers.models.transformers.transformer_chroma:ChromaTransformerBlock",
@@ -209,6 +214,14 @@ _KINDS = (
               qwen_image.encode, qwen_image.predict, kohya_version="qwen_image", vae="AutoencoderKLQwenImage",
               to_latents=qwen_image.to_latents, from_latents=qwen_image.from_latents,
               pipeline_inputs=qwen_image.pipeline_inputs, kohya_prefix="lora_unet_"),
+    ModelKind("flux2", "transformer", "Flux2Pipeline", "Flux2Transformer2DModel",
+              "FlowMatchEulerDiscreteScheduler", (TextEncoder("text_encoder", "mistral3", 2),),
+              "flow", ("diffusers.models.transformers.transformer_flux2:Flux2TransformerBlock",
+                       "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"),
+              flux2.encode, flux2.predict, latent_packing=2, kohya_version="flux2",
+              vae="AutoencoderKLFlux2", to_latents=flux2.to_latents, from_latents=flux2.from_latents,
+              guidance_embedding=True,
+              own_flow=(("shift", 1.0),)),  # diffusers' Flux.2 trainer: its scheduler's unshifted sigmas
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
 KINDS = tuple(REGISTRY)

@@ -1,7 +1,7 @@
 """The real models' configurations, as data, and a builder that makes them at full size without weights.
 
     REAL_MODELS                         -> the names: sd15, sdxl, sd35-medium, sd35-large, flux-dev,
-                                           chroma1-hd, z-image-turbo
+                                           chroma1-hd, z-image-turbo, qwen-image, flux2-dev
     REAL_CONFIGS[name][component]       -> (class name, config dict), numbers from the public
                                            config.json files
     real_kind(name)                     -> the trainer's kind of a model (a name in models.KINDS)
@@ -18,7 +18,7 @@ Qwen3-4B 4.02 B; Qwen-Image's 20.4 B transformer and 8.29 B Qwen2.5-VL-7B: tests
 
 from __future__ import annotations
 
-from . import qwen_image
+from . import flux2, qwen_image
 from .kinds import ModelLoadError
 
 # diffusers and transformers are imported where used: ~4 s to import, which `import lora_lab` should not pay.
@@ -47,6 +47,19 @@ QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645}
+# black-forest-labs/FLUX.2-dev/text_encoder/config.json: Mistral Small 3.1/3.2 24B
+# (Mistral3ForConditionalGeneration: the Mistral text model with its lm_head, a Pixtral vision tower, its
+# patch merger and projector; Tekken's vocabulary, bos 1, eos 2, pad 11, [IMG] 10).
+MISTRAL_SMALL_3 = {
+    "text_config": {"vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 131072, "rope_theta": 1e9, "rms_norm_eps": 1e-5,
+                    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11},
+    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540},
+    "image_token_index": 10, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": False, "tie_word_embeddings": False}
 
 # ----------------------------------------------------------------------------- VAEs
 
@@ -64,6 +77,10 @@ VAE_SD3 = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_facto
 # black-forest-labs/FLUX.1-dev/vae/config.json
 VAE_FLUX = {**_VAE_SD, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611,
             "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False}
+
+# black-forest-labs/FLUX.2-dev/vae/config.json (AutoencoderKLFlux2: 32 channels, batch norm over 2x2 patches)
+VAE_FLUX2 = {**_VAE_SD, "latent_channels": 32, "sample_size": 1024, "batch_norm_eps": 1e-4,
+             "batch_norm_momentum": 0.1, "patch_size": [2, 2]}
 
 # ----------------------------------------------------------------------------- denoisers
 
@@ -134,6 +151,12 @@ QWEN25_VL_7B = {
     "tie_word_embeddings": False,
 }
 
+# black-forest-labs/FLUX.2-dev/transformer/config.json (8 double-stream, 48 single-stream blocks, width 6144)
+FLUX2_DEV = {"patch_size": 1, "in_channels": 128, "out_channels": None, "num_layers": 8,
+             "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
+             "joint_attention_dim": 15360, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
+             "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "guidance_embeds": True}
+
 REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "sd15": {"unet": ("UNet2DConditionModel", UNET_SD15), "vae": ("AutoencoderKL", VAE_SD15),
              "text_encoder": ("CLIPTextModel", CLIP_L)},
@@ -158,6 +181,9 @@ REAL_CONFIGS: dict[str, dict[str, tuple[str, dict]]] = {
     "qwen-image": {"transformer": ("QwenImageTransformer2DModel", QWEN_IMAGE),
                    "vae": ("AutoencoderKLQwenImage", VAE_QWEN_IMAGE),
                    "text_encoder": ("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B)},
+    "flux2-dev": {"transformer": ("Flux2Transformer2DModel", FLUX2_DEV),
+                  "vae": ("AutoencoderKLFlux2", VAE_FLUX2),
+                  "text_encoder": ("Mistral3ForConditionalGeneration", MISTRAL_SMALL_3)},
 }
 # The schedulers' training settings (each model's scheduler/scheduler_config.json), in the scheduler classes
 # lora_lab's kinds use: what the trainer's objective reads (betas, prediction type, flow shift).
@@ -177,19 +203,23 @@ REAL_SCHEDULERS = {
                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
     "z-image-turbo": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
     "qwen-image": qwen_image.SCHEDULER,
+    "flux2-dev": flux2.SCHEDULER,  # black-forest-labs/FLUX.2-dev/scheduler/scheduler_config.json
 }
 REAL_MODELS = tuple(REAL_CONFIGS)
 REAL_PREFIX = "real:"  # a base spelled "real:sdxl": the published configs with seeded random weights
 _KIND = {"sd15": "sd15", "sdxl": "sdxl", "sd35-medium": "sd3", "sd35-large": "sd3", "flux-dev": "flux",
-         "chroma1-hd": "chroma", "z-image-turbo": "z-image", "qwen-image": "qwen-image"}
+         "chroma1-hd": "chroma", "z-image-turbo": "z-image", "qwen-image": "qwen-image", "flux2-dev": "flux2"}
 # the real model a kind plans by default (`lora-lab plan --model sd3`)
 REAL_DEFAULT = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd35-large", "flux": "flux-dev",
-                "chroma": "chroma1-hd", "z-image": "z-image-turbo", "qwen-image": "qwen-image"}
+                "chroma": "chroma1-hd", "z-image": "z-image-turbo", "qwen-image": "qwen-image",
+                "flux2": "flux2-dev"}
 # Text tokens per prompt the pipelines use: CLIP 77; SD3 adds 256 T5 tokens after 77 CLIP; Flux and Chroma
 # 512 T5; Z-Image at most 512 Qwen3 tokens (the chat template's and the caption's: a plan counts all 512);
-# Qwen-Image its prompt's tokens after the template's dropped prefix
+# Qwen-Image its prompt's tokens after the template's dropped prefix; Flux.2 512 tokens of the chat (system
+# message included)
 TEXT_TOKENS = {"sd15": 77, "sdxl": 77, "sd35-medium": 77 + 256, "sd35-large": 77 + 256, "flux-dev": 512,
-               "chroma1-hd": 512, "z-image-turbo": 512, "qwen-image": qwen_image.PROMPT_TOKENS}
+               "chroma1-hd": 512, "z-image-turbo": 512, "qwen-image": qwen_image.PROMPT_TOKENS,
+               "flux2-dev": flux2.PIPELINE_TOKENS}
 
 
 def real_kind(name: str) -> str:
@@ -207,6 +237,8 @@ def _build(class_name: str, cfg: dict):
         return transformers.Qwen3Model(transformers.Qwen3Config(**cfg))
     if class_name.startswith("Qwen2_5_VL"):
         return qwen_image.text_encoder(cfg)
+    if class_name.startswith("Mistral3"):
+        return flux2.text_encoder(cfg)
     if class_name.startswith(("CLIP", "T5")):
         config_cls = transformers.T5Config if class_name.startswith("T5") else transformers.CLIPTextConfig
         return getattr(transformers, class_name)(config_cls(**cfg))

@@ -39,7 +39,7 @@ from ..diffusion.datasets import (
     mask_kind,
     split,
 )
-from ..diffusion.encoded import image_groups
+from ..diffusion.encoded import ENCODE_BATCH, image_groups
 
 
 class PlannedExamples:
@@ -197,11 +197,16 @@ class CacheLedger:
         group = round(n * h * w * per_pixel)
         self.peak = max(self.peak, self.current + latents - group + round(n * h * w * self.vae_per_pixel))
         self.current += latents
-        self.captions(len(part))
+        self.captions(len(part), len(set(part.captions)))
 
-    def captions(self, rows: int) -> None:
-        """`encode_captions` of `rows` captions: their embeddings, the text encoders working beside them."""
-        self.peak = max(self.peak, self.current + rows * self.embed + self.text)
+    def captions(self, rows: int, distinct: int | None = None) -> None:
+        """`encode_captions` of `rows` captions: their embeddings, the text encoders working beside them. With
+        `distinct` captions that one encoder call takes (at most ENCODE_BATCH), the rows are made after the
+        call, beside its output only (Flux.2's Mistral: a working set as large as the rows)."""
+        if distinct is not None and distinct <= ENCODE_BATCH:
+            self.peak = max(self.peak, self.current + max(self.text, (rows + distinct) * self.embed))
+        else:
+            self.peak = max(self.peak, self.current + rows * self.embed + self.text)
         self.current += rows * self.embed
 
     def copy(self, rows: int) -> None:

@@ -380,7 +380,7 @@ class PlannedRun(TrainingRun):
             if prompts > 1:
                 inputs = {k: v.expand(prompts, *v.shape[1:]).contiguous() for k, v in inputs.items()}
             embeds = {k: v for k, v in inputs.items() if not k.startswith("negative_")}
-            if kind.name != "flux":  # classifier-free guidance: the unconditional input beside the prompt's
+            if not kind.guidance_embedding:  # classifier-free guidance: the unconditional input too
                 embeds = {k: torch.cat([inputs[f"negative_{k}"], v]) for k, v in embeds.items()}
             size = default_resolution(pipe) // pipe.vae_scale_factor
             channels = (getattr(model.config, "out_channels", None)
