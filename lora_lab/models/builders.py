@@ -226,7 +226,7 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
                 out[enc.component] = seeded(
                     enc.seed, lambda c=cfg[enc.component], t=qwen_tok, m=make: m(c, t))
             out[enc.tokenizer] = qwen_tok
-        if enc.arch == "mistral3":
+        elif enc.arch == "mistral3":
             processor = flux2.build_processor(WORDS)
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed,

@@ -151,7 +151,8 @@ def test_the_trainer_step_uses_the_config_knobs():
     ({"model": "sd3", "timestep_sampling": "cosine"}, r"timestep_sampling='cosine': must be one of"),
     ({"model": "sdxl", "timestep_sampling": "uniform"}, r"applies to sd3/flux only"),
     ({"model": "flux", "min_snr_gamma": 5.0}, r"applies to sd15/sdxl only"),
-    ({"model": "sd3", "train_guidance": 3.5}, r"applies to flux only"),
+    ({"model": "sd3", "train_guidance": 3.5},
+     r"applies to the guidance-distilled families only \(flux, flux2"),
     ({"model": "sd3", "mode_scale": 3.0}, r"mode_scale=3\.0: must be a number in \[-1, 2/\(pi-2\)\]"),
 ])
 def test_bad_knob_values_are_one_line_errors(kw, match):

@@ -85,8 +85,10 @@ def test_training_uses_chromas_own_draw_unshifted_unless_asked(pipe):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"text_encoder_lr": 1e-4}, r"TrainConfig.text_encoder_lr=0.0001: chroma has no CLIP text encoder"),
-    ({"train_guidance": 3.0}, r"TrainConfig.train_guidance=3.0: applies to flux only"),
+    ({"text_encoder_lr": 1e-4},
+     r"TrainConfig.text_encoder_lr=0.0001: trains LoRAs on CLIP text encoders; chroma has none"),
+    ({"train_guidance": 3.0},
+     r"TrainConfig.train_guidance=3.0: applies to the guidance-distilled families only"),
 ])
 def test_options_that_do_not_apply_are_refused_in_one_line(fields, message):
     with pytest.raises(TrainConfigError, match=message):

@@ -182,7 +182,7 @@ def test_real_flux2_dev_has_the_published_sizes():
 def test_options_that_cannot_apply_to_flux2_say_so():
     from lora_lab.diffusion import TrainConfig, TrainConfigError
 
-    with pytest.raises(TrainConfigError, match="text_encoder_lr.*Mistral"):
+    with pytest.raises(TrainConfigError, match="text_encoder_lr.*CLIP text encoders; flux2 has none"):
         TrainConfig(model="flux2", text_encoder_lr=1e-4)
     TrainConfig(model="flux2", train_guidance=3.5)  # its guidance embedding takes a value
 

@@ -199,7 +199,7 @@ def test_validation_says_what_does_not_apply():
 
     with pytest.raises(TrainConfigError, match="text_encoder_lr=.*CLIP text encoders; qwen-image has none"):
         TrainConfig(model="qwen-image", text_encoder_lr=1e-4).validate()
-    with pytest.raises(TrainConfigError, match="train_guidance=.*flux only"):
+    with pytest.raises(TrainConfigError, match="train_guidance=.*guidance-distilled families only"):
         TrainConfig(model="qwen-image", train_guidance=3.5).validate()
 
 
