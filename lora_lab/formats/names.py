@@ -15,7 +15,6 @@ from torch import nn
 
 from ..errors import LoraFormatError
 from ..fileio import parse_json
-from ..models import flux2
 from ..models.kinds import COMPONENTS, REGISTRY
 
 # kohya prefixes, read side. `lora_te_` and `lora_te1_` both mean the first text encoder
@@ -178,8 +177,9 @@ def kohya_name(module: str, base: str | None = None, layout: UnetLayout | None =
         path = _ldm_path(path, layout)
     if base in REGISTRY and REGISTRY[base].kohya_dotted and comp == REGISTRY[base].component:
         return REGISTRY[base].kohya_dotted + path
-    if comp == "transformer" and base == "flux2" and flux2.bfl_name(path):  # ComfyUI knows only this name
-        return "lora_unet_" + flux2.bfl_name(path).replace(".", "_")
+    renamed = REGISTRY[base].kohya_renamed if base in REGISTRY and comp == REGISTRY[base].component else None
+    if renamed and renamed[0](path):  # ComfyUI knows it only by this name (FLUX.2: BFL's)
+        return "lora_unet_" + renamed[0](path).replace(".", "_")
     return _kohya_prefix(comp, base) + path.replace(".", "_")
 
 
@@ -210,8 +210,9 @@ def diffusers_name(kohya: str, base: str | None = None, layout: UnetLayout | Non
         ldm = _ldm_unet_path(rest, layout.layers_per_block if layout else LDM_LAYERS_PER_BLOCK)
         if ldm is not None:
             return f"unet.{ldm}"
-        if base == "flux2" and flux2.from_bfl_kohya(rest) is not None:
-            return f"transformer.{flux2.from_bfl_kohya(rest)}"
+        renamed = REGISTRY[base].kohya_renamed if base in REGISTRY else None
+        if renamed and renamed[1](rest) is not None:
+            return f"{REGISTRY[base].component}.{renamed[1](rest)}"
     t5 = REGISTRY[base].t5_encoder if base in REGISTRY else None
     # the base's T5, whichever component it is (Flux: text_encoder_2)
     if comp == "text_encoder_3" and t5 is not None:

@@ -85,6 +85,9 @@ class ModelKind:
     # ComfyUI's key map for the family takes no lora_transformer_ names (Z-Image: "diffusion_model.")
     kohya_dotted: str = ""
     kohya_prefix: str | None = None  # its denoiser's kohya prefix, where not its component's (lora_unet_)
+    # denoiser modules ComfyUI's key map knows only by another name, written `lora_unet_` + that name with
+    # "_" for ".": (path -> that name or None, the name after `lora_unet_` -> path or None) (FLUX.2: BFL's)
+    kohya_renamed: tuple[Callable[[str], str | None], Callable[[str], str | None]] | None = None
     vae: str = "AutoencoderKL"  # diffusers class of the VAE
     # guidance-distilled: a guidance embedding takes the guidance value (`--train-guidance`), sampling makes
     # no unconditional pass (Flux.1-dev, FLUX.2-dev)
@@ -220,7 +223,7 @@ _KINDS = (
                        "diffusers.models.transformers.transformer_flux2:Flux2SingleTransformerBlock"),
               flux2.encode, flux2.predict, latent_packing=2, kohya_version="flux2",
               vae="AutoencoderKLFlux2", to_latents=flux2.to_latents, from_latents=flux2.from_latents,
-              guidance_embedding=True,
+              guidance_embedding=True, kohya_renamed=(flux2.bfl_name, flux2.from_bfl_kohya),
               own_flow=(("shift", 1.0),)),  # diffusers' Flux.2 trainer: its scheduler's unshifted sigmas
 )
 REGISTRY: dict[str, ModelKind] = {k.name: k for k in _KINDS}
