@@ -24,20 +24,26 @@ from pathlib import Path
 
 import torch
 
-from .builders import CONFIGS, build_tokenizer
+from . import flux2
+from .builders import CONFIGS, WORDS, build_tokenizer
 from .kinds import REGISTRY, ModelKind, ModelLoadError
 from .layouts import (
     Rule,
+    chroma_rule,
     clip_rule,
+    flux2_rule,
     flux_rule,
     ldm_unet_key,
     ldm_vae_rule,
     open_clip_rule,
     sd3_rule,
     take,
+    z_image_rule,
 )
+from .qwen_image import stored_names
 
-PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl", "vae": "--vae"}
+PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl",
+              "text_encoder": "--text-encoder", "vae": "--vae"}
 DENOISER_PREFIX = "model.diffusion_model."
 
 # The key each family's file is known by, and the key whose first dimension tells the size (the denoiser's
@@ -47,13 +53,19 @@ _FAMILIES = (
     ("sd15", "input_blocks.0.0.weight", None, {320: "sd15", 32: "tiny"}),
     ("sd3", "x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
      {1536: "sd35-medium", 2432: "sd35-large", 32: "tiny"}),
+    ("chroma", "img_in.weight", "distilled_guidance_layer.in_proj.weight", {3072: "chroma1-hd", 32: "tiny"}),
+    ("flux2", "img_in.weight", "single_stream_modulation.lin.weight", {6144: "flux2-dev", 32: "tiny"}),
+    ("qwen-image", "img_in.weight", "txt_norm.weight", {3072: "qwen-image", 32: "tiny"}),
     ("flux", "img_in.weight", "double_blocks.0.img_attn.qkv.weight", {3072: "flux-dev", 32: "tiny"}),
+    ("z-image", "x_embedder.weight", "layers.0.adaLN_modulation.0.weight",
+     {3840: "z-image-turbo", 64: "tiny"}),
 )
+FAMILY_NAMES = "SD1.5, SDXL, SD3.5, Flux, Chroma, FLUX.2, Qwen-Image or Z-Image"
 
 
 @dataclass(frozen=True)
 class Detected:
-    kind: ModelKind  # sd15 | sdxl | sd3 | flux
+    kind: ModelKind  # any of _FAMILIES
     variant: str  # a name of real.REAL_CONFIGS, or "tiny"
     prefix: str  # of the denoiser's keys: "model.diffusion_model." or ""
 
@@ -98,15 +110,12 @@ def detect(header: FileHeader) -> Detected:
                 raise ModelLoadError(f"{header.path}: a Stable Diffusion 3 Medium (3.0) checkpoint (no "
                                      f"dual attention in its first block, a pos_embed of {patches} patches), "
                                      "which lora_lab has no config for: it trains SD3.5 Medium and Large")
-            if kind == "flux" and prefix + "distilled_guidance_layer.in_proj.weight" in header:
-                raise ModelLoadError(f"{header.path}: a Chroma checkpoint in BFL's single-file layout, which "
-                                     "lora_lab does not read: use a diffusers folder (lodestones/Chroma1-HD)")
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")
             return Detected(REGISTRY[kind], variant, prefix)
     first = sorted(header.shapes)[:3]
-    raise ModelLoadError(f"{header.path}: not an SD1.5, SDXL, SD3.5 or Flux checkpoint lora_lab knows "
+    raise ModelLoadError(f"{header.path}: not an {FAMILY_NAMES} checkpoint lora_lab knows "
                          f"(first keys: {first})")
 
 
@@ -147,6 +156,14 @@ _PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
             "vae": ("vae", "first_stage_model.", "ldm_vae")},
     "flux": {"clip_l": ("text_encoder", "", "clip"), "t5xxl": ("text_encoder_2", "", "hf"),
              "vae": ("vae", "", "ldm_vae")},
+    # the newer families: the transformer alone in the file (BFL's, ComfyUI's), the rest as part files:
+    # T5-XXL and Flux.1's ae (chroma); Qwen3 as ComfyUI's qwen_3_4b (a Qwen3ForCausalLM's `model.`) and
+    # Flux.1's ae (z-image); Qwen2.5-VL and Mistral 3 in their checkpoints' layouts, the VAEs in diffusers'
+    # names (qwen-image) or the LDM names (flux2)
+    "chroma": {"t5xxl": ("text_encoder", "", "hf"), "vae": ("vae", "", "ldm_vae")},
+    "z-image": {"text_encoder": ("text_encoder", "model.", "hf"), "vae": ("vae", "", "ldm_vae")},
+    "qwen-image": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "hf")},
+    "flux2": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "ldm_vae")},
 }
 
 
@@ -160,6 +177,11 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
         layout = "hf"  # a VAE in diffusers' names
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
+    if layout == "renamed":  # a text encoder whose checkpoints name its modules otherwise: by the file's keys
+        rename = stored_names(model) or flux2.SavedLayout.live
+        keys = header.shapes if header is not None else ()
+        found = {rename(k.removeprefix(prefix)): Rule(k) for k in keys if k.startswith(prefix)}
+        return {n: found.get(n, Rule(prefix + n)) for n in shapes}
     if layout == "clip":
         with_text_model = not any(n.startswith("text_model.") for n in shapes)
         return {n: clip_rule(n, prefix, with_text_model) for n in shapes}
@@ -175,13 +197,28 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
         return {n: Rule(prefix + ldm_unet_key(n, cfg.layers_per_block, up_attention)) for n in shapes}
     if layout == "sd3":
         return {n: sd3_rule(n, s, cfg.num_layers - 1, prefix) for n, s in shapes.items()}
-    if layout == "flux":
+    if layout in ("flux", "chroma"):
         inner = cfg.num_attention_heads * cfg.attention_head_dim
-        return {n: flux_rule(n, s, inner, prefix) for n, s in shapes.items()}
+        rule = flux_rule if layout == "flux" else chroma_rule
+        return {n: rule(n, s, inner, prefix) for n, s in shapes.items()}
+    if layout in ("flux2", "z_image"):
+        rule = flux2_rule if layout == "flux2" else z_image_rule
+        return {n: rule(n, s, prefix) for n, s in shapes.items()}
     raise ValueError(f"unknown layout {layout!r}")
 
 
-DENOISER_LAYOUT = {"sd15": "ldm_unet", "sdxl": "ldm_unet", "sd3": "sd3", "flux": "flux"}
+# Qwen-Image's file (ComfyUI's qwen_image_bf16.safetensors) holds diffusers' names as they are
+DENOISER_LAYOUT = {"sd15": "ldm_unet", "sdxl": "ldm_unet", "sd3": "sd3", "flux": "flux", "chroma": "chroma",
+                   "flux2": "flux2", "qwen-image": "hf", "z-image": "z_image"}
+
+
+def scale_key(key: str, header: FileHeader) -> str | None:
+    """The scale stored beside an fp8 weight in ComfyUI's scaled files (`X.scale_weight`, the older
+    `scaled_fp8` files; `X.weight_scale`, its newer quantized layout), or None."""
+    if not key.endswith(".weight"):
+        return None
+    names = (key.removesuffix("weight") + "scale_weight", key + "_scale")
+    return next((k for k in names if k in header), None)
 
 
 class MappedWeights:
@@ -192,6 +229,7 @@ class MappedWeights:
     def __init__(self, path: Path, header: FileHeader, rules: dict[str, Rule], what: str):
         self.path, self.rules, self.what = path, rules, what
         self._have = {n for n, r in rules.items() if r.key in header}
+        self._scales = {r.key: s for r in rules.values() if (s := scale_key(r.key, header))}
         self._file = None
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -208,8 +246,22 @@ class MappedWeights:
         if self._last is None or self._last[0] != rule.key:
             if self._file is None:
                 self._file = safe_open(str(self.path), "pt")
-            self._last = (rule.key, self._file.get_tensor(rule.key))
+            t = self._file.get_tensor(rule.key)
+            if rule.key in self._scales:
+                t = self._scaled(rule.key, t)
+            self._last = (rule.key, t)
         return take(rule, self._last[1])
+
+    def _scaled(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """An fp8 weight times its scale (one for the tensor, or one per row), in fp32."""
+        scale = self._file.get_tensor(self._scales[key]).float()
+        if scale.numel() == 1:
+            return t.float() * scale.reshape(())
+        if scale.numel() == t.shape[0]:
+            return t.float() * scale.reshape(-1, *[1] * (t.dim() - 1))
+        raise ModelLoadError(f"{self.path}: tensor {self._scales[key]!r} of shape {tuple(scale.shape)} "
+                             f"scales {key!r} {tuple(t.shape)} by blocks, which lora_lab does not read (a "
+                             "scale per tensor or per row only)")
 
     def close(self) -> None:
         self._file, self._last = None, None
@@ -245,10 +297,12 @@ def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dic
     if variant != "tiny":
         return dict(REAL_CONFIGS[variant])
     cfg = CONFIGS[kind.name]
-    out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": ("AutoencoderKL", cfg["vae"])}
+    out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": (kind.vae, cfg["vae"])}
     for enc in kind.text_encoders:
         name = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
-                "t5": "T5EncoderModel"}[enc.arch]
+                "t5": "T5EncoderModel", "qwen3": "Qwen3Model",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "mistral3": "Mistral3ForConditionalGeneration"}[enc.arch]
         out[enc.component] = (name, cfg[enc.component])
     return out
 
@@ -256,10 +310,33 @@ def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dic
 def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind):
     """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`)."""
     if variant == "tiny":
-        return build_tokenizer("t5" if arch == "t5" else "clip")
+        if arch == "mistral3":
+            return flux2.build_processor(WORDS)
+        return build_tokenizer(arch if arch in ("t5", "qwen3", "qwen2_5_vl") else "clip")
+    if arch in _CACHED_TOKENIZERS:
+        return cached_tokenizer(arch, _CACHED_TOKENIZERS[arch])
     from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
     if arch == "t5":
         return real_t5_tokenizer(kind.t5_tokens)
     return real_clip_tokenizer(pad="!" if kind.name == "sdxl" and component == "text_encoder_2" else
                                "<|endoftext|>")
+
+
+# The real tokenizers lora_lab does not ship (Qwen's and Mistral's vocabularies: megabytes, other licences):
+# read offline from the Hugging Face cache of the family's diffusers repository (its tokenizer/ folder).
+_CACHED_TOKENIZERS = {"qwen3": "Tongyi-MAI/Z-Image-Turbo", "qwen2_5_vl": "Qwen/Qwen-Image",
+                      "mistral3": "black-forest-labs/FLUX.2-dev"}
+
+
+def cached_tokenizer(arch: str, repo: str):
+    """The tokenizer of `repo` from the Hugging Face cache, offline; ModelLoadError naming the repository
+    and the command that fetches it where the cache lacks it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(repo, subfolder="tokenizer", local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"a real-size single-file base reads its {arch} tokenizer from the Hugging Face "
+                             f"cache of {repo}, which lacks it ({type(e).__name__}): fetch it once with "
+                             f"`hf download {repo} --include 'tokenizer/*'`") from None
