@@ -247,12 +247,10 @@ class TrainConfig:
     clip_g: str | None = field(
         default=None, metadata={"help": "a single-file base's CLIP-G text encoder as a file (SD3.5)"})
     t5xxl: str | None = field(
-        default=None, metadata={"help": "a single-file base's T5-XXL text encoder as a file (Flux, SD3.5, "
-                                        "Chroma)"})
+        default=None, metadata={"help": "a single-file base's T5-XXL as a file (Flux, SD3.5, Chroma)"})
     text_encoder: str | None = field(
-        default=None, metadata={"help": "a single-file base's text encoder as a file (Z-Image: Qwen3, "
-                                        "Qwen-Image: Qwen2.5-VL, FLUX.2: Mistral; musubi-tuner's "
-                                        "--text_encoder)"})
+        default=None, metadata={"help": "a single-file base's text encoder as a file (Z-Image's Qwen3, "
+                                        "Qwen-Image's Qwen2.5-VL, FLUX.2's Mistral)"})
     vae: str | None = field(
         default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
                                         "kohya's --ae)"})
