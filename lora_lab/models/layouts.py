@@ -140,6 +140,15 @@ def ldm_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
     return Rule(prefix + key)
 
 
+def flux2_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
+    """FLUX.2's VAE (AutoencoderKLFlux2) in BFL's names: the LDM VAE's, with its quant convolutions inside the
+    encoder and decoder and its batch norm's statistics as they are (diffusers' scripts/
+    convert_flux2_to_diffusers.py, `DIFFUSERS_VAE_TO_FLUX2_MAPPING`)."""
+    if name.startswith(("quant_conv.", "post_quant_conv.")):
+        return Rule(f"{prefix}{'encoder' if name.startswith('quant') else 'decoder'}.{name}")
+    return ldm_vae_rule(name, shape, n_up, prefix)
+
+
 # ----------------------------------------------------------------------------- text encoders
 
 

@@ -32,6 +32,7 @@ from .layouts import (
     chroma_rule,
     clip_rule,
     flux2_rule,
+    flux2_vae_rule,
     flux_rule,
     ldm_unet_key,
     ldm_vae_rule,
@@ -159,11 +160,11 @@ _PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
     # the newer families: the transformer alone in the file (BFL's, ComfyUI's), the rest as part files:
     # T5-XXL and Flux.1's ae (chroma); Qwen3 as ComfyUI's qwen_3_4b (a Qwen3ForCausalLM's `model.`) and
     # Flux.1's ae (z-image); Qwen2.5-VL and Mistral 3 in their checkpoints' layouts, the VAEs in diffusers'
-    # names (qwen-image) or the LDM names (flux2)
+    # names (qwen-image) or BFL's (flux2)
     "chroma": {"t5xxl": ("text_encoder", "", "hf"), "vae": ("vae", "", "ldm_vae")},
     "z-image": {"text_encoder": ("text_encoder", "model.", "hf"), "vae": ("vae", "", "ldm_vae")},
     "qwen-image": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "hf")},
-    "flux2": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "ldm_vae")},
+    "flux2": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "flux2_vae")},
 }
 
 
@@ -173,7 +174,7 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     `prefix`."""
     shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     diffusers_vae = f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight"
-    if layout == "ldm_vae" and header is not None and diffusers_vae in header:
+    if layout in ("ldm_vae", "flux2_vae") and header is not None and diffusers_vae in header:
         layout = "hf"  # a VAE in diffusers' names
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
@@ -188,9 +189,9 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     if layout == "open_clip":
         return {n: open_clip_rule(n, s, prefix) for n, s in shapes.items()
                 if not n.endswith("position_ids")}
-    if layout == "ldm_vae":
-        n_up = len(model.config.up_block_types)
-        return {n: ldm_vae_rule(n, s, n_up, prefix) for n, s in shapes.items()}
+    if layout in ("ldm_vae", "flux2_vae"):
+        n_up, rule = len(model.config.up_block_types), ldm_vae_rule if layout == "ldm_vae" else flux2_vae_rule
+        return {n: rule(n, s, n_up, prefix) for n, s in shapes.items()}
     cfg = model.config
     if layout == "ldm_unet":
         up_attention = {i for i, t in enumerate(cfg.up_block_types) if "CrossAttn" in t}
@@ -267,6 +268,9 @@ class MappedWeights:
         self._file, self._last = None, None
 
 
+_STATISTICS = ("bn.running_mean", "bn.running_var")  # FLUX.2's VAE's: buffers its latents depend on
+
+
 def part_source(kind: ModelKind, component: str, model, main: FileHeader, parts: dict[str, str | None],
                 detected: Detected) -> MappedWeights:
     """Where a component's weights are: its part file where one is given, else the checkpoint itself;
@@ -281,7 +285,12 @@ def part_source(kind: ModelKind, component: str, model, main: FileHeader, parts:
         rules = component_rules(model, layout, "", header)
         if not any(r.key in header for r in rules.values()):  # kohya's and ComfyUI's files, with a prefix
             rules = component_rules(model, layout, prefix, header)
-        return MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
+        source = MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
+        missing = [n for n in _STATISTICS if n in rules and n not in source.keys()]
+        if missing:  # buffers: `fill` would leave them at their defaults
+            raise ModelLoadError(f"{PART_FLAGS[part]} {header.path}: no {', '.join(missing)}: not FLUX.2's "
+                                 "VAE (its latents are normalised by these statistics)")
+        return source
     rules = component_rules(model, layout, prefix, main)
     source = MappedWeights(main.path, main, rules, f"{main.path} ({component})")
     if not source.keys():

@@ -165,6 +165,14 @@ def test_another_family_or_a_broken_file_is_one_line(files, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(TrainConfigError, match="--clip-l: a qwen-image model has no such part"):
         TrainConfig(model="qwen-image", base=str(files["qwen-image"][1]), clip_l=str(flux2_path))
+    vae = load_file(flux2_parts["vae"])  # BFL's FLUX.2 VAE: its quant convolutions inside encoder and decoder
+    assert {"encoder.quant_conv.weight", "decoder.post_quant_conv.weight", "bn.running_var"} <= set(vae)
+    no_statistics = tmp_path / "ae.safetensors"
+    save_file({k: v for k, v in vae.items() if not k.startswith("bn.")}, no_statistics)
+    with pytest.raises(ModelLoadError, match=r"--vae .*ae.safetensors: no bn.running_mean, bn.running_var: "
+                       "not FLUX.2's VAE"):
+        open_base(model_kind("flux2"), flux2_path, torch.float32,
+                  parts={**flux2_parts, "vae": str(no_statistics)})
     _, chroma_path, chroma_parts = files["chroma"]  # Chroma in BFL's layout: no longer refused as a Flux
     assert detect(FileHeader(chroma_path)).kind is model_kind("chroma")
     with pytest.raises(ModelLoadError, match="--t5xxl FILE"):
