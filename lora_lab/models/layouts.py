@@ -1,5 +1,6 @@
 """Where each diffusers tensor is in a single-file checkpoint: the LDM layout (SD1.5, SDXL), SD3.5's, BFL's
-(Flux), and the text encoders' and VAE's inside them or beside them.
+(Flux, Chroma, FLUX.2 and its VAE), Z-Image's original, Wan 2.1's VAE (Qwen-Image's), and the text encoders'
+and VAE's inside them or beside them.
 
     rules = layout_rules("ldm_unet", model_shapes, prefix="model.diffusion_model.")
     rules["down_blocks.0.resnets.0.conv1.weight"]
@@ -14,7 +15,9 @@ LDM VAE's attention), `T` (transposed: OpenCLIP's text projection). The facts ar
 single-file converters (`diffusers.loaders.single_file_utils`: `convert_ldm_unet_checkpoint`,
 `convert_ldm_vae_checkpoint`, `convert_open_clip_checkpoint`,
 `convert_sd3_transformer_checkpoint_to_diffusers`,
-`convert_flux_transformer_checkpoint_to_diffusers`); written here as rules from the model's side, so that a
+`convert_flux_transformer_checkpoint_to_diffusers`, `convert_chroma_transformer_checkpoint_to_diffusers`,
+`convert_flux2_transformer_checkpoint_to_diffusers`, `convert_z_image_transformer_checkpoint_to_diffusers`,
+`convert_wan_vae_to_diffusers`); written here as rules from the model's side, so that a
 tensor is read from the memory-mapped file when the model asks for it (one at a time), and the same rules
 write a tiny checkpoint in the layout (`to_single_file`) for the tests, which check it against those
 converters.
@@ -147,6 +150,40 @@ def flux2_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
     if name.startswith(("quant_conv.", "post_quant_conv.")):
         return Rule(f"{prefix}{'encoder' if name.startswith('quant') else 'decoder'}.{name}")
     return ldm_vae_rule(name, shape, n_up, prefix)
+
+
+_WAN_TOP = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2.", "encoder.conv_in.": "encoder.conv1.",
+            "decoder.conv_in.": "decoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+            "encoder.conv_out.": "encoder.head.2.", "decoder.norm_out.": "decoder.head.0.",
+            "decoder.conv_out.": "decoder.head.2."}
+_WAN_RESNET = (("norm1.", "residual.0."), ("conv1.", "residual.2."), ("norm2.", "residual.3."),
+               ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut."))
+
+
+def _wan_resnet(rest: str) -> str:
+    return next((old + rest[len(new):] for new, old in _WAN_RESNET if rest.startswith(new)), rest)
+
+
+def wan_vae_rule(name: str, num_res_blocks: int, prefix: str) -> Rule:
+    """Qwen-Image's VAE (AutoencoderKLQwenImage) in Wan 2.1's original names, as Comfy-Org's
+    qwen_image_vae.safetensors holds it (the other way round of `convert_wan_vae_to_diffusers`): the encoder's
+    blocks one flat list as diffusers' (`downsamples`), the decoder's up blocks flattened (`upsamples`: each
+    level's num_res_blocks + 1 resnets, then its upsampler), the mid blocks as `middle.0/1/2`, the residual
+    blocks' layers by their index in Wan's `residual` Sequential."""
+    for new, old in _WAN_TOP.items():
+        if name.startswith(new):
+            return Rule(prefix + old + name[len(new):])
+    if m := re.fullmatch(r"(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d+)\.(.+)", name):
+        index, rest = (2 * int(m[3]), _wan_resnet(m[4])) if m[2] == "resnets" else (1, m[4])
+        return Rule(f"{prefix}{m[1]}.middle.{index}.{rest}")
+    if m := re.fullmatch(r"encoder\.down_blocks\.(\d+)\.(.+)", name):
+        return Rule(f"{prefix}encoder.downsamples.{m[1]}.{_wan_resnet(m[2])}")
+    per_level = num_res_blocks + 2
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", name):
+        return Rule(f"{prefix}decoder.upsamples.{int(m[1]) * per_level + int(m[2])}.{_wan_resnet(m[3])}")
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", name):
+        return Rule(f"{prefix}decoder.upsamples.{int(m[1]) * per_level + per_level - 1}.{m[2]}")
+    raise KeyError(name)
 
 
 # ----------------------------------------------------------------------------- text encoders

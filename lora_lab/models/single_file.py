@@ -3,18 +3,22 @@ the weights read tensor by tensor from the memory-mapped file.
 
     detect_file(path)                    -> Detected(kind: a ModelKind, variant: "sdxl" or "tiny", prefix)
     check_file(path, kind, parts)        -> ModelLoadError where the file is not a `kind` (before
-                                            anything is built); parts: --clip-l, --clip-g, --t5xxl, --vae
+                                            anything is built); parts: --clip-l, --clip-g, --t5xxl,
+                                            --text-encoder, --vae
     open_single_file(kind, path, dtype, parts, shapes_only) -> OpenedBase (as bases.open_base)
 
 Layouts: an SD1.5 or SDXL file in the LDM layout with its text encoders and VAE inside ("all in one"); an
 SD3.5 file with `model.diffusion_model.joint_blocks...` and, where it has them, `text_encoders.clip_l/clip_g/
 t5xxl` and `first_stage_model`; a Flux transformer in BFL's layout (`double_blocks...`), whose CLIP-L, T5-XXL
 and VAE come as separate files (`parts`, as kohya's `--clip_l`, `--t5xxl`, `--ae`): text encoders in
-transformers' names, the VAE in the LDM/BFL layout or diffusers'. A part given as a file replaces the one
-inside. The configs are lora_lab's: `real.REAL_CONFIGS` for the published sizes (variant sd15, sdxl,
-sd35-medium, sd35-large, flux-dev) and `builders.CONFIGS` for the tiny models the tests write ("tiny"),
-told apart by the first layer's width. Tokenizers: the tiny one, or the real CLIP BPE vocabulary
-(`tokenizers.real_clip_tokenizer`).
+transformers' names, the VAE in the LDM/BFL layout or diffusers'. The newer families' transformer alone:
+Chroma's and FLUX.2's in BFL's layout, Qwen-Image's in diffusers' names, Z-Image's in its original one (with
+or without `model.diffusion_model.`), their text encoder and VAE as parts (`_PARTS`). A part given as a file
+replaces the one inside. ComfyUI's scaled fp8 weights are read times their scale (`scale_key`). The configs
+are lora_lab's: `real.REAL_CONFIGS` for the published sizes (variant sd15, sdxl, sd35-medium, sd35-large,
+flux-dev, chroma1-hd, flux2-dev, qwen-image, z-image-turbo) and `builders.CONFIGS` for the tiny models the
+tests write ("tiny"), told apart by the first layer's width. Tokenizers: the tiny one, the real CLIP BPE and
+T5 vocabularies (`tokenizers.py`), or Qwen's and Mistral's from the Hugging Face cache (`cached_tokenizer`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .layouts import (
     open_clip_rule,
     sd3_rule,
     take,
+    wan_vae_rule,
     z_image_rule,
 )
 from .qwen_image import stored_names
@@ -159,11 +164,11 @@ _PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
              "vae": ("vae", "", "ldm_vae")},
     # the newer families: the transformer alone in the file (BFL's, ComfyUI's), the rest as part files:
     # T5-XXL and Flux.1's ae (chroma); Qwen3 as ComfyUI's qwen_3_4b (a Qwen3ForCausalLM's `model.`) and
-    # Flux.1's ae (z-image); Qwen2.5-VL and Mistral 3 in their checkpoints' layouts, the VAEs in diffusers'
-    # names (qwen-image) or BFL's (flux2)
+    # Flux.1's ae (z-image); Qwen2.5-VL and Mistral 3 in their checkpoints' layouts, the VAEs in Wan 2.1's
+    # names (qwen-image) or BFL's (flux2); any VAE in diffusers' names too
     "chroma": {"t5xxl": ("text_encoder", "", "hf"), "vae": ("vae", "", "ldm_vae")},
     "z-image": {"text_encoder": ("text_encoder", "model.", "hf"), "vae": ("vae", "", "ldm_vae")},
-    "qwen-image": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "hf")},
+    "qwen-image": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "wan_vae")},
     "flux2": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "flux2_vae")},
 }
 
@@ -173,9 +178,11 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     """For each tensor of `model` (a skeleton: shapes only), where it is in a file of `layout` under
     `prefix`."""
     shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-    diffusers_vae = f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight"
-    if layout in ("ldm_vae", "flux2_vae") and header is not None and diffusers_vae in header:
-        layout = "hf"  # a VAE in diffusers' names
+    # a VAE in diffusers' names (AutoencoderKL's and Flux2's first resnet; Qwen-Image's flat blocks)
+    diffusers_vae = (f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight",
+                     f"{prefix}encoder.down_blocks.0.conv1.weight")
+    if layout in ("ldm_vae", "flux2_vae", "wan_vae") and any(k in (header or ()) for k in diffusers_vae):
+        layout = "hf"
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
     if layout == "renamed":  # a text encoder whose checkpoints name its modules otherwise: by the file's keys
@@ -192,6 +199,8 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     if layout in ("ldm_vae", "flux2_vae"):
         n_up, rule = len(model.config.up_block_types), ldm_vae_rule if layout == "ldm_vae" else flux2_vae_rule
         return {n: rule(n, s, n_up, prefix) for n, s in shapes.items()}
+    if layout == "wan_vae":
+        return {n: wan_vae_rule(n, model.config.num_res_blocks, prefix) for n in shapes}
     cfg = model.config
     if layout == "ldm_unet":
         up_attention = {i for i, t in enumerate(cfg.up_block_types) if "CrossAttn" in t}

@@ -121,6 +121,27 @@ def test_layout_agrees_with_diffusers_at_real_size(kind):
     assert REAL_CONFIGS[found.variant]["transformer"][0] == model_kind(kind).denoiser
 
 
+def test_qwen_image_vae_in_wan_names_agrees_with_diffusers_at_real_size(files, tmp_path):
+    """Qwen-Image's VAE as Comfy-Org's qwen_image_vae.safetensors holds it (Wan 2.1's names): diffusers' Wan
+    VAE converter reads the real-size key set lora_lab writes to the model's names and shapes (it fixes
+    Wan's block indices, so not at the tiny size); the same VAE in diffusers' names loads too."""
+    from diffusers.loaders import single_file_utils as su
+
+    with torch.device("meta"):
+        vae = build_real("qwen-image", ["vae"])["vae"]
+    tensors = to_single_file(component_rules(vae, "wan_vae", ""), vae.state_dict())
+    assert "decoder.upsamples.4.shortcut.weight" in tensors and "decoder.middle.1.to_qkv.weight" in tensors
+    converted = su.convert_wan_vae_to_diffusers(dict(tensors))
+    assert {k: tuple(v.shape) for k, v in converted.items()} == {
+        k: tuple(v.shape) for k, v in vae.state_dict().items()}
+    pipe, path, parts = files["qwen-image"]
+    assert "encoder.conv1.weight" in load_file(parts["vae"])
+    save_file(pipe.vae.state_dict(), tmp_path / "vae.safetensors")
+    opened = open_base(model_kind("qwen-image"), path, torch.float32,
+                       parts={**parts, "vae": str(tmp_path / "vae.safetensors")})
+    assert all(torch.equal(v, opened.pipe.vae.state_dict()[k]) for k, v in pipe.vae.state_dict().items())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_single_file_loads_the_same_tensors(files, kind):
     """`open_base` on the file and its parts: every component's tensors equal the pipeline's, the prompt
