@@ -45,6 +45,7 @@ from .single_file import (
     check_file,
     component_configs,
     detect,
+    leave_out_unread,
     part_source,
     tokenizer_for,
 )
@@ -303,6 +304,8 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
                 model = skeleton(*_text_encoder_config(cls_name, cfg, tokenizers[enc.tokenizer]),
                                  meta_buffers=False)
             source = part_source(kind, component, model, main, parts, found)
+            if enc is not None and enc.arch in _BUILT_ENCODERS:
+                leave_out_unread(model, source)
             if component == kind.component:
                 out["source"] = source
             else:

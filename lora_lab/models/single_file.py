@@ -186,7 +186,7 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
     if layout == "renamed":  # a text encoder whose checkpoints name its modules otherwise: by the file's keys
-        rename = stored_names(model) or flux2.SavedLayout.live
+        rename = stored_names(model) or _mistral3_name
         keys = header.shapes if header is not None else ()
         found = {rename(k.removeprefix(prefix)): Rule(k) for k in keys if k.startswith(prefix)}
         return {n: found.get(n, Rule(prefix + n)) for n in shapes}
@@ -275,6 +275,33 @@ class MappedWeights:
 
     def close(self) -> None:
         self._file, self._last = None, None
+
+
+def _mistral3_name(key: str) -> str:
+    """A Mistral3ForConditionalGeneration's module name of a key of its checkpoints: transformers' saved
+    layout (`language_model.model.`, flux2.SavedLayout), or ComfyUI's language model alone (`model.`)."""
+    live = flux2.SavedLayout.live(key)
+    if live.startswith("model.") and not live.startswith(_MISTRAL3_MODULES):
+        return "model.language_model." + live.removeprefix("model.")
+    return live
+
+
+_MISTRAL3_MODULES = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
+# A VLM text encoder's modules that encoding a prompt never runs; ComfyUI's files leave them out
+# (its Qwen25_7BVLI has no lm_head, its Mistral3Small24B the language model alone)
+UNUSED_BY_TEXT = ("lm_head", "model.visual", "model.vision_tower", "model.multi_modal_projector")
+
+
+def leave_out_unread(model: torch.nn.Module, source: MappedWeights) -> None:
+    """Each module of UNUSED_BY_TEXT that `source` holds no tensor of replaced by nn.Identity (no parameters
+    to load; text-only calls never reach it, and an lm_head's logits are not read)."""
+    have = source.keys()
+    for path in UNUSED_BY_TEXT:
+        parent, _, child = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent in dict(model.named_modules()) else None
+        if isinstance(getattr(owner, child, None), torch.nn.Module) and not any(
+                k.startswith(path + ".") for k in have):
+            setattr(owner, child, torch.nn.Identity())
 
 
 _STATISTICS = ("bn.running_mean", "bn.running_var")  # FLUX.2's VAE's: buffers its latents depend on
