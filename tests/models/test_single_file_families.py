@@ -263,3 +263,24 @@ def test_scaled_fp8_weights_are_read_times_their_scale(files, tmp_path):
     opened = open_base(model_kind("flux2"), scaled, torch.float32, parts=parts)
     with pytest.raises(ModelLoadError, match=r"scales 'single_blocks.0.linear1.weight' .* by blocks"):
         fill(denoiser(opened.pipe), opened.source, dtype=torch.float32, device="cpu")
+
+
+def test_a_real_size_file_without_its_tokenizer_cached_names_the_repository(monkeypatch):
+    """Qwen's and Mistral's tokenizers are not shipped: a real-size file reads them from the Hugging Face
+    cache, offline, and says which repository to fetch where the cache lacks it."""
+    import transformers
+
+    from lora_lab.models.single_file import tokenizer_for
+
+    asked = []
+
+    def offline(repo, **kwargs):
+        asked.append((repo, kwargs))
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(ModelLoadError, match=r"qwen3 tokenizer from the Hugging Face cache of "
+                       r"Tongyi-MAI/Z-Image-Turbo.*hf download Tongyi-MAI/Z-Image-Turbo") as e:
+        tokenizer_for("qwen3", "text_encoder", "z-image-turbo", model_kind("z-image"))
+    assert "\n" not in str(e.value)
+    assert asked == [("Tongyi-MAI/Z-Image-Turbo", {"subfolder": "tokenizer", "local_files_only": True})]
