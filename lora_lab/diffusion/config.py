@@ -247,7 +247,10 @@ class TrainConfig:
     clip_g: str | None = field(
         default=None, metadata={"help": "a single-file base's CLIP-G text encoder as a file (SD3.5)"})
     t5xxl: str | None = field(
-        default=None, metadata={"help": "a single-file base's T5-XXL text encoder as a file (Flux, SD3.5)"})
+        default=None, metadata={"help": "a single-file base's T5-XXL as a file (Flux, SD3.5, Chroma)"})
+    text_encoder: str | None = field(
+        default=None, metadata={"help": "a single-file base's text encoder as a file (Z-Image's Qwen3, "
+                                        "Qwen-Image's Qwen2.5-VL, FLUX.2's Mistral)"})
     vae: str | None = field(
         default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
                                         "kohya's --ae)"})
@@ -388,7 +391,8 @@ class TrainConfig:
 
     def base_parts(self) -> dict[str, str | None]:
         """A single-file base's part files by part (None: inside the base file)."""
-        return {"clip_l": self.clip_l, "clip_g": self.clip_g, "t5xxl": self.t5xxl, "vae": self.vae}
+        return {"clip_l": self.clip_l, "clip_g": self.clip_g, "t5xxl": self.t5xxl,
+                "text_encoder": self.text_encoder, "vae": self.vae}
 
     def base_torch_dtype(self, device: torch.device) -> torch.dtype:
         """The frozen base's dtype: `base_dtype`, or for "auto" on CUDA bf16 (fp16 under fp16 mixed precision:

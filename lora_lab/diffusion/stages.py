@@ -51,8 +51,9 @@ class Cached(NamedTuple):
 
 
 # the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
-CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "vae", "device", "dataset", "datasets",
-                "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split", "validation_dataset",
+CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "text_encoder", "vae", "device", "dataset",
+                "datasets", "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split",
+                "validation_dataset",
                 "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts",
                 "flip", "masked_loss", "alpha_mask")
 

@@ -60,7 +60,7 @@ BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False,
                   lokr_factor=-1, loss="mse", huber_schedule="snr", huber_c=0.1, huber_scale=1.0, flip=False,
                   masked_loss=False, alpha_mask=False)
 # compared by real path: ./out, /abs/out and a link to it are one
-PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "vae")
+PATH_FIELDS = ("output", "dataset", "base", "reg_dataset", "clip_l", "clip_g", "t5xxl", "text_encoder", "vae")
 NON_FINITE_ADVICE = "try a lower --lr, --mixed-precision no, or --max-grad-norm"
 # The largest adapter weight a good checkpoint holds. Trained LoRA factors stay far below 1 and DoRA
 # magnitudes are row norms of the base's weights; a weight beyond this means the run diverged (--lr 1e30 puts

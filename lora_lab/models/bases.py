@@ -37,7 +37,7 @@ from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
 from . import flux2, qwen_image, z_image
 from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
-from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton
+from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton, skeleton_of
 from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
 from .single_file import (
     PART_FLAGS,
@@ -45,6 +45,7 @@ from .single_file import (
     check_file,
     component_configs,
     detect,
+    leave_out_unread,
     part_source,
     tokenizer_for,
 )
@@ -295,10 +296,16 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
             enc = next((e for e in kind.text_encoders if e.component == component), None)
             if enc is None:
                 model = skeleton(getattr(diffusers, cls_name), cfg, meta_buffers=component == kind.component)
+            elif enc.arch in _BUILT_ENCODERS:
+                model = skeleton_of(lambda: _BUILT_ENCODERS[enc.arch](cfg, tokenizers[enc.tokenizer])
+                                    if found.variant == "tiny"
+                                    else _real_text_encoder(cls_name, cfg, tokenizers[enc.tokenizer]))
             else:
                 model = skeleton(*_text_encoder_config(cls_name, cfg, tokenizers[enc.tokenizer]),
                                  meta_buffers=False)
             source = part_source(kind, component, model, main, parts, found)
+            if enc is not None and enc.arch in _BUILT_ENCODERS:
+                leave_out_unread(model, source)
             if component == kind.component:
                 out["source"] = source
             else:
@@ -317,6 +324,11 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
     components.update(kind.pipeline_extras)
     return OpenedBase(_assemble(kind, components, dtype), FakeWeights() if shapes_only else source,
                       lambda names: load(names), str(path))
+
+
+# the text encoders their family's module builds from a config dict and the tiny tokenizer (as builders.py)
+_BUILT_ENCODERS = {"qwen3": z_image.text_model, "qwen2_5_vl": qwen_image.text_encoder,
+                   "mistral3": flux2.text_encoder}
 
 
 def _text_encoder_config(class_name: str, cfg: dict, tokenizer) -> tuple[type, object]:

@@ -1,5 +1,6 @@
 """Where each diffusers tensor is in a single-file checkpoint: the LDM layout (SD1.5, SDXL), SD3.5's, BFL's
-(Flux), and the text encoders' and VAE's inside them or beside them.
+(Flux, Chroma, FLUX.2 and its VAE), Z-Image's original, Wan 2.1's VAE (Qwen-Image's), and the text encoders'
+and VAE's inside them or beside them.
 
     rules = layout_rules("ldm_unet", model_shapes, prefix="model.diffusion_model.")
     rules["down_blocks.0.resnets.0.conv1.weight"]
@@ -14,7 +15,9 @@ LDM VAE's attention), `T` (transposed: OpenCLIP's text projection). The facts ar
 single-file converters (`diffusers.loaders.single_file_utils`: `convert_ldm_unet_checkpoint`,
 `convert_ldm_vae_checkpoint`, `convert_open_clip_checkpoint`,
 `convert_sd3_transformer_checkpoint_to_diffusers`,
-`convert_flux_transformer_checkpoint_to_diffusers`); written here as rules from the model's side, so that a
+`convert_flux_transformer_checkpoint_to_diffusers`, `convert_chroma_transformer_checkpoint_to_diffusers`,
+`convert_flux2_transformer_checkpoint_to_diffusers`, `convert_z_image_transformer_checkpoint_to_diffusers`,
+`convert_wan_vae_to_diffusers`); written here as rules from the model's side, so that a
 tensor is read from the memory-mapped file when the model asks for it (one at a time), and the same rules
 write a tiny checkpoint in the layout (`to_single_file`) for the tests, which check it against those
 converters.
@@ -140,6 +143,49 @@ def ldm_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
     return Rule(prefix + key)
 
 
+def flux2_vae_rule(name: str, shape: tuple, n_up: int, prefix: str) -> Rule:
+    """FLUX.2's VAE (AutoencoderKLFlux2) in BFL's names: the LDM VAE's, with its quant convolutions inside the
+    encoder and decoder and its batch norm's statistics as they are (diffusers' scripts/
+    convert_flux2_to_diffusers.py, `DIFFUSERS_VAE_TO_FLUX2_MAPPING`)."""
+    if name.startswith(("quant_conv.", "post_quant_conv.")):
+        return Rule(f"{prefix}{'encoder' if name.startswith('quant') else 'decoder'}.{name}")
+    return ldm_vae_rule(name, shape, n_up, prefix)
+
+
+_WAN_TOP = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2.", "encoder.conv_in.": "encoder.conv1.",
+            "decoder.conv_in.": "decoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+            "encoder.conv_out.": "encoder.head.2.", "decoder.norm_out.": "decoder.head.0.",
+            "decoder.conv_out.": "decoder.head.2."}
+_WAN_RESNET = (("norm1.", "residual.0."), ("conv1.", "residual.2."), ("norm2.", "residual.3."),
+               ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut."))
+
+
+def _wan_resnet(rest: str) -> str:
+    return next((old + rest[len(new):] for new, old in _WAN_RESNET if rest.startswith(new)), rest)
+
+
+def wan_vae_rule(name: str, num_res_blocks: int, prefix: str) -> Rule:
+    """Qwen-Image's VAE (AutoencoderKLQwenImage) in Wan 2.1's original names, as Comfy-Org's
+    qwen_image_vae.safetensors holds it (the other way round of `convert_wan_vae_to_diffusers`): the encoder's
+    blocks one flat list as diffusers' (`downsamples`), the decoder's up blocks flattened (`upsamples`: each
+    level's num_res_blocks + 1 resnets, then its upsampler), the mid blocks as `middle.0/1/2`, the residual
+    blocks' layers by their index in Wan's `residual` Sequential."""
+    for new, old in _WAN_TOP.items():
+        if name.startswith(new):
+            return Rule(prefix + old + name[len(new):])
+    if m := re.fullmatch(r"(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d+)\.(.+)", name):
+        index, rest = (2 * int(m[3]), _wan_resnet(m[4])) if m[2] == "resnets" else (1, m[4])
+        return Rule(f"{prefix}{m[1]}.middle.{index}.{rest}")
+    if m := re.fullmatch(r"encoder\.down_blocks\.(\d+)\.(.+)", name):
+        return Rule(f"{prefix}encoder.downsamples.{m[1]}.{_wan_resnet(m[2])}")
+    per_level = num_res_blocks + 2
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", name):
+        return Rule(f"{prefix}decoder.upsamples.{int(m[1]) * per_level + int(m[2])}.{_wan_resnet(m[3])}")
+    if m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", name):
+        return Rule(f"{prefix}decoder.upsamples.{int(m[1]) * per_level + per_level - 1}.{m[2]}")
+    raise KeyError(name)
+
+
 # ----------------------------------------------------------------------------- text encoders
 
 
@@ -229,6 +275,12 @@ def sd3_rule(name: str, shape: tuple, last: int, prefix: str) -> Rule:
     return Rule(f"{b}{names[part]}.{leaf}", op)
 
 
+# a double-stream block's attention in BFL's names (Flux.1, Chroma, FLUX.2), beside its fused q, k, v
+_BFL_DOUBLE = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+               "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+               "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj"}
+
+
 def flux_rule(name: str, shape: tuple, inner: int, prefix: str) -> Rule:
     """BFL's name of a diffusers FluxTransformer2DModel tensor (the other way round of
     `convert_flux_transformer_checkpoint_to_diffusers`; `inner`: the model's width, which diffusers' converter
@@ -248,13 +300,9 @@ def flux_rule(name: str, shape: tuple, inner: int, prefix: str) -> Rule:
         if a := re.fullmatch(r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)", part):
             stream = "txt" if a[1].startswith("add") else "img"
             return _qkv(f"{b}{stream}_attn.qkv.{leaf}", a[1], shape)
-        names = {"norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
-                 "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
-                 "attn.norm_added_q": "txt_attn.norm.query_norm",
-                 "attn.norm_added_k": "txt_attn.norm.key_norm",
+        names = {**_BFL_DOUBLE, "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
                  "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0",
-                 "ff_context.net.2": "txt_mlp.2", "attn.to_out.0": "img_attn.proj",
-                 "attn.to_add_out": "txt_attn.proj"}
+                 "ff_context.net.2": "txt_mlp.2"}
         if part in names:
             return Rule(f"{b}{names[part]}.{'scale' if 'norm.' in names[part] else leaf}")
     if m := re.fullmatch(r"single_transformer_blocks\.(\d+)\.(.+)", head):
@@ -269,3 +317,66 @@ def flux_rule(name: str, shape: tuple, inner: int, prefix: str) -> Rule:
         if part in names:
             return Rule(f"{b}{names[part]}.{'scale' if 'norm.' in names[part] else leaf}")
     raise KeyError(name)
+
+
+# ----------------------------------------------------------------------------- the newer families
+
+
+def chroma_rule(name: str, shape: tuple, inner: int, prefix: str) -> Rule:
+    """BFL's name of a diffusers ChromaTransformer2DModel tensor (lodestones' Chroma1-HD.safetensors; the
+    other way round of `convert_chroma_transformer_checkpoint_to_diffusers`): Flux.1's blocks without their
+    modulation layers, and the approximator `distilled_guidance_layer` (its MLP layers' `in_layer` and
+    `out_layer`, its RMSNorms' `scale`)."""
+    if name.startswith("distilled_guidance_layer."):
+        key = re.sub(r"\.layers\.(\d+)\.linear_1\.", r".layers.\1.in_layer.", name)
+        key = re.sub(r"\.layers\.(\d+)\.linear_2\.", r".layers.\1.out_layer.", key)
+        return Rule(prefix + re.sub(r"\.norms\.(\d+)\.weight$", r".norms.\1.scale", key))
+    return flux_rule(name, shape, inner, prefix)
+
+
+_FLUX2_TOP = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+              "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+              "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+              "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+              "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+              "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+              "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+              "single_stream_modulation.linear": "single_stream_modulation.lin"}
+_FLUX2_DOUBLE = {**_BFL_DOUBLE, "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",
+                 "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+_FLUX2_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2",
+                 "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+
+
+def flux2_rule(name: str, shape: tuple, prefix: str) -> Rule:
+    """BFL's name of a diffusers Flux2Transformer2DModel tensor (flux2-dev.safetensors; the other way round
+    of `convert_flux2_transformer_checkpoint_to_diffusers`): shared modulation layers instead of per-block
+    ones, the double blocks' fused q, k, v as Flux.1's, the single blocks' `linear1` one to one (diffusers
+    keeps it fused), no biases."""
+    head, _, leaf = name.rpartition(".")
+    if head in _FLUX2_TOP:
+        return Rule(f"{prefix}{_FLUX2_TOP[head]}.{leaf}")
+    if head == "norm_out.linear":
+        return Rule(f"{prefix}final_layer.adaLN_modulation.1.{leaf}", "swap")
+    for ours, theirs, table in (("transformer_blocks", "double_blocks", _FLUX2_DOUBLE),
+                                ("single_transformer_blocks", "single_blocks", _FLUX2_SINGLE)):
+        if m := re.fullmatch(rf"{ours}\.(\d+)\.(.+)", head):
+            b, part = f"{prefix}{theirs}.{m[1]}.", m[2]
+            if a := re.fullmatch(r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)", part):
+                return _qkv(f"{b}{'txt' if a[1].startswith('add') else 'img'}_attn.qkv.{leaf}", a[1], shape)
+            if part in table:
+                return Rule(f"{b}{table[part]}.{'scale' if 'norm.' in table[part] else leaf}")
+    raise KeyError(name)
+
+
+def z_image_rule(name: str, shape: tuple, prefix: str) -> Rule:
+    """The original (and ComfyUI's) name of a diffusers ZImageTransformer2DModel tensor (z_image_turbo_bf16
+    .safetensors; the other way round of `convert_z_image_transformer_checkpoint_to_diffusers`): one patch
+    size's embedder and final layer without their `all_..2-1` tables, each attention's q, k, v fused as
+    `qkv`, `out` for `to_out.0`, `q_norm`/`k_norm`. (The file's unused `norm_final` is not read.)"""
+    key = name.replace("all_x_embedder.2-1.", "x_embedder.").replace("all_final_layer.2-1.", "final_layer.")
+    for new, old in ((".to_out.0.", ".out."), (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm.")):
+        key = key.replace(".attention" + new, ".attention" + old)
+    if m := re.fullmatch(r"(.+\.attention)\.(to_[qkv])\.weight", key):
+        return _qkv(f"{prefix}{m[1]}.qkv.weight", m[2], shape)
+    return Rule(prefix + key)

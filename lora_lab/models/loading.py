@@ -49,12 +49,18 @@ def skeleton(cls, config, meta_buffers: bool = True) -> nn.Module:
     too (a denoiser: SD3.5's position table alone is 0.9 GB to compute; every buffer is in its weights), else
     made by the constructor (a text encoder's position ids, which its weights do not hold)."""
     build = (lambda: cls.from_config(config)) if isinstance(config, dict) else (lambda: cls(config))
-    if meta_buffers:
-        with torch.device("meta"):
-            model = build()
-    else:
-        with _parameters_on_meta():
-            model = build()
+    if not meta_buffers:
+        return skeleton_of(build)
+    with torch.device("meta"):
+        model = build()
+    return model.eval().requires_grad_(False)
+
+
+def skeleton_of(make: Callable[[], nn.Module]) -> nn.Module:
+    """The model `make()` builds, with its parameters on the meta device and its buffers made (a text
+    encoder its family's module builds from a config dict and a tokenizer), in eval mode and frozen."""
+    with _parameters_on_meta():
+        model = make()
     return model.eval().requires_grad_(False)
 
 

@@ -3,18 +3,22 @@ the weights read tensor by tensor from the memory-mapped file.
 
     detect_file(path)                    -> Detected(kind: a ModelKind, variant: "sdxl" or "tiny", prefix)
     check_file(path, kind, parts)        -> ModelLoadError where the file is not a `kind` (before
-                                            anything is built); parts: --clip-l, --clip-g, --t5xxl, --vae
+                                            anything is built); parts: --clip-l, --clip-g, --t5xxl,
+                                            --text-encoder, --vae
     open_single_file(kind, path, dtype, parts, shapes_only) -> OpenedBase (as bases.open_base)
 
 Layouts: an SD1.5 or SDXL file in the LDM layout with its text encoders and VAE inside ("all in one"); an
 SD3.5 file with `model.diffusion_model.joint_blocks...` and, where it has them, `text_encoders.clip_l/clip_g/
 t5xxl` and `first_stage_model`; a Flux transformer in BFL's layout (`double_blocks...`), whose CLIP-L, T5-XXL
 and VAE come as separate files (`parts`, as kohya's `--clip_l`, `--t5xxl`, `--ae`): text encoders in
-transformers' names, the VAE in the LDM/BFL layout or diffusers'. A part given as a file replaces the one
-inside. The configs are lora_lab's: `real.REAL_CONFIGS` for the published sizes (variant sd15, sdxl,
-sd35-medium, sd35-large, flux-dev) and `builders.CONFIGS` for the tiny models the tests write ("tiny"),
-told apart by the first layer's width. Tokenizers: the tiny one, or the real CLIP BPE vocabulary
-(`tokenizers.real_clip_tokenizer`).
+transformers' names, the VAE in the LDM/BFL layout or diffusers'. The newer families' transformer alone:
+Chroma's and FLUX.2's in BFL's layout, Qwen-Image's in diffusers' names, Z-Image's in its original one (with
+or without `model.diffusion_model.`), their text encoder and VAE as parts (`_PARTS`). A part given as a file
+replaces the one inside. ComfyUI's scaled fp8 weights are read times their scale (`scale_key`). The configs
+are lora_lab's: `real.REAL_CONFIGS` for the published sizes (variant sd15, sdxl, sd35-medium, sd35-large,
+flux-dev, chroma1-hd, flux2-dev, qwen-image, z-image-turbo) and `builders.CONFIGS` for the tiny models the
+tests write ("tiny"), told apart by the first layer's width. Tokenizers: the tiny one, the real CLIP BPE and
+T5 vocabularies (`tokenizers.py`), or Qwen's and Mistral's from the Hugging Face cache (`cached_tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,20 +28,28 @@ from pathlib import Path
 
 import torch
 
-from .builders import CONFIGS, build_tokenizer
+from . import flux2
+from .builders import CONFIGS, WORDS, build_tokenizer
 from .kinds import REGISTRY, ModelKind, ModelLoadError
 from .layouts import (
     Rule,
+    chroma_rule,
     clip_rule,
+    flux2_rule,
+    flux2_vae_rule,
     flux_rule,
     ldm_unet_key,
     ldm_vae_rule,
     open_clip_rule,
     sd3_rule,
     take,
+    wan_vae_rule,
+    z_image_rule,
 )
+from .qwen_image import stored_names
 
-PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl", "vae": "--vae"}
+PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl",
+              "text_encoder": "--text-encoder", "vae": "--vae"}
 DENOISER_PREFIX = "model.diffusion_model."
 
 # The key each family's file is known by, and the key whose first dimension tells the size (the denoiser's
@@ -47,13 +59,19 @@ _FAMILIES = (
     ("sd15", "input_blocks.0.0.weight", None, {320: "sd15", 32: "tiny"}),
     ("sd3", "x_embedder.proj.weight", "joint_blocks.0.x_block.attn.qkv.weight",
      {1536: "sd35-medium", 2432: "sd35-large", 32: "tiny"}),
+    ("chroma", "img_in.weight", "distilled_guidance_layer.in_proj.weight", {3072: "chroma1-hd", 32: "tiny"}),
+    ("flux2", "img_in.weight", "single_stream_modulation.lin.weight", {6144: "flux2-dev", 32: "tiny"}),
+    ("qwen-image", "img_in.weight", "txt_norm.weight", {3072: "qwen-image", 32: "tiny"}),
     ("flux", "img_in.weight", "double_blocks.0.img_attn.qkv.weight", {3072: "flux-dev", 32: "tiny"}),
+    ("z-image", "x_embedder.weight", "layers.0.adaLN_modulation.0.weight",
+     {3840: "z-image-turbo", 64: "tiny"}),
 )
+FAMILY_NAMES = "SD1.5, SDXL, SD3.5, Flux, Chroma, FLUX.2, Qwen-Image or Z-Image"
 
 
 @dataclass(frozen=True)
 class Detected:
-    kind: ModelKind  # sd15 | sdxl | sd3 | flux
+    kind: ModelKind  # any of _FAMILIES
     variant: str  # a name of real.REAL_CONFIGS, or "tiny"
     prefix: str  # of the denoiser's keys: "model.diffusion_model." or ""
 
@@ -98,15 +116,12 @@ def detect(header: FileHeader) -> Detected:
                 raise ModelLoadError(f"{header.path}: a Stable Diffusion 3 Medium (3.0) checkpoint (no "
                                      f"dual attention in its first block, a pos_embed of {patches} patches), "
                                      "which lora_lab has no config for: it trains SD3.5 Medium and Large")
-            if kind == "flux" and prefix + "distilled_guidance_layer.in_proj.weight" in header:
-                raise ModelLoadError(f"{header.path}: a Chroma checkpoint in BFL's single-file layout, which "
-                                     "lora_lab does not read: use a diffusers folder (lodestones/Chroma1-HD)")
             if kind == "flux" and variant != "tiny" and prefix + "guidance_in.in_layer.weight" not in header:
                 raise ModelLoadError(f"{header.path}: a Flux checkpoint without guidance embedding "
                                      "(schnell), which lora_lab has no config for")
             return Detected(REGISTRY[kind], variant, prefix)
     first = sorted(header.shapes)[:3]
-    raise ModelLoadError(f"{header.path}: not an SD1.5, SDXL, SD3.5 or Flux checkpoint lora_lab knows "
+    raise ModelLoadError(f"{header.path}: not an {FAMILY_NAMES} checkpoint lora_lab knows "
                          f"(first keys: {first})")
 
 
@@ -147,6 +162,14 @@ _PARTS: dict[str, dict[str, tuple[str, str, str]]] = {
             "vae": ("vae", "first_stage_model.", "ldm_vae")},
     "flux": {"clip_l": ("text_encoder", "", "clip"), "t5xxl": ("text_encoder_2", "", "hf"),
              "vae": ("vae", "", "ldm_vae")},
+    # the newer families: the transformer alone in the file (BFL's, ComfyUI's), the rest as part files:
+    # T5-XXL and Flux.1's ae (chroma); Qwen3 as ComfyUI's qwen_3_4b (a Qwen3ForCausalLM's `model.`) and
+    # Flux.1's ae (z-image); Qwen2.5-VL and Mistral 3 in their checkpoints' layouts, the VAEs in Wan 2.1's
+    # names (qwen-image) or BFL's (flux2); any VAE in diffusers' names too
+    "chroma": {"t5xxl": ("text_encoder", "", "hf"), "vae": ("vae", "", "ldm_vae")},
+    "z-image": {"text_encoder": ("text_encoder", "model.", "hf"), "vae": ("vae", "", "ldm_vae")},
+    "qwen-image": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "wan_vae")},
+    "flux2": {"text_encoder": ("text_encoder", "", "renamed"), "vae": ("vae", "", "flux2_vae")},
 }
 
 
@@ -155,33 +178,57 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     """For each tensor of `model` (a skeleton: shapes only), where it is in a file of `layout` under
     `prefix`."""
     shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-    diffusers_vae = f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight"
-    if layout == "ldm_vae" and header is not None and diffusers_vae in header:
-        layout = "hf"  # a VAE in diffusers' names
+    # a VAE in diffusers' names (AutoencoderKL's and Flux2's first resnet; Qwen-Image's flat blocks)
+    diffusers_vae = (f"{prefix}encoder.down_blocks.0.resnets.0.conv1.weight",
+                     f"{prefix}encoder.down_blocks.0.conv1.weight")
+    if layout in ("ldm_vae", "flux2_vae", "wan_vae") and any(k in (header or ()) for k in diffusers_vae):
+        layout = "hf"
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
+    if layout == "renamed":  # a text encoder whose checkpoints name its modules otherwise: by the file's keys
+        rename = stored_names(model) or _mistral3_name
+        keys = header.shapes if header is not None else ()
+        found = {rename(k.removeprefix(prefix)): Rule(k) for k in keys if k.startswith(prefix)}
+        return {n: found.get(n, Rule(prefix + n)) for n in shapes}
     if layout == "clip":
         with_text_model = not any(n.startswith("text_model.") for n in shapes)
         return {n: clip_rule(n, prefix, with_text_model) for n in shapes}
     if layout == "open_clip":
         return {n: open_clip_rule(n, s, prefix) for n, s in shapes.items()
                 if not n.endswith("position_ids")}
-    if layout == "ldm_vae":
-        n_up = len(model.config.up_block_types)
-        return {n: ldm_vae_rule(n, s, n_up, prefix) for n, s in shapes.items()}
+    if layout in ("ldm_vae", "flux2_vae"):
+        n_up, rule = len(model.config.up_block_types), ldm_vae_rule if layout == "ldm_vae" else flux2_vae_rule
+        return {n: rule(n, s, n_up, prefix) for n, s in shapes.items()}
+    if layout == "wan_vae":
+        return {n: wan_vae_rule(n, model.config.num_res_blocks, prefix) for n in shapes}
     cfg = model.config
     if layout == "ldm_unet":
         up_attention = {i for i, t in enumerate(cfg.up_block_types) if "CrossAttn" in t}
         return {n: Rule(prefix + ldm_unet_key(n, cfg.layers_per_block, up_attention)) for n in shapes}
     if layout == "sd3":
         return {n: sd3_rule(n, s, cfg.num_layers - 1, prefix) for n, s in shapes.items()}
-    if layout == "flux":
+    if layout in ("flux", "chroma"):
         inner = cfg.num_attention_heads * cfg.attention_head_dim
-        return {n: flux_rule(n, s, inner, prefix) for n, s in shapes.items()}
+        rule = flux_rule if layout == "flux" else chroma_rule
+        return {n: rule(n, s, inner, prefix) for n, s in shapes.items()}
+    if layout in ("flux2", "z_image"):
+        rule = flux2_rule if layout == "flux2" else z_image_rule
+        return {n: rule(n, s, prefix) for n, s in shapes.items()}
     raise ValueError(f"unknown layout {layout!r}")
 
 
-DENOISER_LAYOUT = {"sd15": "ldm_unet", "sdxl": "ldm_unet", "sd3": "sd3", "flux": "flux"}
+# Qwen-Image's file (ComfyUI's qwen_image_bf16.safetensors) holds diffusers' names as they are
+DENOISER_LAYOUT = {"sd15": "ldm_unet", "sdxl": "ldm_unet", "sd3": "sd3", "flux": "flux", "chroma": "chroma",
+                   "flux2": "flux2", "qwen-image": "hf", "z-image": "z_image"}
+
+
+def scale_key(key: str, header: FileHeader) -> str | None:
+    """The scale stored beside an fp8 weight in ComfyUI's scaled files (`X.scale_weight`, the older
+    `scaled_fp8` files; `X.weight_scale`, its newer quantized layout), or None."""
+    if not key.endswith(".weight"):
+        return None
+    names = (key.removesuffix("weight") + "scale_weight", key + "_scale")
+    return next((k for k in names if k in header), None)
 
 
 class MappedWeights:
@@ -192,6 +239,7 @@ class MappedWeights:
     def __init__(self, path: Path, header: FileHeader, rules: dict[str, Rule], what: str):
         self.path, self.rules, self.what = path, rules, what
         self._have = {n for n, r in rules.items() if r.key in header}
+        self._scales = {r.key: s for r in rules.values() if (s := scale_key(r.key, header))}
         self._file = None
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -208,11 +256,55 @@ class MappedWeights:
         if self._last is None or self._last[0] != rule.key:
             if self._file is None:
                 self._file = safe_open(str(self.path), "pt")
-            self._last = (rule.key, self._file.get_tensor(rule.key))
+            t = self._file.get_tensor(rule.key)
+            if rule.key in self._scales:
+                t = self._scaled(rule.key, t)
+            self._last = (rule.key, t)
         return take(rule, self._last[1])
+
+    def _scaled(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """An fp8 weight times its scale (one for the tensor, or one per row), in fp32."""
+        scale = self._file.get_tensor(self._scales[key]).float()
+        if scale.numel() == 1:
+            return t.float() * scale.reshape(())
+        if scale.numel() == t.shape[0]:
+            return t.float() * scale.reshape(-1, *[1] * (t.dim() - 1))
+        raise ModelLoadError(f"{self.path}: tensor {self._scales[key]!r} of shape {tuple(scale.shape)} "
+                             f"scales {key!r} {tuple(t.shape)} by blocks, which lora_lab does not read (a "
+                             "scale per tensor or per row only)")
 
     def close(self) -> None:
         self._file, self._last = None, None
+
+
+def _mistral3_name(key: str) -> str:
+    """A Mistral3ForConditionalGeneration's module name of a key of its checkpoints: transformers' saved
+    layout (`language_model.model.`, flux2.SavedLayout), or ComfyUI's language model alone (`model.`)."""
+    live = flux2.SavedLayout.live(key)
+    if live.startswith("model.") and not live.startswith(_MISTRAL3_MODULES):
+        return "model.language_model." + live.removeprefix("model.")
+    return live
+
+
+_MISTRAL3_MODULES = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
+# A VLM text encoder's modules that encoding a prompt never runs; ComfyUI's files leave them out
+# (its Qwen25_7BVLI has no lm_head, its Mistral3Small24B the language model alone)
+UNUSED_BY_TEXT = ("lm_head", "model.visual", "model.vision_tower", "model.multi_modal_projector")
+
+
+def leave_out_unread(model: torch.nn.Module, source: MappedWeights) -> None:
+    """Each module of UNUSED_BY_TEXT that `source` holds no tensor of replaced by nn.Identity (no parameters
+    to load; text-only calls never reach it, and an lm_head's logits are not read)."""
+    have = source.keys()
+    for path in UNUSED_BY_TEXT:
+        parent, _, child = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent in dict(model.named_modules()) else None
+        if isinstance(getattr(owner, child, None), torch.nn.Module) and not any(
+                k.startswith(path + ".") for k in have):
+            setattr(owner, child, torch.nn.Identity())
+
+
+_STATISTICS = ("bn.running_mean", "bn.running_var")  # FLUX.2's VAE's: buffers its latents depend on
 
 
 def part_source(kind: ModelKind, component: str, model, main: FileHeader, parts: dict[str, str | None],
@@ -229,7 +321,12 @@ def part_source(kind: ModelKind, component: str, model, main: FileHeader, parts:
         rules = component_rules(model, layout, "", header)
         if not any(r.key in header for r in rules.values()):  # kohya's and ComfyUI's files, with a prefix
             rules = component_rules(model, layout, prefix, header)
-        return MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
+        source = MappedWeights(header.path, header, rules, f"{PART_FLAGS[part]} {header.path}")
+        missing = [n for n in _STATISTICS if n in rules and n not in source.keys()]
+        if missing:  # buffers: `fill` would leave them at their defaults
+            raise ModelLoadError(f"{PART_FLAGS[part]} {header.path}: no {', '.join(missing)}: not FLUX.2's "
+                                 "VAE (its latents are normalised by these statistics)")
+        return source
     rules = component_rules(model, layout, prefix, main)
     source = MappedWeights(main.path, main, rules, f"{main.path} ({component})")
     if not source.keys():
@@ -245,10 +342,12 @@ def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dic
     if variant != "tiny":
         return dict(REAL_CONFIGS[variant])
     cfg = CONFIGS[kind.name]
-    out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": ("AutoencoderKL", cfg["vae"])}
+    out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": (kind.vae, cfg["vae"])}
     for enc in kind.text_encoders:
         name = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
-                "t5": "T5EncoderModel"}[enc.arch]
+                "t5": "T5EncoderModel", "qwen3": "Qwen3Model",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "mistral3": "Mistral3ForConditionalGeneration"}[enc.arch]
         out[enc.component] = (name, cfg[enc.component])
     return out
 
@@ -256,10 +355,33 @@ def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dic
 def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind):
     """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`)."""
     if variant == "tiny":
-        return build_tokenizer("t5" if arch == "t5" else "clip")
+        if arch == "mistral3":
+            return flux2.build_processor(WORDS)
+        return build_tokenizer(arch if arch in ("t5", "qwen3", "qwen2_5_vl") else "clip")
+    if arch in _CACHED_TOKENIZERS:
+        return cached_tokenizer(arch, _CACHED_TOKENIZERS[arch])
     from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
 
     if arch == "t5":
         return real_t5_tokenizer(kind.t5_tokens)
     return real_clip_tokenizer(pad="!" if kind.name == "sdxl" and component == "text_encoder_2" else
                                "<|endoftext|>")
+
+
+# The real tokenizers lora_lab does not ship (Qwen's and Mistral's vocabularies: megabytes, other licences):
+# read offline from the Hugging Face cache of the family's diffusers repository (its tokenizer/ folder).
+_CACHED_TOKENIZERS = {"qwen3": "Tongyi-MAI/Z-Image-Turbo", "qwen2_5_vl": "Qwen/Qwen-Image",
+                      "mistral3": "black-forest-labs/FLUX.2-dev"}
+
+
+def cached_tokenizer(arch: str, repo: str):
+    """The tokenizer of `repo` from the Hugging Face cache, offline; ModelLoadError naming the repository
+    and the command that fetches it where the cache lacks it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(repo, subfolder="tokenizer", local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"a real-size single-file base reads its {arch} tokenizer from the Hugging Face "
+                             f"cache of {repo}, which lacks it ({type(e).__name__}): fetch it once with "
+                             f"`hf download {repo} --include 'tokenizer/*'`") from None

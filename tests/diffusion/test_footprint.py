@@ -56,6 +56,7 @@ CANNOT_AT_TINY = {
     "clip_l": "a part file of a single-file base (tests/models/test_single_file.py trains with one)",
     "clip_g": "a part file of a single-file base",
     "t5xxl": "a part file of a single-file base",
+    "text_encoder": "a part file of a single-file base (tests/models/test_single_file_families.py)",
     "vae": "a part file of a single-file base",
     "skip_bad_images": "only drops unreadable images; the shipped data has none",
     "vae_tiling": "a tiny sample (16 px) is smaller than one tile: decoded whole either way",

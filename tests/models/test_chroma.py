@@ -225,14 +225,18 @@ def test_every_phase_of_a_tiny_run_is_planned_within_five_percent(tmp_path):
 
 
 def test_a_chroma_single_file_is_named_and_refused_in_one_line(tmp_path):
-    """Chroma1-HD.safetensors is BFL's layout with Flux's keys and a distilled guidance layer: not mistaken
-    for Flux (or schnell), refused with what to use instead."""
+    """Chroma1-HD.safetensors is BFL's layout with Flux's keys and a distilled guidance layer: read as Chroma
+    (tests/models/test_single_file_families.py loads one), not mistaken for Flux (or schnell): `--model flux`
+    on it is refused in one line naming the family to use."""
     from safetensors.torch import save_file
 
-    from lora_lab.models.single_file import detect_file
+    from lora_lab.models.single_file import check_file, detect_file
 
     keys = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "distilled_guidance_layer.in_proj.weight")
     save_file({k: torch.zeros(3072 if k == "img_in.weight" else 1, 1) for k in keys}, str(tmp_path / "c.st"))
-    with pytest.raises(M.ModelLoadError, match=r"c.st: a Chroma checkpoint in BFL's single-file layout"):
-        detect_file(tmp_path / "c.st")
+    found = detect_file(tmp_path / "c.st")
+    assert (found.kind.name, found.variant) == ("chroma", "chroma1-hd")
+    with pytest.raises(M.ModelLoadError, match=r"c.st is a chroma checkpoint \(chroma1-hd\), not flux: train "
+                       "it with --model chroma"):
+        check_file(tmp_path / "c.st", M.model_kind("flux"))
 
