@@ -37,7 +37,16 @@ from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
 from . import flux2, qwen_image, z_image
 from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
-from .loading import FakeWeights, FolderWeights, ModuleWeights, RandomWeights, fill, skeleton, skeleton_of
+from .loading import (
+    FakeWeights,
+    FolderWeights,
+    ModuleWeights,
+    RandomWeights,
+    fill,
+    skeleton,
+    skeleton_of,
+    stored_names,
+)
 from .real import REAL_CONFIGS, REAL_PREFIX, REAL_SCHEDULERS, real_kind
 from .single_file import (
     PART_FLAGS,
@@ -259,10 +268,7 @@ def _folder_components(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_o
                       else transformers.AutoConfig.from_pretrained(str(sub), local_files_only=True))
             model = skeleton(cls, config, meta_buffers=name == kind.component)
             if name != kind.component:
-                # transformers 5 renames the VLM encoders' stored keys: Qwen2.5-VL's by name, Mistral3's by
-                # layout
-                source = (FakeWeights() if shapes_only
-                          else flux2.weights_for(model, FolderWeights(sub, qwen_image.stored_names(model))))
+                source = FakeWeights() if shapes_only else FolderWeights(sub, stored_names(model))
                 fill(model, source, dtype=dtype, device="cpu")
             out[name] = model
         else:  # schedulers, tokenizers: small, read from their files (real tensors, in a plan too)

@@ -279,33 +279,22 @@ def from_bfl_kohya(name: str) -> str | None:
 _SAVED_PREFIXES = (("model.language_model.", "language_model.model."),
                    ("lm_head.", "language_model.lm_head."), ("model.vision_tower.", "vision_tower."),
                    ("model.multi_modal_projector.", "multi_modal_projector."))
+_MODULES = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-class SavedLayout:
-    """A weights source (`loading.FolderWeights`) of a Mistral3 text encoder read by the model's own names,
-    whichever layout the file has."""
+def stored_names(model: torch.nn.Module):
+    """For a Mistral3 text encoder, the module name of each key its checkpoints hold: transformers' saved
+    layout (`language_model.model.`, ...), its module names, or ComfyUI's language model alone (`model.`);
+    None for any other model (its keys are its names)."""
+    if not type(model).__name__.startswith("Mistral3"):
+        return None
 
-    def __init__(self, source):
-        self.source = source
-        self.stored = {self.live(k): k for k in source.keys()}
-
-    @staticmethod
-    def live(stored: str) -> str:
+    def rename(key: str) -> str:
         for live, saved in _SAVED_PREFIXES:
-            if stored.startswith(saved):
-                return live + stored[len(saved):]
-        return stored
+            if key.startswith(saved):
+                return live + key[len(saved):]
+        if key.startswith("model.") and not key.startswith(_MODULES):
+            return "model.language_model." + key.removeprefix("model.")
+        return key
 
-    def keys(self) -> set[str]:
-        return set(self.stored)
-
-    def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        return self.source.tensor(self.stored[name], like)
-
-    def describe(self, name: str) -> str:
-        return self.source.describe(self.stored.get(name, name))
-
-
-def weights_for(model, source):
-    """`source` as `model` reads it: a Mistral3 text encoder's through `SavedLayout`, others as they are."""
-    return SavedLayout(source) if type(model).__name__.startswith("Mistral3") else source
+    return rename

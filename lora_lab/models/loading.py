@@ -34,6 +34,7 @@ from torch import nn
 from ..fileio import BASE_DTYPES, weight_dtype_problem
 from ..quant import QuantLinear
 from ..torch_private import buffers_of, parameters_of
+from . import flux2, qwen_image
 from .chroma import modulation_indices
 from .kinds import ModelLoadError
 from .qwen_image import rope_tables
@@ -82,6 +83,13 @@ def _parameters_on_meta():
 
 
 # ----------------------------------------------------------------------------- sources of weights
+
+
+def stored_names(model: nn.Module) -> Callable[[str], str] | None:
+    """The module name of each key a text encoder's checkpoints hold, where transformers 5 builds its modules
+    under other names (Qwen2.5-VL's, Mistral3's: each family's module says how); None where the keys are the
+    module names."""
+    return qwen_image.stored_names(model) or flux2.stored_names(model)
 
 
 class FolderWeights:

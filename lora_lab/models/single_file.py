@@ -46,7 +46,7 @@ from .layouts import (
     wan_vae_rule,
     z_image_rule,
 )
-from .qwen_image import stored_names
+from .loading import stored_names
 
 PART_FLAGS = {"clip_l": "--clip-l", "clip_g": "--clip-g", "t5xxl": "--t5xxl",
               "text_encoder": "--text-encoder", "vae": "--vae"}
@@ -186,7 +186,7 @@ def component_rules(model: torch.nn.Module, layout: str, prefix: str,
     if layout == "hf":
         return {n: Rule(prefix + n) for n in shapes}
     if layout == "renamed":  # a text encoder whose checkpoints name its modules otherwise: by the file's keys
-        rename = stored_names(model) or _mistral3_name
+        rename = stored_names(model) or (lambda key: key)
         keys = header.shapes if header is not None else ()
         found = {rename(k.removeprefix(prefix)): Rule(k) for k in keys if k.startswith(prefix)}
         return {n: found.get(n, Rule(prefix + n)) for n in shapes}
@@ -277,16 +277,6 @@ class MappedWeights:
         self._file, self._last = None, None
 
 
-def _mistral3_name(key: str) -> str:
-    """A Mistral3ForConditionalGeneration's module name of a key of its checkpoints: transformers' saved
-    layout (`language_model.model.`, flux2.SavedLayout), or ComfyUI's language model alone (`model.`)."""
-    live = flux2.SavedLayout.live(key)
-    if live.startswith("model.") and not live.startswith(_MISTRAL3_MODULES):
-        return "model.language_model." + live.removeprefix("model.")
-    return live
-
-
-_MISTRAL3_MODULES = ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
 # A VLM text encoder's modules that encoding a prompt never runs; ComfyUI's files leave them out
 # (its Qwen25_7BVLI has no lm_head, its Mistral3Small24B the language model alone)
 UNUSED_BY_TEXT = ("lm_head", "model.visual", "model.vision_tower", "model.multi_modal_projector")
