@@ -1,7 +1,8 @@
-# Two commands: `make run` (set-up + every notebook through papermill into reports/)
-# and `make test` (set-up + pytest; `make test-quick`: without the slow tests); `make report` writes
-# reports/index.html, `make lab` opens the workbook, `make test-lab` tests it in a browser. Both are
-# idempotent: set-up runs again only when pyproject.toml or constraints.txt change.
+# Two commands: `make run` (set-up + every notebook through papermill into reports/, notebook 07 also on
+# the other pre-trained families: FAMILIES) and `make test` (set-up + pytest; `make test-quick`: without
+# the slow tests); `make report` writes reports/index.html, `make lab` opens the workbook, `make test-lab`
+# tests it in a browser. Both are idempotent: set-up runs again only when pyproject.toml or
+# constraints.txt change.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -38,8 +39,14 @@ $(VENV)/cache:
 
 # ARGS: more of the runner's arguments, e.g. ARGS="03_lora_dora --sweep RANK=1,2,4,8 --seeds 0,1,2"
 ARGS ?=
+# Without ARGS, notebook 07 also runs on the other pre-trained families (its default is sd3): a sweep over
+# MODEL into reports/sweeps/07_diffusion_lora-MODEL/MODEL=<family>/, afresh each time (a sweep resumes
+# otherwise), in `make report`'s index. FAMILIES= (empty) leaves it out.
+FAMILIES ?= z-image,chroma
+FAMILY_SWEEP := reports/sweeps/07_diffusion_lora-MODEL
 run: setup
 	$(PY) -m lora_lab.notebook --out reports $(ARGS)
+	$(if $(ARGS),,$(if $(FAMILIES),rm -rf $(FAMILY_SWEEP) && $(PY) -m lora_lab.notebook 07_diffusion_lora --sweep MODEL=$(FAMILIES) --out reports))
 
 # reports/index.html from what `make run` and sweeps left in reports/ (offline: no CDN, no scripts)
 report: setup
