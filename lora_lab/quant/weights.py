@@ -151,7 +151,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     stay small next to the weight: what quantizing a base layer by layer while loading it needs. The codes
     equal those of one pass over the whole weight. On the meta device the tensors are empty meta tensors of
     the stored shapes and dtypes; fake tensors (a plan) are not checked for finite values, and only their
-    first chunk is worked through (its temporaries: the peak; the codes of fake values are no values).
+    first two chunks are worked through (their temporaries: the peak; fake values have no codes to compute).
     """
     block_size = check_format(fmt, block_size)
     if w.dim() != 2:
@@ -210,8 +210,9 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
 
 def _starts(total: int, step: int, real: bool) -> range:
     """The chunks' first indices: every chunk's of a real weight; a fake one's (a plan: no values to compute)
-    only the first chunk's, the largest, whose temporaries are the peak every chunk reaches."""
-    return range(0, total if real else min(total, step), step)
+    only the first two: the second's temporaries beside what is left of the first are the peak every later
+    chunk reaches."""
+    return range(0, total if real else min(total, 2 * step), step)
 
 
 def _finite(x: torch.Tensor, check: bool, shape: tuple) -> torch.Tensor:
