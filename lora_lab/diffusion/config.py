@@ -15,9 +15,8 @@ from ..errors import LoraLabError
 from ..models import DATA_DIR, KINDS, ModelLoadError, model_kind
 from ..models.bases import check_base
 from ..precision import MODES
-from ..quant import FORMATS
 from .bounds import check_bounds
-from .options import check_adapter_fields, check_knob_fields, check_watch_fields
+from .options import check_adapter_fields, check_knob_fields, check_quantization_fields, check_watch_fields
 
 MODELS = KINDS
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit", "prodigy", "adafactor")
@@ -134,6 +133,9 @@ class TrainConfig:
     base_quantization: str | None = field(
         default=None, metadata={"help": "store the frozen denoiser's Linear weights quantized (QLoRA), each "
                                         "as it is loaded: int8 | int8-block | nf4 | fp8 | fp8-row"})
+    text_encoder_quantization: str | None = field(
+        default=None, metadata={"help": "cache with the text encoders' Linear weights quantized, each on the "
+                                        "device as it arrives (--base-quantization's formats)"})
     # the optimization
     steps: int = field(default=1000, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=1, metadata={"help": "examples per micro-batch per process"})
@@ -249,8 +251,7 @@ class TrainConfig:
     t5xxl: str | None = field(
         default=None, metadata={"help": "a single-file base's T5-XXL as a file (Flux, SD3.5, Chroma)"})
     text_encoder: str | None = field(
-        default=None, metadata={"help": "a single-file base's text encoder as a file (Z-Image's Qwen3, "
-                                        "Qwen-Image's Qwen2.5-VL, FLUX.2's Mistral)"})
+        default=None, metadata={"help": "a single-file base's text encoder file (Qwen3, Qwen2.5-VL, Mistral)"})
     vae: str | None = field(
         default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
                                         "kohya's --ae)"})
@@ -377,13 +378,12 @@ class TrainConfig:
         if self.blocks_to_swap and not self.gradient_checkpointing:
             bad("blocks_to_swap", "needs gradient checkpointing (a swapped block's recomputation in backward "
                 "brings it back to the device)")
-        if self.base_quantization is not None and self.base_quantization not in FORMATS:
-            bad("base_quantization", f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             bad("device", "must be auto, cpu, cuda or cuda:N")
         check_watch_fields(self, bad)
         check_knob_fields(self, bad)
         check_adapter_fields(self, bad)
+        check_quantization_fields(self, bad)
 
     def keeps_encoders(self) -> bool:
         """The text encoders and VAE stay on the device all run: keep_encoders, or a text-encoder LoRA."""

@@ -68,7 +68,10 @@ def open_disk_cache(config: TrainConfig, pipe, device: torch.device, dtype: torc
     """The run's disk cache (None where it has none), its identity read from the encoders as loaded (call it
     while they are on the host: their weights are hashed)."""
     folder = cache_folder(config)
-    return None if folder is None else DiskCache(folder, encoder_identity(pipe, device, dtype))
+    if folder is None:
+        return None
+    return DiskCache(folder, {**encoder_identity(pipe, device, dtype),
+                              "text_quantization": config.text_encoder_quantization})
 
 
 def _version(package: str) -> str | None:

@@ -25,7 +25,8 @@ VALUE, SET = "value", "whether set"
 MEMORY: dict[str, str | Callable | None] = {
     # the base and its parts (their files' contents are in the plan key too)
     "model": VALUE, "base": VALUE, "base_dtype": VALUE, "clip_l": VALUE, "clip_g": VALUE, "t5xxl": VALUE,
-    "text_encoder": VALUE, "vae": VALUE, "base_quantization": VALUE, "device": VALUE,
+    "text_encoder": VALUE, "vae": VALUE, "base_quantization": VALUE, "text_encoder_quantization": VALUE,
+    "device": VALUE,
     # the data: how many examples are cached, their sizes, the captions the text encoders see at once
     "dataset": VALUE, "datasets": VALUE, "reg_dataset": VALUE, "validation_dataset": VALUE,
     "validation_split": VALUE, "resolution": VALUE, "buckets": VALUE, "skip_bad_images": VALUE,

@@ -1,7 +1,8 @@
 """Parts of `TrainConfig.validate`: the fields for watching a run (samples and validation during training,
 logging) and for several data folders (`[[datasets]]` tables, caption shuffling): `check_watch_fields`; the
 knobs of loss weighting, timesteps, EMA and LoRA+: `check_knob_fields`; the adapter kind (LoRA, LoKr, LoHa)
-and what goes with it: `check_adapter_fields`."""
+and what goes with it: `check_adapter_fields`; the quantized base's and text encoders' formats:
+`check_quantization_fields`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from ..lora import ADAPTER_KINDS
 from ..models import KINDS, model_kind, shipped_base
 from ..models.real import REAL_PREFIX
+from ..quant import FORMATS
 from .bounds import MAX_REPEATS
 from .data import caption_extension_problem
 from .losses import HUBER_SCHEDULES, LOSSES
@@ -190,3 +192,14 @@ def check_adapter_fields(config, bad) -> None:
     for name, (kind, why) in KIND_OPTIONS.items():
         if getattr(config, name) != defaults[name] and config.adapter != kind:
             bad(name, f"applies to --adapter {kind} only, not {config.adapter} ({why})")
+
+
+def check_quantization_fields(config, bad) -> None:
+    """The quantized base's and text encoders' formats (`quant.FORMATS`); the text encoders are quantized
+    only where they stay frozen (their embeddings cached): not with a text-encoder LoRA."""
+    for name in ("base_quantization", "text_encoder_quantization"):
+        if getattr(config, name) is not None and getattr(config, name) not in FORMATS:
+            bad(name, f"must be one of {', '.join(FORMATS)} (or None: not quantized)")
+    if config.text_encoder_quantization is not None and config.text_encoder_lr is not None:
+        bad("text_encoder_quantization", "quantizes frozen text encoders for caching; with text_encoder_lr "
+            "they train (a LoRA on their float Linear layers, the captions through them at each step)")

@@ -13,9 +13,10 @@ import torch
 from ..checkpointing import disable_checkpointing
 from ..formats import file_formats, save_lora
 from ..lora import lora_state_dict
-from ..models import ModelKind, denoiser
+from ..models import ModelKind, denoiser, model_kind
 from ..models.bases import OpenedBase
 from ..models.loading import fill
+from ..quant import quantize_base
 from .adapters import clip_encoders
 from .config import TrainConfig, TrainConfigError
 from .distributed import DistEnv, resolve_device
@@ -51,9 +52,9 @@ class Cached(NamedTuple):
 
 
 # the TrainConfig fields the cache phase's result depends on (with the resolution and dtype resolved)
-CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "text_encoder", "vae", "device", "dataset",
-                "datasets", "reg_dataset", "buckets", "skip_bad_images", "seed", "validation_split",
-                "validation_dataset",
+CACHE_FIELDS = ("model", "base", "clip_l", "clip_g", "t5xxl", "text_encoder", "vae",
+                "text_encoder_quantization", "device", "dataset", "datasets", "reg_dataset", "buckets",
+                "skip_bad_images", "seed", "validation_split", "validation_dataset",
                 "shuffle_captions", "keep_tokens", "tag_dropout", "caption_variants", "sample_prompts",
                 "flip", "masked_loss", "alpha_mask")
 
@@ -80,6 +81,18 @@ def load_denoiser(config: TrainConfig, opened: OpenedBase, device: torch.device,
     `dtype`)."""
     fill(denoiser(opened.pipe), opened.source, dtype=dtype, device=device,
          quantization=config.base_quantization)
+
+
+def quantize_encoders(config: TrainConfig, pipe, device: torch.device) -> None:
+    """With `text_encoder_quantization`, each text encoder's Linear layers onto the device one at a time and
+    quantized there (`quant.quantize_base`, the base's formats): the cache phase holds their codes, never an
+    encoder's float weights whole; the rest of each encoder follows when it comes onto the device."""
+    if config.text_encoder_quantization is None:
+        return
+    for encoder in model_kind(config.model).text_encoders:
+        module = getattr(pipe, encoder.component)
+        if module is not None:  # frozen: no text-encoder LoRA with it (`options.check_quantization_fields`)
+            quantize_base(module.requires_grad_(False), config.text_encoder_quantization, device=device)
 
 
 def open_run(run: RunState, learner: Learner, env: DistEnv, bad_checkpoints: list[Path],

@@ -75,6 +75,7 @@ from .stages import (
     check_cached,
     load_denoiser,
     open_run,
+    quantize_encoders,
     sample_outputs,
     save_outputs,
     setup_device,
@@ -199,6 +200,7 @@ class TrainingRun:
         """The data encoded (`encode_data`), or an earlier run's `cached` checked against this run's key."""
         key = cache_key(self.config, self.resolution, self.dtype)
         if self.cached is None:
+            quantize_encoders(self.config, self.pipe, self.device)
             self.cached = self.encode_data()._replace(key=key)
         else:
             check_cached(self.cached, key)

@@ -21,10 +21,9 @@ What a GPU run keeps in host memory is not counted on the device: the dataset's 
 the text encoders and VAE between the phases that use them (the plan drops them, as a run on the CPU does),
 and the host copies made while saving; each phase's host bytes count it apart (`RunPeaks.host`: the cache,
 less what a disk cache maps from its files, the parked encoders, swapped blocks). On the CPU the host is
-the device, and all of it counts. The examples are
-the config's data (`examples.count_examples`); the plan encodes one group of them (what one VAE call takes,
-`diffusion.encoded.ENCODE_PIXELS`) and counts the cache of the others (`examples.CacheLedger`); it runs two
-micro-batches at most (a third has the same memory as the second).
+the device, and all of it counts. The examples are the config's data (`examples.count_examples`); the plan
+encodes one group of them (what one VAE call takes, `diffusion.encoded.ENCODE_PIXELS`) and counts the cache
+of the others (`examples.CacheLedger`); it runs two micro-batches at most (a third as the second).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from ..diffusion.distributed import DistEnv
 from ..diffusion.encoded import EncodedExamples, encode_examples
 from ..diffusion.objectives import objective_for
 from ..diffusion.sampling import vae_decoding
-from ..diffusion.stages import SAMPLE_PROMPTS
+from ..diffusion.stages import SAMPLE_PROMPTS, quantize_encoders
 from ..diffusion.step import StepDraws, denoising_loss, training_objective
 from ..diffusion.trainer import PHASES, TrainingRun
 from ..diffusion.watch import validation_batches
@@ -159,14 +158,17 @@ class PlannedRun(TrainingRun):
         self.counting.enter_context(self.tracker)  # from here on, every tensor counts
 
     def cache(self) -> None:
-        """The trainer's caching of one VAE call's group of examples (`encode_examples`); the cache of all
-        the run's examples counted as `encode_run_data` makes it (`examples.CacheLedger`: the other examples'
-        latents and embeddings where they are live, the copies its selections make): on the CPU in the
-        phases, elsewhere in host memory (`host_cache`: its peak, and what stays) while only the encoders'
-        working sets count on the device. With a disk cache the latents, the sample prompts' and the empty
-        caption's embeddings are the cache files' pages, mapped (the kernel may drop and read them again): not
+        """The trainer's caching of one VAE call's group of examples (`encode_examples`), the text encoders
+        quantized first where the run says; the cache of all the run's examples counted as `encode_run_data`
+        makes it (`examples.CacheLedger`: the other examples' latents and embeddings where they are live, the
+        copies its selections make): on the CPU in the phases, elsewhere in host memory (`host_cache`) while
+        only the encoders' working sets count on the device. With a disk cache the latents, the prompts' and
+        the empty caption's embeddings are the cache files' pages, mapped (the kernel may drop them): not
         counted."""
         tracker = self.tracker
+        if not self.on_host:  # the host is the device: the encoders in the base dtype count before quantizing
+            tracker.track(_encoder_tensors(self.encoders))
+        quantize_encoders(self.config, self.pipe, self.device)  # the trainer's: each Linear counted as read
         tracker.track(_encoder_tensors(self.encoders))  # on the device now, also the parts no op reads
         pipe = self.pipe
         self.encoder_bytes = {name: storage_bytes((*m.parameters(), *m.buffers()))
@@ -401,18 +403,16 @@ class PlannedRun(TrainingRun):
         tracker, step, pipe = self.tracker, self.step_parts, self.pipe
         swap = block_swap(denoiser(pipe))
         on_host = {id(t.untyped_storage()) for h in (swap.host if swap else ()) for t in h.values()}
-        persistent = {"frozen weights": storage_bytes(t for t in (*denoiser(pipe).parameters(),
-                                                                 *denoiser(pipe).buffers())
+        model = denoiser(pipe)
+        persistent = {"frozen weights": storage_bytes(t for t in (*model.parameters(), *model.buffers())
                                                       if not t.requires_grad and id(t.untyped_storage())
                                                       not in on_host),
                       "resident (VAE, text encoders)": step["resident"],
                       "adapter weights": step["adapters"], "optimizer state": step["state"],
                       "EMA of the adapter": step["ema"], "cached data": self.cached_bytes}
-        gradients = step["grads"] if step["phase"] == "optimizer step" else 0
-        peak = tracker.phase_peaks["train step"]
-        parts = {**persistent, "gradients": gradients,
+        parts = {**persistent, "gradients": step["grads"] if step["phase"] == "optimizer step" else 0,
                  "saved activations (live at peak)": step["saved_at_peak"]}
-        parts["working set at peak"] = peak - sum(parts.values())
+        parts["working set at peak"] = tracker.phase_peaks["train step"] - sum(parts.values())
         return RunPeaks({p: tracker.phase_peaks[p] for p in PHASES}, parts, step["phase"], step["saved"],
                         step["grads"], dict(self.rules.used), swap.bytes_per_step() if swap else 0,
                         self.resolution, self.host_bytes(swap))

@@ -246,7 +246,8 @@ class QuantReport:
 
 
 def quantize_base(
-    model: nn.Module, fmt: str, targets: str | Sequence[str] | None = None, block_size: int | None = None
+    model: nn.Module, fmt: str, targets: str | Sequence[str] | None = None, block_size: int | None = None,
+    device: torch.device | str | None = None
 ) -> QuantReport:
     """Swap the frozen Linear layers of `model` (nn.Linear, lora_lab.Linear, also those under a LoRA
     adapter) for `QuantLinear`s in `fmt`, in place; returns a `QuantReport` (bytes before and after).
@@ -255,6 +256,8 @@ def quantize_base(
     Refuses (QuantizationError, nothing changed) a matching layer whose weight is trainable, or one under
     an adapter that is merged (its weight holds W + s B A, which quantizing would round into the base).
     Works on the meta device (the stored shapes only): how the memory planner counts a quantized base.
+    device: each layer moved there first, one at a time, and quantized there (the device holds the codes so
+    far and one float weight: how a run's text encoders come onto the device quantized for caching).
     """
     block_size = check_format(fmt, block_size)
     if not isinstance(model, nn.Module):
@@ -295,7 +298,9 @@ def quantize_base(
     before_model = model_bytes(model)
     params = before = after = transient = 0
     for name in found:
-        m = modules[name]
+        m = modules.pop(name)  # the last reference but `model`'s: each float weight goes once swapped
+        if device is not None and m.weight.device != torch.device(device):
+            m.to(device)
         q = QuantLinear.from_linear(m, fmt, block_size)
         params += m.weight.numel()
         before += m.weight.numel() * m.weight.element_size()

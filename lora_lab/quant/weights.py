@@ -150,7 +150,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     The weight is read in chunks of about `CHUNK` values (whole rows, or whole blocks), so the temporaries
     stay small next to the weight: what quantizing a base layer by layer while loading it needs. The codes
     equal those of one pass over the whole weight. On the meta device the tensors are empty meta tensors of
-    the stored shapes and dtypes; fake tensors (a plan) are not checked for finite values.
+    the stored shapes and dtypes; fake tensors (a plan) are not checked for finite values, and only their
+    first two chunks are worked through (their temporaries: the peak; fake values have no codes to compute).
     """
     block_size = check_format(fmt, block_size)
     if w.dim() != 2:
@@ -168,7 +169,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     check = not _is_fake(w)
     if fmt in ("int8", "fp8-row"):  # a scale per row: whole rows at a time
         step = max(1, CHUNK // max(w.shape[1], 1))
-        for r in range(0, w.shape[0], step):
+        for r in _starts(w.shape[0], step, check):
             rows = _finite(w[r: r + step].float(), check, w.shape)
             quantize = _int8_rows if fmt == "int8" else _fp8_rows
             codes, scales = quantize(rows, rows.abs().amax(1, keepdim=True))
@@ -177,17 +178,17 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
     flat = w.reshape(-1)
     if fmt == "fp8":  # one scale: its absmax first, then the codes
         absmax = torch.zeros((), dtype=torch.float32, device=w.device)
-        for c in range(0, flat.numel(), CHUNK):
+        for c in _starts(flat.numel(), CHUNK, check):
             absmax = torch.maximum(absmax, _finite(flat[c: c + CHUNK].float(), check, w.shape).abs().amax())
         q_flat = out["qweight"].view(-1)
-        for c in range(0, flat.numel(), CHUNK):
+        for c in _starts(flat.numel(), CHUNK, check):
             q, scale = _fp8_rows(flat[c: c + CHUNK].float()[None], absmax.reshape(1, 1))
             q_flat[c: c + CHUNK] = q.view(-1)
         out["scale"] = absmax.reshape(1) / FP8_MAX
         return out
     step = max(1, CHUNK // block_size) * block_size  # whole blocks at a time (nf4: even, so bytes align)
     absmax = torch.empty(-(-flat.numel() // block_size), dtype=torch.float32, device=w.device)  # nf4's
-    for c in range(0, flat.numel(), step):
+    for c in _starts(flat.numel(), step, check):
         blocks = as_blocks(_finite(flat[c: c + step].float(), check, w.shape), block_size)
         b = slice(c // block_size, c // block_size + len(blocks))
         if fmt == "int8-block":
@@ -205,6 +206,13 @@ def quantize_weight(w: torch.Tensor, fmt: str, block_size: int | None = None) ->
         out["qabsmax"] = codes.clone()  # its own storage: the codes are a slice of a buffer of whole blocks
         out["offset"] = offset
     return out
+
+
+def _starts(total: int, step: int, real: bool) -> range:
+    """The chunks' first indices: every chunk's of a real weight; a fake one's (a plan: no values to compute)
+    only the first two: the second's temporaries beside what is left of the first are the peak every later
+    chunk reaches."""
+    return range(0, total if real else min(total, 2 * step), step)
 
 
 def _finite(x: torch.Tensor, check: bool, shape: tuple) -> torch.Tensor:

@@ -17,6 +17,7 @@ CHANGES = {
     "model": ({}, {"model": "sd15"}),
     "base_dtype": ({}, {"base_dtype": "bf16"}),
     "base_quantization": ({}, {"base_quantization": "nf4"}),
+    "text_encoder_quantization": ({}, {"text_encoder_quantization": "fp8"}),
     "device": ({}, {"device": "cuda"}),
     "dataset": ({}, {"dataset": "DIGITS"}),
     "datasets": ({}, {"datasets": [{"path": "DIGITS", "repeats": 3}]}),

@@ -78,6 +78,42 @@ def test_an_ema_and_a_text_encoder_lora_are_planned_within_the_tolerance(tmp_pat
 
 
 @pytest.mark.slow
+def test_caching_with_a_quantized_text_encoder_is_planned_within_the_tolerance(tmp_path):
+    """Tiny SD1.5 with CLIP quantized to nf4 for caching: each phase of a real run on the CPU (the encoder in
+    fp32 until each Linear is quantized), counted by LiveBytes, against its plan. (PyTorch's MemTracker
+    counts 0.3 MiB less in every phase: the process-wide quantization tables, made before it starts; a CUDA
+    run makes them on the device when it first quantizes, and keeps them, as the plan counts.)"""
+    config = TrainConfig(model="sd15", output=str(tmp_path), rank=8, steps=1, sample_steps=1, progress=False,
+                         device="cpu", text_encoder_quantization="nf4")
+    measured = measure_run(config)
+    plan = plan_memory(config, cache=False)
+    for phase in PHASES:
+        assert plan.phases[phase] == pytest.approx(measured[phase], rel=TOLERANCE), phase
+
+
+@pytest.mark.slow
+def test_quantized_text_encoders_shrink_the_planned_cache_phase_by_the_bytes_their_codes_save(tmp_path):
+    """A GPU plan (bf16, tiny SD1.5): with an fp8 CLIP the cache phase is smaller than with a bf16 one by what
+    the codes save on every Linear weight, less at most one weight dequantized for its product (fp32, then
+    bf16: `QuantLinear`); the phases after caching (the encoder in host memory) are the same but for the
+    float8 decoding table the device keeps."""
+    from lora_lab.models import model_kind, shipped_base
+    from lora_lab.models.bases import open_base
+
+    plans = {fmt: plan_memory(TrainConfig(model="sd15", output=str(tmp_path), rank=8, steps=1, sample_steps=0,
+                                          progress=False, device="cuda", text_encoder_quantization=fmt),
+                              cache=False) for fmt in (None, "fp8")}
+    pipe = open_base(model_kind("sd15"), shipped_base("sd15"), torch.bfloat16).pipe  # as the plans open it
+    weights = [m.weight for m in pipe.text_encoder.modules() if type(m) is torch.nn.Linear]
+    saved = sum(w.numel() * w.element_size() - (w.numel() + 4) for w in weights)  # -> fp8 codes, a scale
+    dequantized = max(w.numel() for w in weights) * (4 + 2)
+    shrink = plans[None].phases["cache"] - plans["fp8"].phases["cache"]
+    assert saved - dequantized <= shrink <= saved, (shrink, saved, dequantized)
+    for phase in ("load", "train step", "save"):  # + float8's table of 256 fp32 values, kept on the device
+        assert plans["fp8"].phases[phase] - plans[None].phases[phase] == 256 * 4, phase
+
+
+@pytest.mark.slow
 def test_saved_activations_equal_saved_activation_bytes():
     """The plan's saved bytes (fake tensors) = memory.saved_activation_bytes of the same forward on real
     tensors."""

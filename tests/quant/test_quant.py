@@ -592,3 +592,25 @@ def test_nf4_of_weights_near_the_fp32_limit_stays_finite():
     back = dequantize_weight(quantize_weight(w, "nf4"), "nf4", (4, 64))
     assert torch.isfinite(back).all()
     assert torch.allclose(back, w, rtol=0.02)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8", "int8", "int8-block"])
+def test_a_fake_weight_is_worked_through_two_chunks_only_with_the_same_peak(fmt, monkeypatch):
+    """A plan's fake weight of four chunks: quantizing only its first two (no values to compute) reaches the
+    same peak of live bytes, and gives the same stored shapes, as working through every chunk."""
+    from lora_lab.planning.fakedevice import fake_device
+    from lora_lab.quant import warm_tables, weights
+
+    warm_tables()
+    shape = (4 * weights.CHUNK // 1024, 1024)  # whole rows per chunk: four full chunks
+
+    def planned() -> tuple[int, dict]:
+        with fake_device():
+            w = torch.empty(shape, dtype=torch.bfloat16)
+            with LiveBytes() as tracker:
+                out = weights.quantize_weight(w, fmt)
+            return tracker.peak, {k: (tuple(v.shape), v.dtype) for k, v in out.items()}
+
+    first = planned()
+    monkeypatch.setattr(weights, "_starts", lambda total, step, real: range(0, total, step))
+    assert first == planned()
