@@ -251,7 +251,7 @@ class TrainConfig:
     t5xxl: str | None = field(
         default=None, metadata={"help": "a single-file base's T5-XXL as a file (Flux, SD3.5, Chroma)"})
     text_encoder: str | None = field(
-        default=None, metadata={"help": "a single-file base's text encoder file (Qwen3, Qwen2.5-VL, Mistral)"})
+        default=None, metadata={"help": "a single-file base's text encoder (Qwen3, Qwen2.5-VL, Mistral)"})
     vae: str | None = field(
         default=None, metadata={"help": "a single-file base's VAE as a file (Flux: BFL's ae.safetensors; "
                                         "kohya's --ae)"})
