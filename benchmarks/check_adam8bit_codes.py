@@ -5,7 +5,8 @@
 For each map (m's signed one; v's unsigned one with keep_nonzero) and each scale s, every float x (all 2^32
 bit patterns, in chunks) gets the codes of body `--path` (lora_lab.kernels.cpu_adam8bit.nearest_codes: x / s
 as the step quantizes it) and blockwise.py's: base[top16(y)] + (y > threshold[top16(y)]) for y = x / s in
-fp32, a NaN by its sign (255, or 0 when set). s = 1: y = x, the search alone; s = 0.37: 1 / s inexact, the
+fp32 (its tables' rule, exact for every finite y), an infinity the end of its sign (the nearest entry), a NaN
+by its sign (255, or 0 when set). s = 1: y = x, the search alone; s = 0.37: 1 / s inexact, the
 AVX-512 body's y = x * (1 / s) and its redo by x / s near a midpoint. Prints the number of codes that
 differ (0 expected) and, for the AVX-512 body's line search (fast16 in cpu_adam8bit.c), how far the fp32
 midpoints lie from the positions it assumes, against its margin. A few minutes a body on one thread.
@@ -25,13 +26,14 @@ FAST_MARGIN = 2.0**-10  # cpu_adam8bit.c's
 
 
 def reference(x: torch.Tensor, scale: float, signed: bool) -> torch.Tensor:
-    """blockwise.py's codes of x / scale (quantize_blocks' rounding, keep_nonzero for the unsigned map)."""
+    """blockwise.py's codes of x / scale (quantize_blocks' rounding, keep_nonzero for the unsigned map); the
+    non-finite by their sign."""
     base, thr = rounding_tables(signed, keep_nonzero=not signed)
     y = x / scale if scale != 1.0 else x
     top = (y.view(torch.int32) >> 16) & 0xFFFF
     codes = base.index_select(0, top).add_(y > thr.index_select(0, top))
-    nan = y.isnan().nonzero().reshape(-1)
-    codes[nan] = torch.where(y[nan].view(torch.int32) < 0, 0, 255).to(torch.uint8)
+    other = (~y.isfinite()).nonzero().reshape(-1)  # NaN and infinities (their buckets hold NaNs)
+    codes[other] = torch.where(y[other].view(torch.int32) < 0, 0, 255).to(torch.uint8)
     return codes
 
 

@@ -21,11 +21,15 @@
  *   base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared within the
  *   bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
  * - AVX-512, without gathers (on Zen 5 a 16-lane gather costs as much as the rest of the step): y's
- *   position among the midpoints approximated by the least of 2 of 7 lines (the map is linear within a
- *   decade and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
- *   mid[k], fetched from registers by permutes (make_qlines, codes16). y is x * (1 / absmax), a multiply
- *   where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps of its
- *   midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
+ *   position t among the midpoints from the decades' lines (the map is linear within a decade and 5x finer
+ *   a decade below: a concave function of y, the least of 7 lines). fast16 takes the code from t alone
+ *   where t is further than FAST_MARGIN from the midpoint it is compared with (proof there; >99% of the
+ *   vectors); the others take codes16: t from the 2 lines of y's binade, rounded to k, then one exact
+ *   compare with mid[k], fetched from registers by permutes (make_qlines). y is x * (1 / absmax), a
+ *   multiply where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps
+ *   of its midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
+ *   Whole blocks run in one loop that updates a block while it quantizes the one before (blocks_avx512).
+ * benchmarks/check_adam8bit_codes.py checks the codes of a body against blockwise.py's for all 2^32 floats.
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,7 +85,7 @@ typedef struct qlines {
     float a[7], b[7];           /* the line of each decade */
     float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
     int32_t mid[256];           /* the bits of each midpoint, - 8 */
-    float top, d[16], d8[8];    /* fast16, fast8: the last k; the midpoints' offsets off the integers */
+    float top, d[16];           /* fast16: the last k; the midpoints' offsets off the integers */
 } qlines;
 
 /* fast16's margin, in units of k: a lane whose line position t lies further than this from the midpoint
@@ -114,7 +118,6 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
      * (unsigned) is a power of two, so d is found by its leading zeros. Here d from the fp32 midpoints. */
     q->top = (float)(count - 1);
     memset(q->d, 0, sizeof q->d);
-    memset(q->d8, 0, sizeof q->d8);
     for (int k = 0; k < count; k++) {
         unsigned kp = (unsigned)k + (sgn ? 1u : 2u);
         if (kp & (kp - 1u)) continue;
@@ -123,7 +126,7 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
             double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
             t = fmin(t, n / (0.9 * pow(10.0, i - 6)) * y + c - n / 9.0);
         }
-        q->d[__builtin_clz(kp) & 15] = q->d8[(127 + 31 - __builtin_clz(kp)) & 7] = (float)(t - k);
+        q->d[__builtin_clz(kp) & 15] = (float)(t - k);
     }
 }
 
@@ -280,48 +283,13 @@ AVX2 static inline __m256 dequant8(const table *t, const uint8_t *codes, __m256 
     return _mm256_mul_ps(_mm256_i32gather_ps(t->map, c, 4), absmax);
 }
 
-/* fast16 (see there) on 8 lanes: d from d8 by kp's exponent as a float (AVX2 has no lzcnt; vpermps reads its
- * low 3 bits);
- * returns 0 where a lane is not decided (then codes8). */
-AVX2 static inline int fast8(const qlines *q, __m256 y, int sgn, __m256i *codes) {
-    const __m256i one = _mm256_set1_epi32(1);
-    __m256 ay = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), y), l[7];
-    for (int i = 0; i < 7; i++) l[i] = _mm256_fmadd_ps(_mm256_set1_ps(q->a[i]), ay, _mm256_set1_ps(q->b[i]));
-    __m256 t = _mm256_min_ps(_mm256_min_ps(_mm256_min_ps(l[0], l[1]), _mm256_min_ps(l[2], l[3])),
-                             _mm256_min_ps(_mm256_min_ps(l[4], l[5]), l[6]));
-    t = _mm256_min_ps(t, _mm256_set1_ps(q->top)); /* NaN: top */
-    __m256i k = _mm256_cvtps_epi32(t); /* to nearest (the MXCSR's default) */
-    __m256 h = _mm256_sub_ps(t, _mm256_cvtepi32_ps(k));
-    __m256i kp = _mm256_add_epi32(k, _mm256_set1_epi32(sgn ? 1 : 2));
-    __m256i off = _mm256_cmpeq_epi32(_mm256_and_si256(kp, _mm256_sub_epi32(kp, one)), _mm256_setzero_si256());
-    __m256i log2 = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(kp)), 23); /* & 7 by vpermps */
-    __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->d8), log2);
-    h = _mm256_sub_ps(h, _mm256_and_ps(d, _mm256_castsi256_ps(off)));
-    __m256 far = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), h), _mm256_set1_ps(FAST_MARGIN),
-                               _CMP_GT_OQ);
-    if (_mm256_movemask_ps(far) != 0xFF) return 0;
-    __m256i cnt = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(h, _mm256_setzero_ps(), _CMP_GT_OQ)));
-    __m256i neg = _mm256_srai_epi32(_mm256_castps_si256(y), 31);
-    if (sgn) { /* 127 + cnt, or 127 - cnt for y < 0, at least 0 */
-        __m256i c = _mm256_sub_epi32(_mm256_xor_si256(cnt, neg), neg);
-        *codes = _mm256_max_epi32(_mm256_add_epi32(_mm256_set1_epi32(127), c), _mm256_setzero_si256());
-    } else { /* keep_nonzero; y < 0: 0 */
-        __m256i c = _mm256_max_epu32(cnt, _mm256_min_epu32(_mm256_castps_si256(ay), one));
-        *codes = _mm256_andnot_si256(neg, c);
-    }
-    return 1;
-}
-
-/* The codes of x[0, len) / s: fast8's where it decides every lane, else codes8's. */
-AVX2 static void codes_avx2(const table *t, const float *x, float s, uint8_t *codes, int64_t len, int sgn) {
+/* The codes of x[0, len) / s. (Tried on Zen 5 and slower: fast16's line method on 8 lanes with codes8 for
+ * the vectors it does not decide, ~35 instructions against one gather; blocks_avx512's loop of one block's
+ * update with the codes of the one before.) */
+AVX2 static void codes_avx2(const table *t, const float *x, float s, uint8_t *codes, int64_t len) {
     const __m256 sv = _mm256_set1_ps(s);
     int64_t j = 0, vec_end = len - len % 8;
-    for (; j < vec_end; j += 8) {
-        __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), sv);
-        __m256i c;
-        if (!fast8(t->q, y, sgn, &c)) c = codes8(t, y);
-        store_codes8(codes + j, c);
-    }
+    for (; j < vec_end; j += 8) store_codes8(codes + j, codes8(t, _mm256_div_ps(_mm256_loadu_ps(x + j), sv)));
     codes_values(t, x, s, codes, vec_end, len);
 }
 
@@ -359,8 +327,8 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
     update_values(h, a, tm, tv, i0, vec_end, len, m[-1], v[-1], m, v, &mmax, &vmax);
     m[-1] = mmax;
     v[-1] = vmax;
-    codes_avx2(tm, m, mmax > 0.0f ? mmax : 1.0f, a->m_codes + i0, len, 1);
-    codes_avx2(tv, v, vmax > 0.0f ? vmax : 1.0f, a->v_codes + i0, len, 0);
+    codes_avx2(tm, m, mmax > 0.0f ? mmax : 1.0f, a->m_codes + i0, len);
+    codes_avx2(tv, v, vmax > 0.0f ? vmax : 1.0f, a->v_codes + i0, len);
 }
 
 /* ------------------------------------------------------------------------------- AVX-512 (16 lanes) */
@@ -489,16 +457,17 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
 }
 
 /* The codes of 16 values y without a lookup, and in far the lanes it decided (the others: codes16).
- * t = the least of the 7 lines at |y| (their lower envelope: the slopes fall 5x a decade and adjacent lines
- * meet at the decade's bottom, so the envelope is line i on decade i, a strictly increasing function),
- * capped at top (NaN, inf and |y| > 1: above every midpoint); k = t rounded, h = t - k - d_k: midpoint k
- * lies at h = 0, every other at |h| >= 0.5 (the d are at most 0.25). Code count = k + (h > 0) where |h| >
- * FAST_MARGIN. Why that is exact: |t - T(|y|)| <= 2^-24 (a |y| + |b| + |t|) + 2^-24 |t| (a, b rounded to
- * fp32, the fma's and k's rounding) <= 2^-24 * 3 * 256 < 2^-14 where T is the envelope of the exact lines
- * (a |y| <= t + 2/9 <= 255); y = x * (1 / s) is within 2^-23 relative of x / s, so T within 2^-23 * 255 <
- * 2^-15; and the fp32 midpoints lie within 2^-16 of k + d_k (benchmarks/check_adam8bit_codes.py prints the
- * largest: ~4e-6): in all < 2^-13 < FAST_MARGIN, so |h| > FAST_MARGIN puts |y| on the same side of the
- * midpoint as t. Ties are never far: the sign's rule for them (codes16) is not needed here. */
+ * t = the least of the 7 lines at |y|, capped at top (NaN, inf, |y| > 1: above every midpoint). The lines'
+ * slopes fall 5x a decade and adjacent lines meet at the decade's bottom, so with exact a, b their least,
+ * T(|y|), is line i on decade i: strictly increasing, T(mid_k) = k + d_k (d_k = 0 but at the midpoints
+ * that are on no line, see make_qlines: |d| <= 0.25). k = t rounded to nearest, h = t - k - d_k; code count
+ * = k + (h > 0) where |h| > FAST_MARGIN. Exact because |t - T(|y|)| + |T(mid_k) - k - d_k| < 2^-13 <
+ * FAST_MARGIN: a, b rounded to fp32 and the fma's rounding: <= 2^-24 (a |y| + |b| + |t|) < 2^-14 (a |y| <=
+ * t + 2/9 <= 256, |b| < 112); y = x * (1 / s) within 2^-23 relative of x / s (or x / s itself): T within
+ * 256 * 2^-23 = 2^-15 (a subnormal y is far below mid[0]); the fp32 midpoints within 2^-17 of k + d_k
+ * (benchmarks/check_adam8bit_codes.py prints the largest: ~7e-6); h's rounding 2^-25. So h > FAST_MARGIN
+ * gives T(|y|) > T(mid_k), |y| > mid_k, and h < -FAST_MARGIN |y| < mid_k; every other midpoint lies 0.25 or
+ * more beyond t's half-unit around k. Ties are never far: the sign's rule for them (codes16) is not needed. */
 AVX512 static inline __m512i fast16(const qregs *q, __m512 y, int sgn, __mmask16 *far) {
     const __m512i one = _mm512_set1_epi32(1);
     __m512 ay = _mm512_abs_ps(y), l[7];
@@ -771,7 +740,7 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
         make_lookup(&looks[0], m_map);
         make_lookup(&looks[1], v_map);
     }
-    if (path >= 2) {
+    if (path == 3) {
         make_qlines(&qs[0], m_map, 1);
         make_qlines(&qs[1], v_map, 0);
     }
@@ -782,7 +751,7 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     int64_t n_blocks = (n + bs - 1) / bs, b = 0;
 #ifdef LORA_LAB_X86
     if (path == 3 && bs % 64 == 0) {
-        b = n / bs; /* the whole blocks */
+        b = n / bs; /* the whole blocks; scratch: 4 (bs + 16) floats */
         blocks_avx512(&h, &a, &tm, &tv, b, bs, scratch);
     }
 #endif
@@ -807,8 +776,8 @@ int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const f
     table t = {map, pack, pack_n, pack_lo, 0, &q};
     if (path == 1) codes_values(&t, x, s, out, 0, n);
 #ifdef LORA_LAB_X86
-    if (path >= 2) make_qlines(&q, map, sgn);
-    if (path == 2) codes_avx2(&t, x, s, out, n, sgn);
+    if (path == 3) make_qlines(&q, map, sgn);
+    if (path == 2) codes_avx2(&t, x, s, out, n);
     if (path == 3) {
         quant_block(&q, x, s, out, n, n - n % 16, (__mmask16)((1u << (n % 16)) - 1u), sgn);
     }
