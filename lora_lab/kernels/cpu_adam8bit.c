@@ -522,13 +522,19 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
  * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
  * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
 /* The codes of 16 values x / s (see quant_block): fast16's where it decides every lane, else codes16's. */
+/* codes16's codes of x / s (the rare vectors fast16 does not decide: out of line, as the hot loops are long) */
+AVX512 static __attribute__((noinline)) __m512i slow16(const qregs *q, __m512 x, __m512 y, __m512 sv,
+                                                        int product, int sgn) {
+    __mmask16 near = 0;
+    __m512i c = codes16(q, y, sgn, &near);
+    return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
+}
+
 AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
-    __mmask16 near = 0, far;
+    __mmask16 far;
     __m512 y = product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv);
     __m512i c = fast16(q, y, sgn, &far);
-    if (far == 0xFFFF) return c;
-    c = codes16(q, y, sgn, &near);
-    return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
+    return far == 0xFFFF ? c : slow16(q, x, y, sv, product, sgn);
 }
 
 typedef struct { __m512 sv, rv; int product; } qscale; /* a block's s, 1 / s and whether y = x * (1 / s) */
