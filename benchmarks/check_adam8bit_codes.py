@@ -9,7 +9,7 @@ fp32 (its tables' rule, exact for every finite y), an infinity the end of its si
 by its sign (255, or 0 when set). s = 1: y = x, the search alone; s = 0.37: 1 / s inexact, the
 AVX-512 body's y = x * (1 / s) and its redo by x / s near a midpoint. Prints the number of codes that
 differ (0 expected) and, for the AVX-512 body's line search (fast16 in cpu_adam8bit.c), how far the fp32
-midpoints lie from the positions it assumes, against its margin. A few minutes a body on one thread.
+midpoints lie from the positions it assumes, against its margin. About 5 minutes of CPU a body on one thread.
 """
 
 from __future__ import annotations
