@@ -21,11 +21,15 @@
  *   base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared within the
  *   bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
  * - AVX-512, without gathers (on Zen 5 a 16-lane gather costs as much as the rest of the step): y's
- *   position among the midpoints approximated by the least of 2 of 7 lines (the map is linear within a
- *   decade and 5x finer a decade below: a concave function of y), rounded to k, then one exact compare with
- *   mid[k], fetched from registers by permutes (make_qlines, codes16). y is x * (1 / absmax), a multiply
- *   where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps of its
- *   midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
+ *   position t among the midpoints from the decades' lines (the map is linear within a decade and 5x finer
+ *   a decade below: a concave function of y, the least of 7 lines). fast16 takes the code from t alone
+ *   where t is further than FAST_MARGIN from the midpoint it is compared with (proof there; >99% of the
+ *   vectors); the others take codes16: t from the 2 lines of y's binade, rounded to k, then one exact
+ *   compare with mid[k], fetched from registers by permutes (make_qlines). y is x * (1 / absmax), a
+ *   multiply where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps
+ *   of its midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
+ *   Whole blocks run in one loop that updates a block while it quantizes the one before (blocks_avx512).
+ * benchmarks/check_adam8bit_codes.py checks the codes of a body against blockwise.py's for all 2^32 floats.
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,7 +85,12 @@ typedef struct qlines {
     float a[7], b[7];           /* the line of each decade */
     float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
     int32_t mid[256];           /* the bits of each midpoint, - 8 */
+    float top, d[16];           /* fast16: the last k; the midpoints' offsets off the integers */
 } qlines;
+
+/* fast16's margin, in units of k: a lane whose line position t lies further than this from the midpoint
+ * it is compared with is decided by t alone (the proof at fast16). */
+#define FAST_MARGIN 0x1p-10f
 
 static void make_qlines(qlines *q, const float *map, int sgn) {
     for (int i = 0; i < 7; i++) {
@@ -103,6 +112,22 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
     for (int k = 0; k < 256; k++)
         q->mid[k] = (k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000)
                     - 8;
+    /* fast16's offsets: midpoint k sits at t = k (in exact arithmetic, the lines' t of the ideal map), but
+     * for those that are not on a line: mid[0] (0 is no decade's), the last (1 is none's) and those between
+     * two decades, at t = k + d (0.194 or 0.139, -0.25, 0.2): exactly those k where k + 1 (signed) or k + 2
+     * (unsigned) is a power of two, so d is found by its leading zeros. Here d from the fp32 midpoints. */
+    q->top = (float)(count - 1);
+    memset(q->d, 0, sizeof q->d);
+    for (int k = 0; k < count; k++) {
+        unsigned kp = (unsigned)k + (sgn ? 1u : 2u);
+        if (kp & (kp - 1u)) continue;
+        double y = (double)((map[first + k] + map[first + k + 1]) / 2.0f), t = INFINITY;
+        for (int i = 0; i < 7; i++) {
+            double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
+            t = fmin(t, n / (0.9 * pow(10.0, i - 6)) * y + c - n / 9.0);
+        }
+        q->d[__builtin_clz(kp) & 15] = (float)(t - k);
+    }
 }
 
 static void make_lookup(lookup *l, const float *map) {
@@ -258,7 +283,9 @@ AVX2 static inline __m256 dequant8(const table *t, const uint8_t *codes, __m256 
     return _mm256_mul_ps(_mm256_i32gather_ps(t->map, c, 4), absmax);
 }
 
-/* The codes of x[0, len) / s. */
+/* The codes of x[0, len) / s. (Tried on Zen 5 and slower: fast16's line method on 8 lanes with codes8 for
+ * the vectors it does not decide, ~35 instructions against one gather; blocks_avx512's loop of one block's
+ * update with the codes of the one before.) */
 AVX2 static void codes_avx2(const table *t, const float *x, float s, uint8_t *codes, int64_t len) {
     const __m256 sv = _mm256_set1_ps(s);
     int64_t j = 0, vec_end = len - len % 8;
@@ -306,7 +333,7 @@ AVX2 static void block_avx2(const hyper *h, const tensors *a, const table *tm, c
 
 /* ------------------------------------------------------------------------------- AVX-512 (16 lanes) */
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512cd,avx512dq,avx2,fma")))
 
 /* Whole vectors (k all ones, `full`) by plain loads and stores: masked ones are slow on some CPUs (Zen 4). */
 AVX512 static inline __m512 load_16(const void *base, int is16, int64_t i, __mmask16 k, int full) {
@@ -382,9 +409,15 @@ AVX512 static inline __m512i mid_of(const __m512i *mid, __m512i k, int regs) {
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(k, _mm512_set1_epi32(128)), r[0], r[1]);
 }
 
-typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16]; } qregs; /* qlines in registers */
+typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16]; __m512 a[7], b[7], top, d; } qregs; /* qlines */
 
 AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
+    for (int i = 0; i < 7; i++) {
+        r->a[i] = _mm512_set1_ps(q->a[i]);
+        r->b[i] = _mm512_set1_ps(q->b[i]);
+    }
+    r->top = _mm512_set1_ps(q->top);
+    r->d = _mm512_loadu_ps(q->d);
     for (int i = 0; i < 16; i++) r->mid[i] = _mm512_loadu_si512(q->mid + 16 * i);
     for (int end = 0; end < 2; end++)
         for (int h = 0; h < 2; h++) {
@@ -423,6 +456,41 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
     return _mm512_maskz_max_epu32(~neg, cnt, _mm512_min_epu32(mag, one)); /* keep_nonzero; y < 0: 0 */
 }
 
+/* The codes of 16 values y without a lookup, and in far the lanes it decided (the others: codes16).
+ * t = the least of the 7 lines at |y|, capped at top (NaN, inf, |y| > 1: above every midpoint). The lines'
+ * slopes fall 5x a decade and adjacent lines meet at the decade's bottom, so with exact a, b their least,
+ * T(|y|), is line i on decade i: strictly increasing, T(mid_k) = k + d_k (d_k = 0 but at the midpoints
+ * that are on no line, see make_qlines: |d| <= 0.25). k = t rounded to nearest, h = t - k - d_k; code count
+ * = k + (h > 0) where |h| > FAST_MARGIN. Exact because |t - T(|y|)| + |T(mid_k) - k - d_k| < 2^-13 <
+ * FAST_MARGIN: a, b rounded to fp32 and the fma's rounding: <= 2^-24 (a |y| + |b| + |t|) < 2^-14 (a |y| <=
+ * t + 2/9 <= 256, |b| < 112); y = x * (1 / s) within 2^-23 relative of x / s (or x / s itself): T within
+ * 256 * 2^-23 = 2^-15 (a subnormal y is far below mid[0]); the fp32 midpoints within 2^-17 of k + d_k
+ * (benchmarks/check_adam8bit_codes.py prints the largest: ~7e-6); h's rounding 2^-25. So h > FAST_MARGIN
+ * gives T(|y|) > T(mid_k), |y| > mid_k, and h < -FAST_MARGIN |y| < mid_k; every other midpoint lies 0.25 or
+ * more beyond t's half-unit around k. Ties are never far: the sign's rule for them (codes16) is not needed. */
+AVX512 static inline __m512i fast16(const qregs *q, __m512 y, int sgn, __mmask16 *far) {
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 ay = _mm512_abs_ps(y), l[7];
+    for (int i = 0; i < 7; i++) l[i] = _mm512_fmadd_ps(q->a[i], ay, q->b[i]);
+    __m512 t = _mm512_min_ps(_mm512_min_ps(_mm512_min_ps(l[0], l[1]), _mm512_min_ps(l[2], l[3])),
+                             _mm512_min_ps(_mm512_min_ps(l[4], l[5]), l[6]));
+    t = _mm512_min_ps(t, q->top); /* NaN: top (vminps gives its second operand) */
+    __m512i k = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 h = _mm512_sub_ps(t, _mm512_cvtepi32_ps(k));
+    __m512i kp = _mm512_add_epi32(k, _mm512_set1_epi32(sgn ? 1 : 2));
+    __mmask16 off = _mm512_testn_epi32_mask(kp, _mm512_sub_epi32(kp, one)); /* kp a power of two */
+    h = _mm512_sub_ps(h, _mm512_maskz_permutexvar_ps(off, _mm512_lzcnt_epi32(kp), q->d));
+    *far = _mm512_cmp_ps_mask(_mm512_abs_ps(h), _mm512_set1_ps(FAST_MARGIN), _CMP_GT_OQ);
+    __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(h, _mm512_setzero_ps(), _CMP_GT_OQ), k, one);
+    __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(y));
+    if (sgn) {
+        const __m512i zc = _mm512_set1_epi32(127);
+        __m512i c = _mm512_mask_sub_epi32(_mm512_add_epi32(zc, cnt), neg, zc, cnt);
+        return _mm512_max_epi32(c, _mm512_setzero_si512());
+    }
+    return _mm512_maskz_max_epu32(~neg, cnt, _mm512_min_epu32(_mm512_castps_si512(ay), one)); /* keep_nonzero */
+}
+
 AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
     __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
     return _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, c, t->map, 4), absmax);
@@ -453,42 +521,106 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
  * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
  * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
  * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
-/* The codes of 16 values x / s (see quant_block). */
-AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
+/* The codes of 16 values x / s (see quant_block): fast16's where it decides every lane, else codes16's. */
+/* codes16's codes of x / s (the rare vectors fast16 does not decide: out of line, as the hot loops are long) */
+AVX512 static __attribute__((noinline)) __m512i slow16(const qregs *q, __m512 x, __m512 y, __m512 sv,
+                                                        int product, int sgn) {
     __mmask16 near = 0;
-    __m512i c = codes16(q, product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv), sgn, &near);
+    __m512i c = codes16(q, y, sgn, &near);
     return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
+}
+
+AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
+    __mmask16 far;
+    __m512 y = product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv);
+    __m512i c = fast16(q, y, sgn, &far);
+    return far == 0xFFFF ? c : slow16(q, x, y, sv, product, sgn);
+}
+
+typedef struct { __m512 sv, rv; int product; } qscale; /* a block's s, 1 / s and whether y = x * (1 / s) */
+
+AVX512 static inline qscale scale_of(float s) {
+    qscale q = {_mm512_set1_ps(s), _mm512_set1_ps(1.0f / s), s >= 0x1p-120f && s <= 1.0f};
+    return q;
+}
+
+/* The codes of x[0, 64) / s: 4 vectors' codes packed into one 64-byte store. */
+AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
+    __m512i c[4];
+    for (int g = 0; g < 4; g++) c[g] = code16(q, _mm512_loadu_ps(x + 16 * g), s.sv, s.rv, s.product, sgn);
+    const __m512i pick = _mm512_set_epi8( /* bytes 0, 4, ... of the two: 32 codes */
+        124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
+        36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76,
+        72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+    __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
+    __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
+    _mm512_storeu_si512(codes, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
 }
 
 AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_t *codes, int64_t len,
                                int64_t whole, __mmask16 rest, int sgn) {
     qregs q;
     load_qregs(&q, ql);
-    const __m512 sv = _mm512_set1_ps(s), rv = _mm512_set1_ps(1.0f / s);
-    const int product = s >= 0x1p-120f && s <= 1.0f;
+    const qscale sc = scale_of(s);
     int64_t j = 0;
-    for (; j + 64 <= len; j += 64) { /* 4 vectors' codes packed into one 64-byte store */
-        __m512i c[4];
-        for (int g = 0; g < 4; g++)
-            c[g] = code16(&q, _mm512_loadu_ps(x + j + 16 * g), sv, rv, product, sgn);
-        const __m512i pick = _mm512_set_epi8( /* bytes 0, 4, ... of the two: 32 codes */
-            124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
-            36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76,
-            72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
-        __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
-        __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
-        _mm512_storeu_si512(codes + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
-    }
+    for (; j + 64 <= len; j += 64) codes64(&q, x + j, sc, codes + j, sgn);
     for (; j < len; j += 16)
-        store_codes16(codes + j, code16(&q, _mm512_loadu_ps(x + j), sv, rv, product, sgn),
+        store_codes16(codes + j, code16(&q, _mm512_loadu_ps(x + j), sc.sv, sc.rv, sc.product, sgn),
                       j < whole ? (__mmask16)0xFFFF : rest, j < whole);
+}
+
+AVX512 static inline consts16 consts_of(const hyper *h) {
+    consts16 c = {_mm512_set1_ps(h->coeff), _mm512_set1_ps(h->b2), _mm512_set1_ps(h->c2),
+                  _mm512_set1_ps(h->bc2s), _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step),
+                  _mm512_set1_ps(h->decay), _mm512_set1_ps(h->wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    return c;
+}
+
+/* The block's absmax from update16's maxima: +0.0 for a block of zeros. */
+AVX512 static inline void absmax_of(const consts16 *c, float *am, float *av) {
+    float mmax = _mm512_reduce_max_ps(c->mx), vmax = _mm512_reduce_max_ps(c->vx);
+    *am = mmax > 0.0f ? mmax : 0.0f;
+    *av = vmax > 0.0f ? vmax : 0.0f;
+}
+
+/* Whole blocks [0, nb) of bs values (a multiple of 64), one loop a block that updates block b while it
+ * quantizes block b - 1 (whose absmax is known by then): the update waits on the divider (two divides and
+ * a square root a vector), the codes' search on the other units; in one loop the core runs both at once,
+ * block by block (block_avx512) it ran them in turn. buf: 4 bs floats, two blocks' m and v by turns. */
+AVX512 static void blocks_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
+                                 int64_t nb, int64_t bs, float *buf) {
+    qregs qm, qv;
+    load_qregs(&qm, tm->q);
+    load_qregs(&qv, tv->q);
+    consts16 c = consts_of(h);
+    float *m[2] = {buf, buf + 2 * bs}, *v[2] = {buf + bs, buf + 3 * bs};
+    qscale sm = scale_of(1.0f), sv = sm;
+    for (int64_t b = 0; b <= nb; b++) {
+        float *mu = m[b & 1], *vu = v[b & 1], *mq = m[~b & 1], *vq = v[~b & 1];
+        int64_t i0 = b * bs, q0 = i0 - bs, up = b < nb, quant = b > 0;
+        for (int64_t j = 0; up && j < bs; j += 64) {
+            dequant64(tm->look, a->m_codes + i0 + j, a->m_absmax[b], mu + j);
+            dequant64(tv->look, a->v_codes + i0 + j, a->v_absmax[b], vu + j);
+        }
+        c.mx = c.vx = _mm512_setzero_ps();
+        for (int64_t j = 0; j < bs; j += 64) {
+            for (int g = 0; up && g < 64; g += 16) update16(h, a, &c, i0, j + g, mu, vu, 0xFFFF, 1);
+            if (quant) {
+                codes64(&qm, mq + j, sm, a->m_codes + q0 + j, 1);
+                codes64(&qv, vq + j, sv, a->v_codes + q0 + j, 0);
+            }
+        }
+        if (up) {
+            absmax_of(&c, a->m_absmax + b, a->v_absmax + b);
+            sm = scale_of(a->m_absmax[b] > 0.0f ? a->m_absmax[b] : 1.0f);
+            sv = scale_of(a->v_absmax[b] > 0.0f ? a->v_absmax[b] : 1.0f);
+        }
+    }
 }
 
 AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
                                 int64_t i0, int64_t len, float *m, float *v) {
-    consts16 c = {_mm512_set1_ps(h->coeff), _mm512_set1_ps(h->b2), _mm512_set1_ps(h->c2),
-                  _mm512_set1_ps(h->bc2s), _mm512_set1_ps(h->eps), _mm512_set1_ps(h->neg_step),
-                  _mm512_set1_ps(h->decay), _mm512_set1_ps(h->wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    consts16 c = consts_of(h);
     int64_t whole = len - len % 16, j = 0;
     __mmask16 rest = (__mmask16)((1u << (len % 16)) - 1u);
     for (; j + 64 <= len; j += 64) {
@@ -502,14 +634,9 @@ AVX512 static void block_avx512(const hyper *h, const tensors *a, const table *t
     }
     for (j = 0; j < whole; j += 16) update16(h, a, &c, i0, j, m, v, 0xFFFF, 1);
     if (rest) update16(h, a, &c, i0, whole, m, v, rest, 0);
-    float mmax = _mm512_reduce_max_ps(c.mx), vmax = _mm512_reduce_max_ps(c.vx);
-    mmax = mmax > 0.0f ? mmax : 0.0f; /* +0.0 for a block of zeros */
-    vmax = vmax > 0.0f ? vmax : 0.0f;
-    m[-1] = mmax;
-    v[-1] = vmax;
-    float ms = mmax > 0.0f ? mmax : 1.0f, vs = vmax > 0.0f ? vmax : 1.0f;
-    quant_block(tm->q, m, ms, a->m_codes + i0, len, whole, rest, 1);
-    quant_block(tv->q, v, vs, a->v_codes + i0, len, whole, rest, 0);
+    absmax_of(&c, m - 1, v - 1);
+    quant_block(tm->q, m, m[-1] > 0.0f ? m[-1] : 1.0f, a->m_codes + i0, len, whole, rest, 1);
+    quant_block(tv->q, v, v[-1] > 0.0f ? v[-1] : 1.0f, a->v_codes + i0, len, whole, rest, 0);
 }
 
 /* The benchmark's floors (lora_lab_adam8bit_floor): n fp32 values in groups of 64 with less of the step's
@@ -520,9 +647,7 @@ AVX512 static void floor_avx512(float *param, const float *grad, uint8_t *m_code
                                 const float *m_map, const float *v_map, int64_t n, int level) {
     hyper h = {0.1f, 0.999f, 0.001f, 0.5f, 1e-8f, -1e-3f, 0.99999f, 0.0f, 1, 1, 0};
     tensors a = {param, grad, m_codes, v_codes, 0, 0, 0, 0, 0};
-    consts16 c = {_mm512_set1_ps(h.coeff), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.c2), _mm512_set1_ps(h.bc2s),
-                  _mm512_set1_ps(h.eps), _mm512_set1_ps(h.neg_step), _mm512_set1_ps(h.decay),
-                  _mm512_set1_ps(h.wd), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    consts16 c = consts_of(&h);
     lookup lm, lv;
     make_lookup(&lm, m_map);
     make_lookup(&lv, v_map);
@@ -566,7 +691,8 @@ int lora_lab_adam8bit_paths(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out |= 1 << 2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") && (out & (1 << 2)))
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi")
+        && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") && (out & (1 << 2)))
         out |= 1 << 3;
 #endif
     return out;
@@ -619,6 +745,8 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     if (path == 3) {
         make_lookup(&looks[0], m_map);
         make_lookup(&looks[1], v_map);
+    }
+    if (path == 3) {
         make_qlines(&qs[0], m_map, 1);
         make_qlines(&qs[1], v_map, 0);
     }
@@ -626,8 +754,14 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     table tv = {v_map, v_pack, pack_n, pack_lo, &looks[1], &qs[1]};
     /* scratch: [am] m[bs + 15] [av] v[bs + 15]: the absmax in and out beside each block's moments */
     float *m = scratch + 1, *v = scratch + bs + 17;
-    int64_t n_blocks = (n + bs - 1) / bs;
-    for (int64_t b = 0; b < n_blocks; b++) {
+    int64_t n_blocks = (n + bs - 1) / bs, b = 0;
+#ifdef LORA_LAB_X86
+    if (path == 3 && bs % 64 == 0) {
+        b = n / bs; /* the whole blocks; scratch: 4 (bs + 16) floats */
+        blocks_avx512(&h, &a, &tm, &tv, b, bs, scratch);
+    }
+#endif
+    for (; b < n_blocks; b++) {
         int64_t i0 = b * bs, len = n - i0 < bs ? n - i0 : bs;
         m[-1] = m_absmax[b];
         v[-1] = v_absmax[b];
@@ -648,9 +782,9 @@ int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const f
     table t = {map, pack, pack_n, pack_lo, 0, &q};
     if (path == 1) codes_values(&t, x, s, out, 0, n);
 #ifdef LORA_LAB_X86
+    if (path == 3) make_qlines(&q, map, sgn);
     if (path == 2) codes_avx2(&t, x, s, out, n);
     if (path == 3) {
-        make_qlines(&q, map, sgn);
         quant_block(&q, x, s, out, n, n - n % 16, (__mmask16)((1u << (n % 16)) - 1u), sgn);
     }
 #endif
