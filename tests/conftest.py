@@ -37,6 +37,15 @@ from lora_lab.notebook.runner import isolate_caches
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
+def pytest_collection_modifyitems(items):
+    """The modules with slow tests first, each module's tests kept together and in order: `--dist loadgroup`
+    (the Makefile) hands out single tests in this order, so the long ones start early and the quick ones
+    fill in at the end, and the two workers finish together (not one idle while the other runs a notebook
+    handed out last)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_collection_finish(session):
     gc.collect()  # what the imports left as garbage, before the first test freezes the rest
     gc.freeze()
