@@ -174,6 +174,15 @@ def frozen_aware_mem_tracker():
             if module is not None and module in self.memory_tracking:
                 super()._post_bw_hook(module, args)
 
+        # Only the whole context's peak is read (`get_tracker_snapshot("peak")`): torch's own update also
+        # walks every tracked module's peak on each op, 60% of a measured tiny run's time; the context's
+        # peak is updated exactly as torch does it
+        def _update_peak_stats(self, peak_state):
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
     return FrozenAware()
 
 
