@@ -237,12 +237,13 @@ def _in_backward():
 
 
 @check("torch.distributed._tools.mem_tracker.MemTracker: _track_module_params_and_buffers, _pre_fw_hook, "
-       "_peak_mem, _peak_mem_snap")
+       "_update_peak_stats, _curr_mem_snap, _peak_mem, _peak_mem_snap")
 def _mem_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     for name, params in (("_track_module_params_and_buffers", ["self", "module", "install_grad_hooks"]),
-                         ("_pre_fw_hook", ["self", "module", "inputs"])):
+                         ("_pre_fw_hook", ["self", "module", "inputs"]),
+                         ("_update_peak_stats", ["self", "peak_state"])):  # overridden
         assert list(inspect.signature(getattr(MemTracker, name)).parameters) == params, name
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
     model[0].requires_grad_(False)  # a frozen parameter: MemTracker alone would refuse its gradient hook
@@ -254,6 +255,7 @@ def _mem_tracker():
         big = torch.zeros(1 << 20)
         del big
         assert isinstance(tracker._peak_mem, dict) and isinstance(tracker._peak_mem_snap, dict)
+        assert isinstance(tracker._curr_mem_snap, dict)
         total = lambda kind: sum(s["Total"] for s in tracker.get_tracker_snapshot(kind).values())  # noqa: E731
         assert total("peak") >= total("current") + (1 << 22)
         tp.restart_peak(tracker)
