@@ -407,8 +407,8 @@ def main() -> None:
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
         "steps": {"vae": args.vae_steps if trains_vae else 0, kind: steps},
-        **({"continued_from": {"steps": before["steps"], "train_seconds": before["train_seconds"]}}
-           if args.init else {}),
+        **({"continued_from": {k: v for k, v in before.items()
+                               if k in ("steps", "train_seconds", "continued_from")}} if args.init else {}),
         "threads": args.threads, "seed": SEED,
     })
 
