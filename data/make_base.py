@@ -325,6 +325,9 @@ def write_measurements(out: Path, kind: str, pipe, extra: dict) -> None:
     print(json.dumps(metrics, indent=1))
 
 
+EARLIER_RUN = ("steps", "train_seconds", "note", "continued_from")  # what --init's metrics keep of its base's
+
+
 def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kind", choices=list(STEPS), default="sdxl")
@@ -355,7 +358,7 @@ def main() -> None:
         old = out.parent / f"{kind}_metrics.json"
         kept = {k: v for k, v in json.loads(old.read_text()).items()
                 if k in ("vae_reconstruction_mse", "vae_reconstruction_mse_inverted", "vae_scaling_factor",
-                         "vae_latents_mean", "vae_latents_std",
+                         "vae_latents_mean", "vae_latents_std", "continued_from",
                          "final_loss_avg100", "unet_final_loss_avg100", "train_seconds", "steps", "threads",
                          "seed", "note")}
         write_measurements(out, kind, build_pipeline(kind, out), kept)
@@ -407,8 +410,7 @@ def main() -> None:
         "final_loss_avg100": sum(losses[-100:]) / len(losses[-100:]),
         "train_seconds": round(time.time() - t_start, 1),
         "steps": {"vae": args.vae_steps if trains_vae else 0, kind: steps},
-        **({"continued_from": {k: v for k, v in before.items()
-                               if k in ("steps", "train_seconds", "continued_from")}} if args.init else {}),
+        **({"continued_from": {k: v for k, v in before.items() if k in EARLIER_RUN}} if args.init else {}),
         "threads": args.threads, "seed": SEED,
     })
 
