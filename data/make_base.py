@@ -115,8 +115,9 @@ SUFFIXES = [w for w in M.WORDS if w not in ("inverted", *M.DIGIT_NAMES)]
 # flux2 config is too small, as sd3's), the tiny Mistral's 3 stacked layers (3 x 16) as its text input.
 # FLUX.2 keeps its Mistral frozen, but the real one is pre-trained and the tiny one is random: frozen, its
 # embeddings barely tell the digits apart (|e(one) - e(two)| 0.19 against |e(one) - e(one, inverted)| 0.29;
-# sd3's trained encoders: 55 against 22), and any style LoRA on that base stops reading the digit (strict
-# reader 0.68 -> 0.04, measured). So it trains with the transformer, as a pre-trained encoder would have.
+# sd3's trained encoders: 55 against 22). So it trains with the transformer, as a pre-trained encoder would
+# have. (That was not why notebook 07's LoRA stopped reading the digit: on this base it still does at 200
+# steps, 0.92 -> 0.06, and reads it again with more steps, 0.80 at 2400.)
 FLUX2_TRANSFORMER = {**flux2.CONFIG["transformer"], "num_layers": 2, "num_single_layers": 2,
                      "attention_head_dim": 16, "num_attention_heads": 4}
 # flux2 is guidance-distilled: no unconditional branch to distil from here, so the guidance embedding is
