@@ -68,8 +68,9 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500,  # denoiser + encoders
-         "flux2": 2500}
+# denoiser + encoders; the shipped flux2 and qwen-image bases then ran `--init` for more (their metrics json's
+# `continued_from` lists each run)
+STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500, "flux2": 1500}
 BATCH = 64
 LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3, "qwen-image": 1e-3, "flux2": 1e-3}
 WARMUP = 30
