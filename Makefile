@@ -42,7 +42,7 @@ ARGS ?=
 # Without ARGS, notebook 07 also runs on the other pre-trained families (its default is sd3): a sweep over
 # MODEL into reports/sweeps/07_diffusion_lora-MODEL/MODEL=<family>/, afresh each time (a sweep resumes
 # otherwise), in `make report`'s index. FAMILIES= (empty) leaves it out.
-FAMILIES ?= z-image,chroma
+FAMILIES ?= z-image,chroma,flux2,qwen-image
 FAMILY_SWEEP := reports/sweeps/07_diffusion_lora-MODEL
 run: setup
 	$(PY) -m lora_lab.notebook --out reports $(ARGS)
