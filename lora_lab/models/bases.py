@@ -35,7 +35,15 @@ from ..errors import WeightFileError
 from ..quiet import quiet_loading
 from ..torch_private import buffers_of, parameters_of, unset_fake_temporarily
 from . import flux2, qwen_image, z_image
-from .builders import CONFIGS, WORDS, build_components, build_tokenizer, denoiser, pipeline_class
+from .builders import (
+    CONFIGS,
+    FAMILY_ENCODERS,
+    WORDS,
+    build_components,
+    build_tokenizer,
+    denoiser,
+    pipeline_class,
+)
 from .kinds import REGISTRY, ModelKind, ModelLoadError, model_kind
 from .loading import (
     FakeWeights,
@@ -302,15 +310,15 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
             enc = next((e for e in kind.text_encoders if e.component == component), None)
             if enc is None:
                 model = skeleton(getattr(diffusers, cls_name), cfg, meta_buffers=component == kind.component)
-            elif enc.arch in _BUILT_ENCODERS:
-                model = skeleton_of(lambda: _BUILT_ENCODERS[enc.arch](cfg, tokenizers[enc.tokenizer])
+            elif enc.arch in FAMILY_ENCODERS:
+                model = skeleton_of(lambda: FAMILY_ENCODERS[enc.arch](cfg, tokenizers[enc.tokenizer])
                                     if found.variant == "tiny"
                                     else _real_text_encoder(cls_name, cfg, tokenizers[enc.tokenizer]))
             else:
                 model = skeleton(*_text_encoder_config(cls_name, cfg, tokenizers[enc.tokenizer]),
                                  meta_buffers=False)
             source = part_source(kind, component, model, main, parts, found)
-            if enc is not None and enc.arch in _BUILT_ENCODERS:
+            if enc is not None and enc.arch in FAMILY_ENCODERS:
                 leave_out_unread(model, source)
             if component == kind.component:
                 out["source"] = source
@@ -330,11 +338,6 @@ def _open_file(kind: ModelKind, path: Path, dtype: torch.dtype, shapes_only: boo
     components.update(kind.pipeline_extras)
     return OpenedBase(_assemble(kind, components, dtype), FakeWeights() if shapes_only else source,
                       lambda names: load(names), str(path))
-
-
-# the text encoders their family's module builds from a config dict and the tiny tokenizer (as builders.py)
-_BUILT_ENCODERS = {"qwen3": z_image.text_model, "qwen2_5_vl": qwen_image.text_encoder,
-                   "mistral3": flux2.text_encoder}
 
 
 def _text_encoder_config(class_name: str, cfg: dict, tokenizer) -> tuple[type, object]:

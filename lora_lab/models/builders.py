@@ -152,9 +152,10 @@ def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def build_tokenizer(family: str = "clip"):
-    """A CLIPTokenizer ("clip"), T5Tokenizer ("t5") or Qwen2 tokenizer ("qwen2_5_vl", "qwen3": the families'
-    modules build them) over `WORDS`, built offline."""
-    if family == "clip":
+    """The tiny tokenizer of a text encoder's arch (`kinds.TextEncoder.arch`) over `WORDS`, built offline: a
+    CLIPTokenizer ("clip", "clip_projection"), T5Tokenizer ("t5"), Qwen2 tokenizer ("qwen2_5_vl", "qwen3")
+    or FLUX.2's Mistral processor ("mistral3"); the families' modules build the last three."""
+    if family in ("clip", "clip_projection"):
         from transformers import CLIPTokenizer
 
         vocab, merges = _clip_vocab()
@@ -171,7 +172,14 @@ def build_tokenizer(family: str = "clip"):
         return qwen_image.build_tokenizer(WORDS, qwen_image.DROPPED + 2 * TEXT_LEN)
     if family == "qwen3":  # Z-Image's: Qwen3's special tokens and chat template
         return z_image.build_tokenizer(WORDS)
-    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip, t5, qwen2_5_vl or qwen3")
+    if family == "mistral3":
+        return flux2.build_processor(WORDS)
+    raise ModelLoadError(f"unknown tokenizer family {family!r}; choose clip, t5, qwen2_5_vl, qwen3, mistral3")
+
+
+# the text encoders their family's module builds from a config dict and the tiny tokenizer (or processor)
+FAMILY_ENCODERS = {"qwen3": z_image.text_model, "qwen2_5_vl": qwen_image.text_encoder,
+                   "mistral3": flux2.text_encoder}
 
 
 def _clip_text_model(cfg: dict, tokenizer, with_projection: bool):
@@ -219,19 +227,12 @@ def build_components(kind: str | ModelKind, seed: int = 0, only: Collection[str]
         out[spec.component] = seeded(0, lambda: spec.denoiser_class()(**cfg[spec.component]))
     out["scheduler"] = getattr(diffusers, spec.scheduler)(**cfg["scheduler"])
     for i, enc in enumerate(spec.text_encoders):
-        if enc.arch in ("qwen3", "qwen2_5_vl"):  # Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL
-            qwen_tok = build_tokenizer(enc.arch)
-            make = z_image.text_model if enc.arch == "qwen3" else qwen_image.text_encoder
+        if enc.arch in FAMILY_ENCODERS:  # Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL, FLUX.2's Mistral
+            tok = build_tokenizer(enc.arch)
             if wanted(enc.component):
                 out[enc.component] = seeded(
-                    enc.seed, lambda c=cfg[enc.component], t=qwen_tok, m=make: m(c, t))
-            out[enc.tokenizer] = qwen_tok
-        elif enc.arch == "mistral3":
-            processor = flux2.build_processor(WORDS)
-            if wanted(enc.component):
-                out[enc.component] = seeded(enc.seed,
-                                            lambda: flux2.text_encoder(cfg[enc.component], processor))
-            out[enc.tokenizer] = processor
+                    enc.seed, lambda c=cfg[enc.component], t=tok, m=FAMILY_ENCODERS[enc.arch]: m(c, t))
+            out[enc.tokenizer] = tok
         elif enc.arch == "t5":
             if wanted(enc.component):
                 out[enc.component] = seeded(enc.seed, lambda c=cfg[enc.component]: _t5_model(c, t5_tok))

@@ -33,17 +33,30 @@ class ModelLoadError(LoraLabError, ValueError):
     """An unknown model kind, or a base model path that cannot be loaded as that kind."""
 
 
+# a text encoder's architecture -> its transformers class (Mistral 3: the whole VLM, as FLUX.2 ships it)
+ENCODER_CLASSES = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
+                   "t5": "T5EncoderModel", "qwen3": "Qwen3Model",
+                   "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                   "mistral3": "Mistral3ForConditionalGeneration"}
+
+
 @dataclass(frozen=True)
 class TextEncoder:
     """One text encoder of a pipeline: its component name, architecture, and the seed offset of its tiny
     init."""
 
     component: str  # "text_encoder" | "text_encoder_2" | "text_encoder_3"
-    # "clip" (CLIPTextModel) | "clip_projection" (CLIPTextModelWithProjection) | "t5" (T5EncoderModel)
-    # | "qwen3" (Qwen3Model) | "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration)
-    # | "mistral3" (Mistral3ForConditionalGeneration, flux2)
-    arch: str
+    arch: str  # a key of ENCODER_CLASSES
     seed: int  # models.build_components seeds it with seed + this
+
+    def __post_init__(self):  # a new architecture names its class
+        if self.arch not in ENCODER_CLASSES:
+            raise ValueError(f"text encoder arch {self.arch!r}: not one of ENCODER_CLASSES")
+
+    @property
+    def class_name(self) -> str:
+        """Its transformers class."""
+        return ENCODER_CLASSES[self.arch]
 
     @property
     def tokenizer(self) -> str:

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import flux2
-from .builders import CONFIGS, WORDS, build_tokenizer
+from .builders import CONFIGS, build_tokenizer
 from .kinds import REGISTRY, ModelKind, ModelLoadError
 from .layouts import (
     Rule,
@@ -334,20 +333,14 @@ def component_configs(kind: ModelKind, variant: str) -> dict[str, tuple[str, dic
     cfg = CONFIGS[kind.name]
     out = {kind.component: (kind.denoiser, cfg[kind.component]), "vae": (kind.vae, cfg["vae"])}
     for enc in kind.text_encoders:
-        name = {"clip": "CLIPTextModel", "clip_projection": "CLIPTextModelWithProjection",
-                "t5": "T5EncoderModel", "qwen3": "Qwen3Model",
-                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                "mistral3": "Mistral3ForConditionalGeneration"}[enc.arch]
-        out[enc.component] = (name, cfg[enc.component])
+        out[enc.component] = (enc.class_name, cfg[enc.component])
     return out
 
 
 def tokenizer_for(arch: str, component: str, variant: str, kind: ModelKind):
     """The tokenizer of a text encoder: the tiny one, or the real one offline (`tokenizers.py`)."""
     if variant == "tiny":
-        if arch == "mistral3":
-            return flux2.build_processor(WORDS)
-        return build_tokenizer(arch if arch in ("t5", "qwen3", "qwen2_5_vl") else "clip")
+        return build_tokenizer(arch)
     if arch in _CACHED_TOKENIZERS:
         return cached_tokenizer(arch, _CACHED_TOKENIZERS[arch])
     from .tokenizers import real_clip_tokenizer, real_t5_tokenizer
