@@ -24,16 +24,10 @@ from .effect import digit_images
 HELD_OUT_FIRST = 1400  # digits 1400.. : the base saw them in its own style, the LoRA never sees them
 UNET_MODELS = ("sdxl", "sd15")
 # The pre-trained bases whose content holds under this recipe at notebook 07's defaults (strict reader: the
-# base >= 0.9, with the LoRA >= 0.8, 50 samples each way). Not z-image, chroma (measured, STEPS=200): their
-# LoRAs' first steps erase what the prompt draws, the samples of "a digit 0/3/5/8, inverted" become one image
-# (their pixels' spread across the prompts: z-image 0.12 at step 0 -> 0.01 at step 40, chroma 0.13 -> 0.06 at
-# step 80; sd3 0.15 throughout), and the 197 style images teach the digits back slowly: z-image's digit rate
-# 0.94 -> 0.18 with the LoRA (0.48 at 400 steps, 0.66 at 600). No learning rate (1e-3 .. 3e-2), target set
-# (no refiners, no text side, + adaLN), timestep draw, rank 16, DoRA, LoRA+ or prior preservation tried
-# reached 0.8 in 200 steps. Chroma's base also reads 0.81 for "a digit N, inverted" (0.92 without the word it
-# never saw: data/make_base.py measures without it), under the base target of 0.9. flux2 and qwen-image alike:
-# 0.92 -> 0.06 and 0.88 -> 0.74 at 200 steps; 0.80 after 2400 and 400 steps, on the 0.8 line, and qwen-image's
-# base under 0.9.
+# base >= 0.9, with the LoRA >= 0.8, 50 samples each way). Not z-image, chroma, flux2, qwen-image: the LoRA's
+# first steps erase what the prompt draws, and the digits come back only over many more steps; no learning
+# rate (1e-4 .. 3e-2), target set, rank, DoRA, LoRA+ or prior preservation tried held them in 200 steps (the
+# rates: docs/measurements.md, notebook 07's rows).
 CONTENT_MODELS = ("sd3",)
 
 
