@@ -16,6 +16,7 @@ import torch
 
 from ..errors import LoraFormatError
 from ..fileio import parse_json, read_safetensors
+from ..models.kinds import REGISTRY
 from .lora_file import METADATA_KEY, LoraFile, LoraWeights, _base_from_metadata, _checked_module
 from .lycoris import is_lycoris_file, load_lycoris_file
 from .names import (
@@ -85,10 +86,11 @@ def load_lora(path: str | os.PathLike) -> LoraFile:
         if alpha is None:  # what diffusers and ComfyUI do without an alpha: scale 1
             alpha = float(down.shape[0])
         m = _checked_module(where, down, up, alpha, dora, key, values=False)
-        # a Flux module in BFL's layout splits into diffusers modules (Flux.2's BFL names are one to one);
-        # the rest map one to one
+        # a Flux module in BFL's layout splits into diffusers modules (a kind with its own renames, FLUX.2,
+        # maps them one to one in `diffusers_name`); the rest map one to one
+        renamed = base in REGISTRY and REGISTRY[base].kohya_renamed is not None
         named = ({canonical_name(key): m} if fmt == "peft" else
-                 (base != "flux2" and _flux_bfl(where, key, m)) or {diffusers_name(key, base, layout): m})
+                 (not renamed and _flux_bfl(where, key, m)) or {diffusers_name(key, base, layout): m})
         for name, mod in named.items():
             comp, _, sub = name.partition(".")
             if not sub or "" in sub.split("."):  # `unet.lora_A.weight`, `lora_unet_.lora_down.weight`, `a__b`
