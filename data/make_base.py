@@ -68,8 +68,8 @@ VAE_STEPS = 120       # AutoencoderKL steps (sdxl; sd3 reuses that VAE)
 VAE_BATCH = 32
 VAE_LR = 2e-3
 KL_WEIGHT = 1e-5      # times the summed KL per image
-# denoiser + encoders; the shipped flux2 and qwen-image bases then ran `--init` for more (their metrics json's
-# `continued_from` lists each run)
+# denoiser + encoders; the shipped flux2, qwen-image and chroma bases then ran `--init` for more (their
+# metrics json's `continued_from` lists each run)
 STEPS = {"sdxl": 600, "sd3": 1500, "chroma": 2000, "z-image": 1500, "qwen-image": 1500, "flux2": 1500}
 BATCH = 64
 LR = {"sdxl": 2e-3, "sd3": 1e-3, "chroma": 1e-3, "z-image": 1e-3, "qwen-image": 1e-3, "flux2": 1e-3}
@@ -108,8 +108,10 @@ FRAMED = ("qwen-image",)  # kinds whose VAE takes (B, C, frames, H, W): one fram
 # word of builders.WORDS but "inverted" and the digit names: it learns to read the digit through a trailing
 # word, and "inverted" stays unseen (the LoRA teaches it).
 # flux2's Mistral is causal too: the same, measured: strict reader 0.86 on "a digit three" against 0.68 on
-# "a digit three, inverted" (its first base, without suffixes, 5 seeds).
-SUFFIX_PROB = {"qwen-image": 0.5, "flux2": 0.5}
+# "a digit three, inverted" (its first base, without suffixes, 5 seeds). chroma's T5 is bidirectional, so the
+# unseen word changes every token's state: its first base read 0.78 with ", inverted" against 0.92 without;
+# after `--init` with suffixes (600 steps), 0.94 (notebook 07's 50 samples).
+SUFFIX_PROB = {"qwen-image": 0.5, "flux2": 0.5, "chroma": 0.5}
 SUFFIXES = [w for w in M.WORDS if w not in ("inverted", *M.DIGIT_NAMES)]
 
 # The Flux.2-like base's transformer: 2 double-stream and 2 single-stream blocks of width 64 (the random tiny

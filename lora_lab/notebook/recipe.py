@@ -25,9 +25,10 @@ HELD_OUT_FIRST = 1400  # digits 1400.. : the base saw them in its own style, the
 UNET_MODELS = ("sdxl", "sd15")
 # The pre-trained bases whose content holds under this recipe at notebook 07's defaults (strict reader: the
 # base >= 0.9, with the LoRA >= 0.8, 50 samples each way). Not z-image, chroma, flux2, qwen-image: the LoRA's
-# first steps erase what the prompt draws, and the digits come back only over many more steps; no learning
-# rate (1e-4 .. 3e-2), target set, rank, DoRA, LoRA+ or prior preservation tried held them in 200 steps (the
-# rates: docs/measurements.md, notebook 07's rows).
+# first steps erase what the prompt draws (the right digit in the base's colours is the wrong answer for an
+# inverted target: benchmarks/caption_dependence.py), and the digits come back only to about 0.8 over 4-10x
+# the steps; no learning rate (1e-4 .. 3e-2), target set, rank, DoRA, LoRA+, prior preservation or timestep
+# shift (0.33 .. 30) tried held them in 200 steps (the rates: docs/measurements.md, notebook 07's rows).
 CONTENT_MODELS = ("sd3",)
 
 
