@@ -19,7 +19,7 @@ from diffusers.models.autoencoders.vae import Encoder as VAEEncoder
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
 from lora_lab.diffusion.config import TrainConfig, TrainConfigError
-from lora_lab.diffusion.trainer import TrainingRun, train
+from lora_lab.diffusion.trainer import train
 
 ENCODERS = (VAEEncoder, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel)
 RUN = dict(model="sdxl", device="cpu", rank=4, lr=1e-3, batch_size=2, steps=3, progress=False, seed=3)
@@ -45,15 +45,6 @@ def encoder_calls():
         handle.remove()
 
 
-def cache_phase(config: TrainConfig) -> TrainingRun:
-    """A run through its cache phase only: its `data`, `empty`, `samples`, `val`, `store`."""
-    run = TrainingRun(config)
-    run.setup()
-    run.open_base()
-    run.cache()
-    return run
-
-
 def same_bits(a, b) -> bool:
     """Whether two cache phases' results hold the same tensors, bit for bit."""
     def flat(run):
@@ -72,7 +63,7 @@ def losses(output: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_second_run_reads_the_cache_and_trains_bit_for_bit(digits_folder, tmp_path):
+def test_a_second_run_reads_the_cache_and_trains_bit_for_bit(cache_phase, digits_folder, tmp_path):
     data = str(digits_folder(6))
     fields = dict(**RUN, **EVERY_ENTRY, dataset=data, sample_steps=0)
     plain = train(TrainConfig(**fields, output=str(tmp_path / "a")))
@@ -87,7 +78,8 @@ def test_a_second_run_reads_the_cache_and_trains_bit_for_bit(digits_folder, tmp_
     assert plain.outputs.keys() == result.outputs.keys()
 
 
-def test_the_cache_phase_is_the_same_without_the_cache_with_it_and_read_back(digits_folder, tmp_path):
+def test_the_cache_phase_is_the_same_without_the_cache_with_it_and_read_back(cache_phase, digits_folder,
+                                                                             tmp_path):
     data = str(digits_folder(6))
     fields = dict(**RUN, **EVERY_ENTRY, dataset=data, sample_steps=1, validation_split=0.2)
     plain = cache_phase(TrainConfig(**fields, output=str(tmp_path / "a")))
@@ -105,7 +97,7 @@ def test_the_cache_phase_is_the_same_without_the_cache_with_it_and_read_back(dig
 
 
 @pytest.mark.slow
-def test_a_changed_image_or_caption_rebuilds_only_its_encoder_call(digits_folder, tmp_path):
+def test_a_changed_image_or_caption_rebuilds_only_its_encoder_call(cache_phase, digits_folder, tmp_path):
     src = digits_folder(20)  # 32 x 32: two VAE calls (16 images, 4); one text call (10 distinct captions)
     data = tmp_path / "data"
     shutil.copytree(src, data)
@@ -121,7 +113,7 @@ def test_a_changed_image_or_caption_rebuilds_only_its_encoder_call(digits_folder
     assert same_bits(plain, changed)  # the later VAE call's noise: the generator's state as stored
 
 
-def test_a_corrupt_or_truncated_entry_is_rebuilt_with_a_warning(digits_folder, tmp_path):
+def test_a_corrupt_or_truncated_entry_is_rebuilt_with_a_warning(cache_phase, digits_folder, tmp_path):
     data = str(digits_folder(4))
     cache = tmp_path / "cache"
     fields = dict(**RUN, dataset=data, cache_dir=str(cache), sample_steps=0)
@@ -156,7 +148,8 @@ def test_a_cache_folder_among_the_inputs_or_given_twice_is_refused(digits_folder
     TrainConfig(dataset=str(data), cache_dir=str(tmp_path / "o" / "cache"), output=str(tmp_path / "o"))
 
 
-def test_mirrored_latents_and_masks_are_cached_and_an_edited_mask_is_read_again(digits_folder, tmp_path):
+def test_mirrored_latents_and_masks_are_cached_and_an_edited_mask_is_read_again(cache_phase, digits_folder,
+                                                                                tmp_path):
     from PIL import Image
 
     data = tmp_path / "data"

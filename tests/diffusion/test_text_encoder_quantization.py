@@ -14,7 +14,6 @@ pytest.importorskip("transformers")
 
 from lora_lab.cli import build_parser
 from lora_lab.diffusion import TrainConfig, TrainConfigError, train
-from lora_lab.diffusion.trainer import TrainingRun
 from lora_lab.quant import QuantLinear
 
 RUN = dict(model="flux", device="cpu", rank=4, lr=1e-3, steps=2, progress=False, sample_steps=0, seed=3)
@@ -41,21 +40,13 @@ def test_the_flag_is_the_field():
     assert parse(["train"]).text_encoder_quantization is None
 
 
-def cache_phase(config: TrainConfig) -> TrainingRun:
-    run = TrainingRun(config)
-    run.setup()
-    run.open_base()
-    run.cache()
-    return run
-
-
 def relative_error(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 @pytest.mark.slow
-def test_quantized_encoders_cache_near_the_float_embeddings_apart_on_disk_and_the_run_trains(digits_folder,
-                                                                                             tmp_path):
+def test_quantized_encoders_cache_near_the_float_embeddings_apart_on_disk_and_the_run_trains(
+        cache_phase, digits_folder, tmp_path):
     data, cache = str(digits_folder(4)), str(tmp_path / "cache")
     runs = {fmt: cache_phase(TrainConfig(**RUN, dataset=data, cache_dir=cache, keep_encoders=True,
                                          text_encoder_quantization=fmt, output=str(tmp_path / str(fmt))))
