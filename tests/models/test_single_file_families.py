@@ -234,6 +234,26 @@ def test_another_family_or_a_broken_file_is_one_line(files, tmp_path):
         detect(FileHeader(odd))
 
 
+def test_without_model_the_command_line_trains_the_files_family(files, digits_folder, tmp_path, capsys):
+    """`lora-lab train --base FILE` without --model takes the family the file's keys show; with another
+    --model named the mismatch is the one-line error."""
+    import json
+
+    from lora_lab.cli import main
+    from lora_lab.models.single_file import PART_FLAGS
+
+    _, path, parts = files["z-image"]
+    flags = [x for part, file in parts.items() for x in (PART_FLAGS[part], file)]
+    common = ["--dataset", str(digits_folder(count=2)), "--steps", "1", "--rank", "2", "--sample-steps", "0",
+              "--device", "cpu", "--no-progress"]
+    assert main(["train", "--base", str(path), *flags, *common, "--output", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model"] == "z-image"
+    assert main(["train", "--model", "flux", "--base", str(path), *flags, *common,
+                 "--output", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "is a z-image checkpoint (tiny), not flux: train it with --model z-image" in err
+
+
 def test_scaled_fp8_weights_are_read_times_their_scale(files, tmp_path):
     """ComfyUI's scaled fp8 files: e4m3 weights with `scale_weight` (one per tensor) or `weight_scale` (one
     per row) beside them load as weight * scale; a block-wise scale is refused by name."""
