@@ -234,6 +234,7 @@ def test_another_family_or_a_broken_file_is_one_line(files, tmp_path):
         detect(FileHeader(odd))
 
 
+@pytest.mark.slow  # a one-step run (~5 s)
 def test_without_model_the_command_line_trains_the_files_family(files, digits_folder, tmp_path, capsys):
     """`lora-lab train --base FILE` without --model takes the family the file's keys show; with another
     --model named the mismatch is the one-line error."""
