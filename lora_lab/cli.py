@@ -21,7 +21,6 @@ from .merge import merge_loras, save_merged
 from .models import KINDS, REAL_MODELS
 from .models.kinds import REGISTRY
 from .models.real import REAL_DEFAULT, REAL_PREFIX, real_kind
-from .models.single_file import detect_file
 from .planning import PlanError, fit_config, fit_vram, options_table, parse_bytes, plan_memory, plan_options
 from .planning.fakedevice import ATTENTION
 from .planning.fit import OPTIMIZER_ORDER
@@ -252,23 +251,12 @@ def _run_config(args: argparse.Namespace, defaults: dict | None = None, real: bo
         parsed = build_parser(flag_defaults=False).parse_args(args.argv)
         given, file = {name: getattr(parsed, name) for name in names if hasattr(parsed, name)}, \
             read_run_file(args.config)
-    given = {**given, **_model_of_base(args, file, defaults)}
     if real:
         settings = {**(defaults or {}), **file, **given}
-        given = {**given, **_real_base(settings.get("model", "sdxl"), settings.get("base"))}
+        given = {**given, **_real_base(settings.get("model") or "sdxl", settings.get("base"))}
     if args.config is None:
         return TrainConfig(**given)
     return config_from_file(args.config, given, defaults)
-
-
-def _model_of_base(args: argparse.Namespace, file: dict, defaults: dict | None) -> dict:
-    """Without a model named (no --model, none in the run file or `defaults`), a single-file --base names
-    its own: the family its keys show (ModelLoadError where it is none lora_lab knows)."""
-    settings = {**(defaults or {}), **file, **vars(build_parser(flag_defaults=False).parse_args(args.argv))}
-    base = str(settings.get("base"))
-    if "model" in settings or not (base.endswith(".safetensors") and Path(base).is_file()):
-        return {}
-    return {"model": detect_file(base).kind.name}
 
 
 def _real_base(model: str, base: str | None) -> dict:

@@ -13,7 +13,7 @@ import torch
 from ..checkpointing import CheckpointingError, parse_policy
 from ..errors import LoraLabError
 from ..models import DATA_DIR, KINDS, ModelLoadError, model_kind
-from ..models.bases import check_base
+from ..models.bases import base_family, check_base
 from ..precision import MODES
 from .bounds import check_bounds
 from .options import check_adapter_fields, check_knob_fields, check_quantization_fields, check_watch_fields
@@ -52,8 +52,9 @@ class TrainConfig:
     Each field's `help` is the CLI's help text; `None` means "the default described there".
     """
 
-    model: str = field(default="sdxl", metadata={"help": "model family: sd15 | sdxl | sd3 | flux | chroma | "
-                                                         "z-image | qwen-image | flux2"})
+    model: str | None = field(default=None, metadata={
+        "help": "model family: sd15 | sdxl | sd3 | flux | chroma | z-image | qwen-image | flux2 (default: "
+                "the one --base names, else sdxl)"})
     dataset: str | None = field(
         default=None,
         metadata={"help": "folder of images with same-stem .txt captions (default: the set in data/)"},
@@ -327,6 +328,11 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.model is None:  # the family the base names (a real model, a file's keys, a folder's index)
+            try:
+                self.model = base_family(self.base) or "sdxl"
+            except ModelLoadError as e:
+                raise TrainConfigError(f"TrainConfig.base={self.base!r}: {e}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -426,25 +432,19 @@ class TrainConfig:
             return None if path is None or str(path).startswith("real:") else str(Path(path).absolute())
 
         return replace(
-            self,
-            base=absolute(base),
-            resolution=resolution,
+            self, base=absolute(base), resolution=resolution, alpha=self.adapter_alpha(),
             base_dtype=next(k for k, v in BASE_DTYPES.items() if v == dtype),
-            alpha=self.adapter_alpha(),
             dataset=None if self.datasets is not None else absolute(self.dataset_dir()),
-            reg_dataset=absolute(self.reg_dataset),
-            validation_dataset=absolute(self.validation_dataset),
-            datasets=None if self.datasets is None else [{**t, "path": absolute(t["path"])}
-                                                         for t in self.datasets],
+            reg_dataset=absolute(self.reg_dataset), validation_dataset=absolute(self.validation_dataset),
             **{part: absolute(file) for part, file in self.base_parts().items()},
-        )
+            datasets=None if self.datasets is None else [{**t, "path": absolute(t["path"])}
+                                                         for t in self.datasets])
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TrainConfig:
         """The config a run wrote as config.json (unknown keys are an error, not silently dropped)."""
         data = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise TrainConfigError(f"{path}: unknown TrainConfig field(s) {unknown}")
         return cls(**data)

@@ -62,6 +62,7 @@ from .single_file import (
     check_file,
     component_configs,
     detect,
+    detect_file,
     leave_out_unread,
     part_source,
     tokenizer_for,
@@ -81,6 +82,21 @@ class OpenedBase:
                                                              # built again
     base: str | None = None  # what config.json records: the folder,
                              # "real:NAME", or None (tiny, from the seed)
+
+
+def base_family(base: str | Path | None) -> str | None:
+    """The family a base names, for a run that names none: a real model's kind, a single file's (its keys), a
+    pipeline folder's (its model_index.json); None for the tiny default and for a path check_base refuses.
+    ModelLoadError where a file or a real model is none lora_lab knows."""
+    if base is None:
+        return None
+    text, path = str(base), Path(base)
+    if text.startswith(REAL_PREFIX):
+        return real_kind(text.removeprefix(REAL_PREFIX))
+    if path.is_file() and path.suffix == ".safetensors":
+        return detect_file(path).kind.name
+    found = _folder_kind(path) if path.is_dir() else None
+    return None if found is None else found.name
 
 
 def check_base(base: str | Path | None, kind: ModelKind, parts: dict[str, str | None] | None = None) -> None:

@@ -146,6 +146,21 @@ def test_family_detected_from_real_headers():
     assert "\n" not in str(e.value)
 
 
+def test_without_a_model_the_base_names_it(tiny_files, tmp_path):
+    """TrainConfig without `model`: the family its base names (a single file's keys, a pipeline folder's
+    model_index.json, a real model's kind), sdxl without a base; a file lora_lab does not know is the
+    base's one-line error."""
+    assert TrainConfig(base=str(tiny_files["sd15"][1])).model == "sd15"
+    assert TrainConfig(base=str(shipped_base("sd3"))).model == "sd3"
+    assert TrainConfig(base="real:flux-dev").model == "flux"
+    assert TrainConfig().model == "sdxl" and TrainConfig(model="sd15").model == "sd15"
+    other = tmp_path / "other.safetensors"
+    save_file({"foo.weight": torch.zeros(2)}, other)
+    with pytest.raises(TrainConfigError, match=r"TrainConfig.base=.*other.safetensors.*not an SD1.5") as e:
+        TrainConfig(base=str(other))
+    assert "\n" not in str(e.value)
+
+
 def test_mismatch_is_one_line_and_leaves_no_output(tiny_files, tmp_path):
     _, path, _ = tiny_files["sdxl"]
     with pytest.raises(TrainConfigError, match="is a sdxl checkpoint") as e:
