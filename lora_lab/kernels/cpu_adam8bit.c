@@ -517,11 +517,6 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
     c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
 }
 
-/* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
- * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
- * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
- * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
-/* The codes of 16 values x / s (see quant_block): fast16's where it decides every lane, else codes16's. */
 /* codes16's codes of x / s (the rare vectors fast16 does not decide: out of line, as the hot loops are long) */
 AVX512 static __attribute__((noinline)) __m512i slow16(const qregs *q, __m512 x, __m512 y, __m512 sv,
                                                         int product, int sgn) {
@@ -530,6 +525,7 @@ AVX512 static __attribute__((noinline)) __m512i slow16(const qregs *q, __m512 x,
     return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
 }
 
+/* The codes of 16 values x / s (see quant_block): fast16's where it decides every lane, else codes16's. */
 AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
     __mmask16 far;
     __m512 y = product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv);
@@ -557,6 +553,10 @@ AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint
     _mm512_storeu_si512(codes, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
 }
 
+/* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
+ * divider the update needs, then again by x / s in the rare vectors where that product falls within 8 ulps
+ * of the midpoint it is compared with (it is within 2 ulps of the quotient, and with s <= 1 neither rounds
+ * a nonzero x to 0: keep_nonzero's 0 / not 0 agrees); other s (a moment above 1) by x / s. */
 AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_t *codes, int64_t len,
                                int64_t whole, __mmask16 rest, int sgn) {
     qregs q;
@@ -745,8 +745,6 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     if (path == 3) {
         make_lookup(&looks[0], m_map);
         make_lookup(&looks[1], v_map);
-    }
-    if (path == 3) {
         make_qlines(&qs[0], m_map, 1);
         make_qlines(&qs[1], v_map, 0);
     }
@@ -782,9 +780,9 @@ int lora_lab_adam8bit_codes(const float *x, int64_t n, float s, int sgn, const f
     table t = {map, pack, pack_n, pack_lo, 0, &q};
     if (path == 1) codes_values(&t, x, s, out, 0, n);
 #ifdef LORA_LAB_X86
-    if (path == 3) make_qlines(&q, map, sgn);
     if (path == 2) codes_avx2(&t, x, s, out, n);
     if (path == 3) {
+        make_qlines(&q, map, sgn);
         quant_block(&q, x, s, out, n, n - n % 16, (__mmask16)((1u << (n % 16)) - 1u), sgn);
     }
 #endif
