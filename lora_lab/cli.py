@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from .diffusion.bounds import MAX_SAMPLE_STEPS
+from .diffusion.config import DEFAULT_MODEL
 from .diffusion.distributed import resolve_device
 from .diffusion.runfile import config_from_file, read_run_file
 from .diffusion.sampling import sample_with_without
@@ -253,7 +254,7 @@ def _run_config(args: argparse.Namespace, defaults: dict | None = None, real: bo
             read_run_file(args.config)
     if real:
         settings = {**(defaults or {}), **file, **given}
-        given = {**given, **_real_base(settings.get("model") or "sdxl", settings.get("base"))}
+        given = {**given, **_real_base(settings.get("model") or DEFAULT_MODEL, settings.get("base"))}
     if args.config is None:
         return TrainConfig(**given)
     return config_from_file(args.config, given, defaults)

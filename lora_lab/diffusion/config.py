@@ -18,7 +18,7 @@ from ..precision import MODES
 from .bounds import check_bounds
 from .options import check_adapter_fields, check_knob_fields, check_quantization_fields, check_watch_fields
 
-MODELS = KINDS
+MODELS, DEFAULT_MODEL = KINDS, "sdxl"  # DEFAULT_MODEL: a run whose base names no family trains it
 OPTIMIZERS = ("adamw", "adamw8bit", "bnb-adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "linear", "cosine")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -330,7 +330,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model is None:  # the family the base names (a real model, a file's keys, a folder's index)
             try:
-                self.model = base_family(self.base) or "sdxl"
+                self.model = base_family(self.base) or DEFAULT_MODEL
             except ModelLoadError as e:
                 raise TrainConfigError(f"TrainConfig.base={self.base!r}: {e}") from None
         self.validate()

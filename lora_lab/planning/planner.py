@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..checkpointing import enable_checkpointing
-from ..diffusion.config import BASE_DTYPES, TrainConfig
+from ..diffusion.config import BASE_DTYPES, DEFAULT_MODEL, TrainConfig
 from ..diffusion.distributed import resolve_device
 from ..diffusion.footprint import memory_view
 from ..diffusion.trainer import PHASES
@@ -197,7 +197,7 @@ class MemoryPlan:
 PLAN_DEFAULTS = {"device": "cuda", "mixed_precision": "bf16", "progress": False}
 
 
-def plan_config(model: str = "sdxl", *, size: str = "real", **fields) -> TrainConfig:
+def plan_config(model: str = DEFAULT_MODEL, *, size: str = "real", **fields) -> TrainConfig:
     """The `TrainConfig` a plan of `model` describes: `fields` are TrainConfig's (its names and checks), over
     `PLAN_DEFAULTS`. model: a real model (`size="real"`: sd15 | sdxl | sd35-medium | sd35-large | flux-dev |
     chroma1-hd | z-image-turbo, the base "real:NAME", its published configs) or a kind (`size="tiny"`: a name
@@ -255,7 +255,7 @@ def plan_device(config: TrainConfig) -> str:
     return resolve_device(config.device).type if config.device == "auto" else config.device.split(":")[0]
 
 
-def plan_memory(run: TrainConfig | str = "sdxl", *, size: str = "real", attention: str = "auto",
+def plan_memory(run: TrainConfig | str = DEFAULT_MODEL, *, size: str = "real", attention: str = "auto",
                 checkpoint_options: dict | None = None, cache: bool = True, limit: int | None = None,
                 **fields) -> MemoryPlan:
     """Predict the peak memory of each phase of the run lora_lab's trainer makes of a `TrainConfig` (`run`),
