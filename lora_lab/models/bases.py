@@ -62,7 +62,6 @@ from .single_file import (
     check_file,
     component_configs,
     detect,
-    detect_file,
     leave_out_unread,
     part_source,
     tokenizer_for,
@@ -84,50 +83,45 @@ class OpenedBase:
                              # "real:NAME", or None (tiny, from the seed)
 
 
-def base_family(base: str | Path | None) -> str | None:
-    """The family a base names, for a run that names none: a real model's kind, a single file's (its keys), a
-    pipeline folder's (its model_index.json); None for the tiny default and for a path check_base refuses.
-    ModelLoadError where a file or a real model is none lora_lab knows."""
-    if base is None:
-        return None
-    text, path = str(base), Path(base)
-    if text.startswith(REAL_PREFIX):
-        return real_kind(text.removeprefix(REAL_PREFIX))
-    if path.is_file() and path.suffix == ".safetensors":
-        return detect_file(path).kind.name
-    found = _folder_kind(path) if path.is_dir() else None
-    return None if found is None else found.name
+def base_family(base: str | Path | None, parts: dict[str, str | None] | None = None) -> str | None:
+    """The family `base` names, for a run that names none: a real model's kind, a single file's (its keys), a
+    pipeline folder's (its model_index.json); None for the tiny default and for a folder of a pipeline class
+    lora_lab does not know (left to the loading to refuse). ModelLoadError where `base` cannot be a base at
+    all, or a part file (`parts`) is missing or without a base file to go with."""
+    return _identify(base, parts)[0]
 
 
 def check_base(base: str | Path | None, kind: ModelKind, parts: dict[str, str | None] | None = None) -> None:
-    """Raise ModelLoadError where `base` cannot be a base of `kind` (before anything is built): a file or
-    folder of another family, a part file (`parts`) that is missing or without a base file to go with."""
+    """Raise ModelLoadError where `base` cannot be a base of `kind` (before anything is built): all that
+    base_family refuses, and a real model, file or folder of another family."""
+    found, what = _identify(base, parts)
+    if found is not None and found != kind.name:
+        raise ModelLoadError(f"{base} is {what}, not {kind.name}: train it with --model {found}")
+
+
+def _identify(base: str | Path | None, parts: dict[str, str | None] | None) -> tuple[str | None, str]:
+    """base_family's family, and what `base` is in words ("a sdxl pipeline")."""
     if base is None or not str(base).endswith(".safetensors"):
         given = [PART_FLAGS[p] for p, f in (parts or {}).items() if f is not None]
         if given:
             raise ModelLoadError(f"{', '.join(given)}: parts of a single-file base (--base FILE.safetensors)")
     if base is None:
-        return
-    text = str(base)
+        return None, "the tiny default"
+    text, path = str(base), Path(base)
     if text.startswith(REAL_PREFIX):
-        name = text.removeprefix(REAL_PREFIX)
-        if real_kind(name) != kind.name:
-            raise ModelLoadError(f"base {text!r} is a {real_kind(name)} model, not {kind.name}")
-        return
-    path = Path(text)
+        found = real_kind(text.removeprefix(REAL_PREFIX))
+        return found, f"a {found} model"
     if path.is_file() and path.suffix == ".safetensors":
-        check_file(path, kind, parts)
-        return
+        detected = check_file(path, None, parts)
+        return detected.kind.name, f"a {detected.kind.name} checkpoint ({detected.variant})"
     if not path.exists():
         raise ModelLoadError(f"{path}: no such base model folder or file")
     if not (path.is_dir() and (path / "model_index.json").is_file()):
         raise ModelLoadError(f"{path}: not a diffusers pipeline folder (no model_index.json) nor a "
                              ".safetensors checkpoint")
-    found = _folder_kind(path)
-    if found is not None and found.name != kind.name:
-        raise ModelLoadError(f"{path} is a {found.name} pipeline, not {kind.name}: train it with "
-                             f"--model {found.name}")
     component_classes(path)
+    found = _folder_kind(path)
+    return (None, "a pipeline folder") if found is None else (found.name, f"a {found.name} pipeline")
 
 
 def component_classes(path: Path) -> dict[str, type]:

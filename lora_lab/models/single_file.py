@@ -128,13 +128,16 @@ def detect_file(path: str | Path) -> Detected:
     return detect(FileHeader(Path(path)))
 
 
-def check_file(path: str | Path, kind: ModelKind, parts: dict[str, str | None] | None = None) -> Detected:
-    """ModelLoadError where `path` is not a checkpoint of `kind`, or a part file is missing or given to a
-    family that has no such part: one line, from the headers only."""
+def check_file(path: str | Path, kind: ModelKind | None,
+               parts: dict[str, str | None] | None = None) -> Detected:
+    """What `path` holds; ModelLoadError where it is not a checkpoint of `kind` (None: of any family lora_lab
+    knows), or a part file is missing or given to a family that has no such part: one line, from the headers
+    only."""
     found = detect_file(path)
-    if found.kind is not kind:
+    if kind is not None and found.kind is not kind:
         raise ModelLoadError(f"{path} is a {found.kind.name} checkpoint ({found.variant}), not {kind.name}: "
                              f"train it with --model {found.kind.name}")
+    kind = found.kind
     for part, file in (parts or {}).items():
         if file is None:
             continue
