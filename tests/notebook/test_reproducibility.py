@@ -21,6 +21,7 @@ SMALL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("reproducibility")
 def test_three_notebooks_run_twice_record_the_same_numbers(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -45,6 +45,7 @@ def test_every_point_is_checked_before_anything_runs(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_each_point_resumes_and_aggregates(tmp_path, capsys):
     nb = tiny_notebook(tmp_path / "tiny.ipynb", claim="N < 3")  # N = 3 fails its claim
     out = tmp_path / "out"

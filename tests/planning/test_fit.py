@@ -10,6 +10,9 @@ from lora_lab.planning.run import BEFORE_OPTIONS, OverLimit
 
 VARIANTS = [(ck, opt) for ck in fit.CHECKPOINTING_ORDER for opt in fit.OPTIMIZER_ORDER]  # time order
 KW = {"size": "tiny", "rank": 4}  # a plan's defaults otherwise: CUDA's rules, bf16, samples
+# One worker for the module (-n 2 --dist loadgroup): `plans`, every option planned in full, is then made once
+# per kind, not once per test that reads it on each worker.
+pytestmark = pytest.mark.xdist_group("fit_plans")
 
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl", "sd3", "flux"])
