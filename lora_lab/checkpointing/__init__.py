@@ -10,7 +10,7 @@
                  the device to run (forward and recomputation)
 
 "Checkpointing" here is always this recomputation; a "checkpoint" is a training run's saved state
-(`lora_lab.diffusion.state`).
+(`lora_lab.diffusion.checkpoints`).
 """
 
 from .budget import CheckpointingPlan

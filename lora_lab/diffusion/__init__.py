@@ -16,10 +16,11 @@
 The models themselves (kinds, builders, real configs) are `lora_lab.models`.
 """
 
+from .checkpoints import ResumeError
 from .data import BucketBatchSampler, DatasetError, ImageCaptionDataset, aspect_buckets, collate
 from .objectives import DDPM, FlowMatching, ObjectiveError, diffusion_loss, objective_for
 from .sampling import image_grid, loras_applied, sample
-from .state import NonFiniteLossError, ResumeError
+from .state import NonFiniteLossError
 from .trainer import TrainConfig, TrainConfigError, TrainResult, train
 
 __all__ = [

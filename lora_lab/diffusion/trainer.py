@@ -60,6 +60,7 @@ from ..models import default_resolution, denoiser, model_kind, shipped_base
 from ..models.bases import open_base
 from ..precision import MixedPrecision
 from .adapters import add_adapter, check_config_for_base, text_encoder_adapters
+from .checkpoints import ResumeError, load_checkpoint
 from .config import TrainConfig, TrainConfigError
 from .datasets import RunData, encode_run_data, sources_fingerprint
 from .diskcache import open_disk_cache
@@ -81,15 +82,7 @@ from .stages import (
     setup_device,
     write_lora,
 )
-from .state import (
-    Learner,
-    NonFiniteLossError,
-    ResumeError,
-    RunState,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-)
+from .state import Learner, NonFiniteLossError, RunState, resume_point, save_checkpoint
 from .step import StepDraws, draw_step, micro_batch, micro_batch_loss, training_objective
 from .watch import Watch
 

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from lora_lab.diffusion import TrainConfig, train
+from lora_lab.diffusion.checkpoints import load_checkpoint
 from lora_lab.diffusion.ema import AdapterEMA, ema_decay
-from lora_lab.diffusion.state import load_checkpoint
 
 FAST = {"rank": 4, "lr": 1e-2, "batch_size": 2, "sample_steps": 0, "progress": False, "seed": 3}
 

@@ -1,6 +1,7 @@
-"""diffusion/state.py: which files are checkpoints (links and look-alikes never are), checksums verified on
-resume, what a good checkpoint is, pruning that removes only this run's older checkpoints, paths compared by
-real path; and a seeded fuzz test of checkpoint folders with links and flipped bytes."""
+"""diffusion/state.py and checkpoints.py: which files are checkpoints (links and look-alikes never are),
+checksums verified on resume, what a good checkpoint is, pruning that removes only this run's older
+checkpoints, paths compared by real path; and a seeded fuzz test of checkpoint folders with links and
+flipped bytes."""
 
 from __future__ import annotations
 
@@ -19,14 +20,8 @@ pytest.importorskip("diffusers")
 from safetensors.torch import load_file
 
 from lora_lab.cli import main as cli_main
-from lora_lab.diffusion.state import (
-    SANE_WEIGHT,
-    checkpoints,
-    digest,
-    move_aside,
-    prune,
-    resume_point,
-)
+from lora_lab.diffusion.checkpoints import SANE_WEIGHT, checkpoints, digest
+from lora_lab.diffusion.state import move_aside, prune, resume_point
 from lora_lab.diffusion.trainer import (
     NonFiniteLossError,
     ResumeError,
@@ -234,9 +229,9 @@ def test_a_diverged_run_writes_no_checkpoint_and_says_where_to_start(dataset, tm
     ~1000, finite but no state to go on from. Nothing is written, and the error says no good checkpoint
     exists (before: step 1 was "the last good checkpoint", and resuming from it with a lower lr failed again
     at step 2)."""
-    from lora_lab.diffusion import state
+    from lora_lab.diffusion import checkpoints
 
-    monkeypatch.setattr(state, "SANE_WEIGHT", 100.0)
+    monkeypatch.setattr(checkpoints, "SANE_WEIGHT", 100.0)
     out = tmp_path / "run"
     said = (r"adapter weights reach [0-9.]+e\+03, beyond 100 \(the run diverged\) after step 1 .*"
             r"no good checkpoint was written yet: start the run again and try a lower --lr")
