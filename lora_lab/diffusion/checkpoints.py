@@ -40,7 +40,6 @@ SANE_WEIGHT = 1e4
 CHECKPOINT_NAME = re.compile(r"step_(\d{7,})\.pt")
 
 
-
 def checkpoint_path(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step_{step:07d}.pt"
 
