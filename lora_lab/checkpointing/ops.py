@@ -337,8 +337,8 @@ class _Record(TorchDispatchMode):
 
 
 class _Replay(TorchDispatchMode):
-    """Recomputation of one block call under a `_Plan`: kept ops answer from memory, dead ops with empty
-    tensors, every other op runs again."""
+    """Recomputation of one block call under a `_Plan`: kept ops answer from memory, dead ops with
+    zeros, every other op runs again."""
 
     def __init__(self, plan: _Plan):
         super().__init__()
@@ -357,9 +357,11 @@ class _Replay(TorchDispatchMode):
                 "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
         dead = self.plan.dead.get(n)
-        if dead is not None:  # only kept ops read its outputs
+        if dead is not None:
+            # only kept ops and in-place or out= ops (which run again, their results unused) read its outputs:
+            # zeros, not garbage, so that such an op's indices are in range (an NF4 or fp8 base's lookups)
             spec, leaves = dead
-            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3])
+            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3]).zero_()
                                    if isinstance(m, tuple) else m
                                    for m in leaves], spec)
         entry = self.plan.kept.get(n)
