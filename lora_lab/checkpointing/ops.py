@@ -10,6 +10,7 @@ under `_Replay`, which answers the kept ops from memory and runs every other op 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,14 +100,35 @@ def selective_frontier(ops) -> set:
     return extra
 
 
-@functools.cache
 def _counted(func) -> bool:
-    """An op that makes new tensors (no view, no in-place): the ops that policies number, keep and replay.
-    Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
+    """An op that makes new tensors (no view, no in-place), outside `unnumbered()`: the ops that policies
+    number, keep and replay."""
+    return _unnumbered_depth == 0 and _makes_new_tensors(func)
+
+
+@functools.cache
+def _makes_new_tensors(func) -> bool:
+    """Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
     view_as) during the recomputation cannot shift it; so are metadata questions (prim.device: a fake tensor
     may be asked its device in one run and not in the other)."""
     s = op_schema(func)
     return not (s.is_mutable or any(r.alias_info is not None for r in s.returns) or is_metadata(func))
+
+
+_unnumbered_depth = 0
+
+
+@contextlib.contextmanager
+def unnumbered():
+    """Ops that run inside are left out of a block call's numbering: block swapping's copies of the weights,
+    which a call makes or not depending on what the call before it prefetched (they still run, and a tape
+    still records them)."""
+    global _unnumbered_depth
+    _unnumbered_depth += 1
+    try:
+        yield
+    finally:
+        _unnumbered_depth -= 1
 
 
 def _replayable(func, args, kwargs) -> bool:
