@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ def selective_frontier(ops) -> set:
 def _counted(func) -> bool:
     """An op that makes new tensors (no view, no in-place), outside `unnumbered()`: the ops that policies
     number, keep and replay."""
-    return _unnumbered_depth == 0 and _makes_new_tensors(func)
+    return not getattr(_unnumbered, "depth", 0) and _makes_new_tensors(func)
 
 
 @functools.cache
@@ -115,7 +116,7 @@ def _makes_new_tensors(func) -> bool:
     return not (s.is_mutable or any(r.alias_info is not None for r in s.returns) or is_metadata(func))
 
 
-_unnumbered_depth = 0
+_unnumbered = threading.local()  # depth: how many `unnumbered()` this thread is inside
 
 
 @contextlib.contextmanager
@@ -123,12 +124,11 @@ def unnumbered():
     """Ops that run inside are left out of a block call's numbering: block swapping's copies of the weights,
     which a call makes or not depending on what the call before it prefetched (they still run, and a tape
     still records them)."""
-    global _unnumbered_depth
-    _unnumbered_depth += 1
+    _unnumbered.depth = getattr(_unnumbered, "depth", 0) + 1
     try:
         yield
     finally:
-        _unnumbered_depth -= 1
+        _unnumbered.depth -= 1
 
 
 def _replayable(func, args, kwargs) -> bool:
