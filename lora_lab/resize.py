@@ -238,7 +238,7 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     path = Path(path)
     if path.is_dir():
         folder = path / kind.component if (path / "model_index.json").is_file() else path
-        weights = FolderWeights(folder)
+        weights = _of_kind(path, FolderWeights(folder), kind)
         config = folder / "config.json"
         model = None
         if config.is_file():
@@ -249,7 +249,7 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     try:
         found = detect(header)
     except ModelLoadError:  # one component's weights under diffusers' names, memory-mapped
-        return TensorSource(read_safetensors(path)[0]), None
+        return _of_kind(path, TensorSource(read_safetensors(path)[0]), kind), None
     if found.kind.name != kind.name:
         raise ResizeError(f"{path}: a {found.kind.name} checkpoint, not {kind.name}")
     import diffusers
@@ -257,6 +257,22 @@ def denoiser_source(path: str | Path, kind: ModelKind):
     cls_name, cfg = component_configs(kind, found.variant)[kind.component]
     model = skeleton(getattr(diffusers, cls_name), cfg)
     return part_source(kind, kind.component, model, header, {}, found), model
+
+
+def _of_kind(path: Path, weights, kind: ModelKind):
+    """`weights` (diffusers' names), refused where they are not of `kind`'s denoiser (an extract would write a
+    LoRA labelled `kind` from another family's weights): each name's top-level module must be one of the
+    class's (a config-independent part of it, checked on the tiny config's skeleton)."""
+    from .models.builders import CONFIGS
+    from .models.loading import skeleton
+
+    cls = kind.denoiser_class()
+    own = {n.split(".")[0] for n in skeleton(cls, CONFIGS[kind.name][kind.component]).state_dict()}
+    foreign = sorted({k.split(".")[0] for k in weights.keys()} - own)
+    if foreign:
+        raise ResizeError(f"{path}: not a {kind.name} {kind.component}: {cls.__name__} has no "
+                          f"{', '.join(foreign[:5])}; give the --model its weights are of")
+    return weights
 
 
 class TensorSource:

@@ -184,3 +184,25 @@ def test_extract_reads_diffusers_folders_and_single_files(tmp_path, form):
     for name, change in changes.items():
         torch.testing.assert_close(lf.modules["unet." + name.removesuffix(".weight")].delta(), change,
                                    atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("given, named", [("flux2", "chroma"), ("qwen-image", "sd3"),
+                                          ("z-image", "qwen-image"), ("sdxl", "sd15")])
+def test_extract_refuses_weights_of_another_family(tmp_path, capsys, given, named):
+    """A denoiser of `given` (a diffusers-named file, and its pipeline folder) extracted with `--model named`
+    is refused in one line naming the file, before any SVD: before the fix it wrote a LoRA labelled `named`
+    from `given`'s weights."""
+    from pathlib import Path
+
+    folder = Path(__file__).parents[1] / "data" / "base" / given
+    component = model_kind(given).component
+    file = folder / component / "diffusion_pytorch_model.safetensors"
+    for path in (file, folder):
+        with pytest.raises(ResizeError, match=f"not a {named} {model_kind(named).component}: "):
+            source(path, model_kind(named))
+    dst = tmp_path / "x.safetensors"
+    assert main(["extract", str(file), str(file), str(dst), "--model", named, "--rank", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(file) in err and "give the --model" in err and len(err.strip().splitlines()) == 1
+    assert not dst.exists()
+    assert source(file, model_kind(given))[0].keys()  # its own kind still reads it

@@ -10,7 +10,9 @@ under `_Replay`, which answers the kept ops from memory and runs every other op 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,14 +101,34 @@ def selective_frontier(ops) -> set:
     return extra
 
 
-@functools.cache
 def _counted(func) -> bool:
-    """An op that makes new tensors (no view, no in-place): the ops that policies number, keep and replay.
-    Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
+    """An op that makes new tensors (no view, no in-place), outside `unnumbered()`: the ops that policies
+    number, keep and replay."""
+    return not getattr(_unnumbered, "depth", 0) and _makes_new_tensors(func)
+
+
+@functools.cache
+def _makes_new_tensors(func) -> bool:
+    """Views and in-place ops are left out of the numbering, so that a hook that adds one (a module tracker's
     view_as) during the recomputation cannot shift it; so are metadata questions (prim.device: a fake tensor
     may be asked its device in one run and not in the other)."""
     s = op_schema(func)
     return not (s.is_mutable or any(r.alias_info is not None for r in s.returns) or is_metadata(func))
+
+
+_unnumbered = threading.local()  # depth: how many `unnumbered()` this thread is inside
+
+
+@contextlib.contextmanager
+def unnumbered():
+    """Ops that run inside are left out of a block call's numbering: block swapping's copies of the weights,
+    which a call makes or not depending on what the call before it prefetched (they still run, and a tape
+    still records them)."""
+    _unnumbered.depth = getattr(_unnumbered, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _unnumbered.depth -= 1
 
 
 def _replayable(func, args, kwargs) -> bool:
@@ -337,8 +359,8 @@ class _Record(TorchDispatchMode):
 
 
 class _Replay(TorchDispatchMode):
-    """Recomputation of one block call under a `_Plan`: kept ops answer from memory, dead ops with empty
-    tensors, every other op runs again."""
+    """Recomputation of one block call under a `_Plan`: kept ops answer from memory, dead ops with
+    zeros, every other op runs again."""
 
     def __init__(self, plan: _Plan):
         super().__init__()
@@ -357,9 +379,11 @@ class _Replay(TorchDispatchMode):
                 "the block must run the same ops (no data-dependent branches, no state changed between runs)"
             )
         dead = self.plan.dead.get(n)
-        if dead is not None:  # only kept ops read its outputs
+        if dead is not None:
+            # only kept ops and in-place or out= ops (which run again, their results unused) read its outputs:
+            # zeros, not garbage, so that such an op's indices are in range (an NF4 or fp8 base's lookups)
             spec, leaves = dead
-            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3])
+            return tree_unflatten([torch.empty_strided(*m[:2], dtype=m[2], device=m[3]).zero_()
                                    if isinstance(m, tuple) else m
                                    for m in leaves], spec)
         entry = self.plan.kept.get(n)

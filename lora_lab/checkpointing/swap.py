@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import LoraLabError
 from ..torch_private import buffers_of, in_backward, parameters_of
+from .ops import unnumbered
 
 
 class BlockSwapError(LoraLabError, ValueError):
@@ -74,6 +75,10 @@ class BlockSwap:
     def _copy(self, i: int) -> tuple[dict, object]:
         """Block i's tensors on the device (on the side stream, with the event that says they are there)."""
         self.copied += self.block_bytes(i)
+        with unnumbered():
+            return self._copy_tensors(i)
+
+    def _copy_tensors(self, i: int) -> tuple[dict, object]:
         if not self.cuda:
             return {k: t.clone() for k, t in self.host[i].items()}, None
         with torch.cuda.stream(self.stream):

@@ -351,8 +351,6 @@ class TrainConfig:
         ]:
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(allowed)}")
-        if self.noise_offset > 0 and model_kind(self.model).objective == "flow":
-            bad("noise_offset", "must be 0 for the flow-matching models sd3 and flux")
         if self.warmup_steps > self.steps:
             bad("warmup_steps", f"is longer than the run (steps={self.steps})")
         if {base := self.base_dtype, mixed := self.mixed_precision} == {"bf16", "fp16"}:

@@ -23,7 +23,7 @@ DATASET_KEYS = {"path": str, "repeats": int, "caption_extension": str, "is_reg":
 LOG_WITH = ("tensorboard",)
 FLOW_KNOBS = ("timestep_sampling", "logit_mean", "logit_std", "mode_scale", "timestep_shift", "dynamic_shift",
               "loss_weighting")
-DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation")
+DDPM_KNOBS = ("min_snr_gamma", "debiased_estimation", "noise_offset")
 ADAPTERS = ADAPTER_KINDS  # lora (DoRA: with dora), lokr, loha
 # the options that belong to one adapter kind: (that kind, why); set for another kind, they are refused
 KIND_OPTIONS = {
@@ -158,7 +158,8 @@ def check_knob_fields(config, bad) -> None:
     only = FLOW_KNOBS if not flow else DDPM_KNOBS
     for name in only:
         if getattr(config, name) != defaults[name]:
-            bad(name, f"applies to {'sd3/flux' if not flow else 'sd15/sdxl'} only, not {config.model}")
+            their = "/".join(k for k in KINDS if (model_kind(k).objective == "flow") != flow)
+            bad(name, f"applies to {their} only, not {config.model}")
     kind = model_kind(config.model)
     if config.text_encoder_lr is not None and not any(e.arch.startswith("clip") for e in kind.text_encoders):
         bad("text_encoder_lr", f"trains LoRAs on CLIP text encoders; {config.model} has none (its "

@@ -27,13 +27,13 @@ class NonFiniteLossError(LoraLabError, FloatingPointError):
     """The loss became NaN or infinite; training stopped and the last good checkpoint was kept."""
 
 
-# What may differ between a run and its resumption: where and how it runs, not what it computes; and what
-# NonFiniteLossError advises changing (lr, schedule, clipping, mixed precision): a run stopped by a
-# non-finite loss goes on from its last good checkpoint.
+# What may differ between a run and its resumption: where and how it runs, not what it computes (the disk
+# cache: the same bits; checkpointing, block swapping: the same gradients in less memory), and what
+# NonFiniteLossError advises changing (lr, schedule, clipping, mixed precision) after a non-finite loss.
 RESUME_FREE = {"resume", "progress", "device", "save_every", "keep_checkpoints", "sample_prompts",
                "sample_steps", "lr", "schedule", "warmup_steps", "max_grad_norm", "mixed_precision",
                "keep_encoders", "vae_tiling", "sample_every", "validate_every", "log_with",
-               "validation_dataset", "cache_dir", "cache_to_disk"}  # the disk cache: the same bits
+               "validation_dataset", "cache_dir", "cache_to_disk", "gradient_checkpointing", "blocks_to_swap"}
 # Fields older checkpoints lack, with the value those runs had (0.1: fp32 bases, attention only; then more)
 BEFORE_0_2 = dict(base_dtype="fp32", feed_forward=False, shuffle_captions=False, keep_tokens=0,
                   tag_dropout=0.0, caption_variants=8, min_snr_gamma=None, debiased_estimation=False,

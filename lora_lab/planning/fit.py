@@ -147,15 +147,15 @@ def fit_vram(vram: int | str, run: TrainConfig | str = "sdxl", *, size: str = "r
         raise PlanError(
             f"nothing fits {format_bytes(vram)}: the {phase} phase alone peaks at "
             f"{format_bytes(e.phases[phase])} ({what}), before anything fit chooses (checkpointing, "
-            "optimizer, micro-batch, blocks swapped) applies; lower the resolution, quantize the base "
-            "(--base-quantization nf4), or use a larger GPU") from None
+            "optimizer, micro-batch, blocks swapped) applies; lower the resolution, "
+            f"{_quantize(config, phase)}or use a larger GPU") from None
     if chosen is not None:
         return FitResult(vram, chosen, tried)
     best = min(tried, key=lambda p: p.peak)
     raise PlanError(
         f"nothing fits {format_bytes(vram)}: the smallest predicted peak is {format_bytes(best.peak)} "
-        f"({_label(best.options)}), in {best.why()}; lower the resolution or the rank, quantize the base "
-        "(--base-quantization nf4), or use a larger GPU"
+        f"({_label(best.options)}), in {best.why()}; lower the resolution or the rank, "
+        f"{_quantize(config, best.peak_phase)}or use a larger GPU"
         + ("" if checkpointing in (True, "full")
            else f", or a checkpointing policy that keeps less than {checkpointing} "
            "(full, every_k, budget:F)"))
@@ -253,3 +253,17 @@ def fit_config(config: TrainConfig, vram: int | str) -> tuple[TrainConfig, str, 
     config.batch_size * config.grad_accum is the effective batch kept. Returns (config, why, its plan)."""
     result = fit_vram(vram, config)
     return replace(config, **result.settings), result.reason(), result.chosen
+
+
+def _quantize(config: TrainConfig, phase: str) -> str:
+    """The advice to quantize what holds `phase`'s memory, where the run can still take it (", "-ended; ""
+    where not): the text encoders for the cache phase, the denoiser for the phases after it (LoRA only:
+    LoKr/LoHa wrap float layers)."""
+    if phase == "cache":
+        quantized, flag = config.text_encoder_quantization, "--text-encoder-quantization nf4"
+        what = "the text encoders"
+    else:
+        quantized, flag, what = config.base_quantization, "--base-quantization nf4", "the base"
+        if config.adapter != "lora":
+            return ""
+    return "" if quantized else f"quantize {what} ({flag}), "

@@ -818,3 +818,26 @@ def test_backward_peak_of_a_frozen_unet_with_lora_stays_below_the_unchecked_peak
 
     plain, checked = peak(False), peak(True)
     assert checked < 0.75 * plain, (checked, plain)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_selective_over_a_quantized_base_whose_table_lookups_read_dead_outputs(fmt):
+    """A kept matmul's NF4/fp8 weight is dequantized by out= table lookups that run again in the recomputation
+    although nothing needs their result: the dead op they read (the codes cast to int) must give indices in
+    range, not empty memory (IndexError before the fix)."""
+    from lora_lab import quantize_base
+
+    torch.manual_seed(0)
+    model = BlockStack(2, 16, 32, dropout=0.0)
+    model.requires_grad_(False)
+    quantize_base(model, fmt)
+    add_lora(model, LoRAConfig(rank=2, targets=r".*fc\d"))
+    x = torch.randn(4, 16)
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    reference = torch.autograd.grad(model(x).square().sum(), trainable)
+    enable_checkpointing(model, ResidualMLP, "selective")
+    grads = torch.autograd.grad(model(x).square().sum(), trainable)
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))

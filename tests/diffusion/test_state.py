@@ -407,3 +407,20 @@ def test_a_fresh_run_into_a_killed_runs_folder_is_refused_and_keeps_its_files(tm
     assert err.startswith("lora-lab: error: ") and f"already holds {left.split('/x')[0]}" in err
     assert (out / left).read_text() == "the dead run's"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [left]
+
+
+def test_a_run_resumes_with_checkpointing_or_block_swapping_changed_but_not_the_base(tmp_path):
+    """Checkpointing and block swapping change memory only (the same gradients, bit for bit:
+    tests/checkpointing), so a run killed on one card resumes on a smaller one with them turned on (refused as
+    'the config changed' before); a quantized base changes the numbers and is still refused."""
+    from dataclasses import asdict, replace
+
+    from lora_lab.diffusion.state import RunState, check_resumable
+
+    before = TrainConfig(model="z-image", output=str(tmp_path))
+    state = {"config": asdict(before), "n_examples": 3, "dataset_fingerprint": "contents:f"}
+    smaller = replace(before, gradient_checkpointing="selective", blocks_to_swap=2)
+    check_resumable(state, RunState(tmp_path, smaller, 3, "contents:f"), tmp_path / "step_0000001.pt")
+    with pytest.raises(TrainConfigError, match=r"the config changed \(base_quantization: None -> 'nf4'\)"):
+        check_resumable(state, RunState(tmp_path, replace(smaller, base_quantization="nf4"), 3, "contents:f"),
+                        tmp_path / "step_0000001.pt")

@@ -149,8 +149,11 @@ def test_the_trainer_step_uses_the_config_knobs():
     ({"ema_decay": 0.0}, r"ema_decay=0\.0: must be a number in \(0, 1\)"),
     ({"loraplus_ratio": 0.0}, r"loraplus_ratio=0\.0: must be a number in \(0, "),
     ({"model": "sd3", "timestep_sampling": "cosine"}, r"timestep_sampling='cosine': must be one of"),
-    ({"model": "sdxl", "timestep_sampling": "uniform"}, r"applies to sd3/flux only"),
+    ({"model": "sdxl", "timestep_sampling": "uniform"},
+     r"applies to sd3/flux/chroma/z-image/qwen-image/flux2 only, not sdxl"),
     ({"model": "flux", "min_snr_gamma": 5.0}, r"applies to sd15/sdxl only"),
+    # the flow-matching families named as such (noise_offset: "sd3 and flux" before, whatever the family)
+    ({"model": "chroma", "noise_offset": 0.1}, r"noise_offset=0\.1: applies to sd15/sdxl only, not chroma"),
     ({"model": "sd3", "train_guidance": 3.5},
      r"applies to the guidance-distilled families only \(flux, flux2"),
     ({"model": "sd3", "mode_scale": 3.0}, r"mode_scale=3\.0: must be a number in \[-1, 2/\(pi-2\)\]"),

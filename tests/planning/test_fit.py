@@ -117,3 +117,22 @@ def test_train_vram_dry_run_plans_the_run_once(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "chose no checkpointing, adamw" in out and all(phase in out for phase in PHASES)
     assert len(calls) == 1
+
+
+def test_nothing_fits_advises_only_a_quantization_the_run_can_take():
+    """The cache phase is the text encoders' (quantizing the base does not lower it); the base's quantization
+    is refused for LoKr/LoHa and pointless where the base is quantized already (advised in every case before
+    the fix: `--adapter loha` was told to pass `--base-quantization nf4`, which it refuses)."""
+    from lora_lab.diffusion import TrainConfig
+
+    lora, loha = TrainConfig(model="qwen-image"), TrainConfig(model="qwen-image", adapter="loha")
+    assert fit._quantize(lora, "cache") == "quantize the text encoders (--text-encoder-quantization nf4), "
+    assert fit._quantize(loha, "cache") == fit._quantize(lora, "cache")
+    assert fit._quantize(lora, "sample") == "quantize the base (--base-quantization nf4), "
+    assert fit._quantize(loha, "train step") == ""
+    assert fit._quantize(TrainConfig(model="qwen-image", base_quantization="nf4"), "load") == ""
+    assert fit._quantize(TrainConfig(model="qwen-image", text_encoder_quantization="int8"), "cache") == ""
+    with pytest.raises(planner.PlanError) as e:
+        fit_vram("1KiB", "sd15", adapter="loha", **KW)
+    assert ("--text-encoder-quantization" in str(e.value)) == ("the cache phase" in str(e.value))
+    assert "--base-quantization" not in str(e.value)
