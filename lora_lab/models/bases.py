@@ -96,7 +96,7 @@ def check_base(base: str | Path | None, kind: ModelKind, parts: dict[str, str | 
     base_family refuses, and a real model, file or folder of another family."""
     found, what = _identify(base, parts)
     if found is not None and found != kind.name:
-        raise ModelLoadError(f"{base} is {what}, not {kind.name}: train it with --model {found}")
+        raise ModelLoadError(f"{base} is {what}, not {kind.name}: use --model {found}")
 
 
 def _identify(base: str | Path | None, parts: dict[str, str | None] | None) -> tuple[str | None, str]:

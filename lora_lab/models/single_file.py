@@ -136,7 +136,7 @@ def check_file(path: str | Path, kind: ModelKind | None,
     found = detect_file(path)
     if kind is not None and found.kind is not kind:
         raise ModelLoadError(f"{path} is a {found.kind.name} checkpoint ({found.variant}), not {kind.name}: "
-                             f"train it with --model {found.kind.name}")
+                             f"use --model {found.kind.name}")
     kind = found.kind
     for part, file in (parts or {}).items():
         if file is None:

@@ -236,7 +236,7 @@ def test_a_chroma_single_file_is_named_and_refused_in_one_line(tmp_path):
     save_file({k: torch.zeros(3072 if k == "img_in.weight" else 1, 1) for k in keys}, str(tmp_path / "c.st"))
     found = detect_file(tmp_path / "c.st")
     assert (found.kind.name, found.variant) == ("chroma", "chroma1-hd")
-    with pytest.raises(M.ModelLoadError, match=r"c.st is a chroma checkpoint \(chroma1-hd\), not flux: train "
-                       "it with --model chroma"):
+    with pytest.raises(M.ModelLoadError, match=r"c.st is a chroma checkpoint \(chroma1-hd\), not flux: use "
+                       "--model chroma"):
         check_file(tmp_path / "c.st", M.model_kind("flux"))
 

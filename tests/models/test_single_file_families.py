@@ -252,7 +252,7 @@ def test_without_model_the_command_line_trains_the_files_family(files, digits_fo
     assert main(["train", "--model", "flux", "--base", str(path), *flags, *common,
                  "--output", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert "is a z-image checkpoint (tiny), not flux: train it with --model z-image" in err
+    assert "is a z-image checkpoint (tiny), not flux: use --model z-image" in err
 
 
 def test_scaled_fp8_weights_are_read_times_their_scale(files, tmp_path):
