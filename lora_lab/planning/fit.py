@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..diffusion.config import TrainConfig
+from ..diffusion.options import KIND_OPTIONS
 from . import planner
 from .planner import MemoryPlan, PlanError, format_bytes, parse_bytes
 from .run import OverLimit
@@ -257,13 +258,13 @@ def fit_config(config: TrainConfig, vram: int | str) -> tuple[TrainConfig, str, 
 
 def _quantize(config: TrainConfig, phase: str) -> str:
     """The advice to quantize what holds `phase`'s memory, where the run can still take it (", "-ended; ""
-    where not): the text encoders for the cache phase, the denoiser for the phases after it (LoRA only:
-    LoKr/LoHa wrap float layers)."""
+    where not): the text encoders for the cache phase, the denoiser for the phases after it (an adapter kind
+    that takes a quantized base only: options.KIND_OPTIONS)."""
     if phase == "cache":
         quantized, flag = config.text_encoder_quantization, "--text-encoder-quantization nf4"
         what = "the text encoders"
     else:
         quantized, flag, what = config.base_quantization, "--base-quantization nf4", "the base"
-        if config.adapter != "lora":
+        if config.adapter != KIND_OPTIONS["base_quantization"][0]:  # the one adapter kind it takes
             return ""
     return "" if quantized else f"quantize {what} ({flag}), "
