@@ -96,7 +96,7 @@ def check_output_outside_data(config, bad) -> None:
     (`input_paths`): the run would write into its inputs (config.json over a base's unet/config.json,
     samples.png and checkpoints/ joining a data folder, its files beside a single-file base's); the disk cache
     folder (`cache_dir`) likewise. The validation folder is no training folder and inside none: its images
-    would be trained on."""
+    would be trained on; the regularization folder is not the training folder itself."""
     writes = {"output": "the run's files (config.json, samples.png, checkpoints/)",
               "cache_dir": "the disk cache's entries"}
     for field, what in writes.items():
@@ -117,6 +117,11 @@ def check_output_outside_data(config, bad) -> None:
         if Path(val).resolve().is_relative_to(folder.resolve()):
             bad("validation_dataset", f"is inside the {name} folder {folder}: its images are trained on, so "
                 "the validation loss would hold none out; name a folder of other images")
+    reg = config.reg_dataset
+    for name, folder in trained if isinstance(reg, (str, Path)) else []:
+        if name != "reg_dataset" and Path(reg).resolve() == folder.resolve():
+            bad("reg_dataset", f"is the {name} folder {folder}: prior preservation would train its images "
+                "a second time; name a folder of the base's own images (data/lora_reg)")
 
 
 def dataset_table_problem(table) -> str | None:

@@ -574,6 +574,16 @@ def test_a_validation_folder_that_is_trained_on_is_refused(dataset, tmp_path):
                     validation_dataset=str(dataset), **FAST)
 
 
+def test_a_regularization_folder_that_is_the_dataset_is_refused(dataset, tmp_path, monkeypatch):
+    """--reg-dataset DATASET (by another spelling of the same folder): the style's images trained twice, the
+    prior preserved nothing."""
+    monkeypatch.chdir(dataset.parent)
+    with pytest.raises(TrainConfigError, match=r"reg_dataset.*is the dataset folder .*data/lora_reg"):
+        TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path / "out"),
+                    reg_dataset=f"./{dataset.name}/", **FAST)
+    TrainConfig(model="flux", dataset=str(dataset), output=str(tmp_path / "out"), **FAST)  # without: fine
+
+
 def test_a_fresh_run_never_writes_over_a_saved_lora(dataset, tmp_path, capsys):
     """A folder that holds a LoRA but no checkpoints (pruned by hand, or another tool's): a fresh run wrote
     its own lora.safetensors over it; now one error line, the file as it was."""
