@@ -28,7 +28,8 @@
  *   compare with mid[k], fetched from registers by permutes (make_qlines). y is x * (1 / absmax), a
  *   multiply where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps
  *   of its midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
- *   Whole blocks run in one loop that updates a block while it quantizes the one before (blocks_avx512).
+ *   Whole blocks run in loops that update or dequantize a block while they quantize the one before
+ *   (blocks_avx512).
  * benchmarks/check_adam8bit_codes.py checks the codes of a body against blockwise.py's for all 2^32 floats.
  */
 #include <math.h>
@@ -540,10 +541,8 @@ AVX512 static inline qscale scale_of(float s) {
     return q;
 }
 
-/* The codes of x[0, 64) / s: 4 vectors' codes packed into one 64-byte store. */
-AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
-    __m512i c[4];
-    for (int g = 0; g < 4; g++) c[g] = code16(q, _mm512_loadu_ps(x + 16 * g), s.sv, s.rv, s.product, sgn);
+/* 4 vectors' codes packed into one 64-byte store. */
+AVX512 static inline void store64(uint8_t *codes, const __m512i *c) {
     const __m512i pick = _mm512_set_epi8( /* bytes 0, 4, ... of the two: 32 codes */
         124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40,
         36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76,
@@ -551,6 +550,29 @@ AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint
     __m512i lo = _mm512_permutex2var_epi8(c[0], pick, c[1]);
     __m512i hi = _mm512_permutex2var_epi8(c[2], pick, c[3]);
     _mm512_storeu_si512(codes, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi));
+}
+
+/* The codes of x[0, 64) / s. */
+AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
+    __m512i c[4];
+    for (int g = 0; g < 4; g++) c[g] = code16(q, _mm512_loadu_ps(x + 16 * g), s.sv, s.rv, s.product, sgn);
+    store64(codes, c);
+}
+
+/* fast16's codes of x[0, 64) / s; returns 1 where it left a lane undecided: the caller then takes codes64's
+ * after its loop. No call inside (codes64's rare slow16 is one): around a call every vector register is
+ * lost, so a loop that holds one keeps its constants in memory and loads them again for each vector. */
+AVX512 static inline int fast64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
+    __m512i c[4];
+    __mmask16 all = 0xFFFF;
+    for (int g = 0; g < 4; g++) {
+        __mmask16 far;
+        __m512 xg = _mm512_loadu_ps(x + 16 * g);
+        c[g] = fast16(q, s.product ? _mm512_mul_ps(xg, s.rv) : _mm512_div_ps(xg, s.sv), sgn, &far);
+        all &= far;
+    }
+    store64(codes, c);
+    return all != 0xFFFF;
 }
 
 /* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
@@ -583,10 +605,13 @@ AVX512 static inline void absmax_of(const consts16 *c, float *am, float *av) {
     *av = vmax > 0.0f ? vmax : 0.0f;
 }
 
-/* Whole blocks [0, nb) of bs values (a multiple of 64), one loop a block that updates block b while it
- * quantizes block b - 1 (whose absmax is known by then): the update waits on the divider (two divides and
- * a square root a vector), the codes' search on the other units; in one loop the core runs both at once,
- * block by block (block_avx512) it ran them in turn. buf: 4 bs floats, two blocks' m and v by turns. */
+/* Whole blocks [0, nb) of bs values (a multiple of 64, at most 64 x 64), two loops a block, each pairing
+ * work on different units: block b's dequantization (permutes) with block b - 1's v codes, then block b's
+ * update (it waits on the divider: two divides and a square root a vector) with block b - 1's m codes
+ * (b - 1's absmax is known by then). In one loop the core runs both halves at once, in turn it waits; and one
+ * map's search a loop keeps its constants in registers (both maps' in one loop spilled them: 10-20% slower,
+ * measured). Lanes fast16 leaves undecided are coded again by codes64 after the loops. buf: 4 bs floats,
+ * two blocks' m and v by turns. */
 AVX512 static void blocks_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
                                  int64_t nb, int64_t bs, float *buf) {
     qregs qm, qv;
@@ -598,17 +623,22 @@ AVX512 static void blocks_avx512(const hyper *h, const tensors *a, const table *
     for (int64_t b = 0; b <= nb; b++) {
         float *mu = m[b & 1], *vu = v[b & 1], *mq = m[~b & 1], *vq = v[~b & 1];
         int64_t i0 = b * bs, q0 = i0 - bs, up = b < nb, quant = b > 0;
-        for (int64_t j = 0; up && j < bs; j += 64) {
-            dequant64(tm->look, a->m_codes + i0 + j, a->m_absmax[b], mu + j);
-            dequant64(tv->look, a->v_codes + i0 + j, a->v_absmax[b], vu + j);
+        uint64_t redo_m = 0, redo_v = 0; /* bit j / 64: the groups fast64 left to codes64 */
+        for (int64_t j = 0; j < bs; j += 64) {
+            if (up) {
+                dequant64(tm->look, a->m_codes + i0 + j, a->m_absmax[b], mu + j);
+                dequant64(tv->look, a->v_codes + i0 + j, a->v_absmax[b], vu + j);
+            }
+            if (quant) redo_v |= (uint64_t)fast64(&qv, vq + j, sv, a->v_codes + q0 + j, 0) << (j / 64);
         }
         c.mx = c.vx = _mm512_setzero_ps();
         for (int64_t j = 0; j < bs; j += 64) {
             for (int g = 0; up && g < 64; g += 16) update16(h, a, &c, i0, j + g, mu, vu, 0xFFFF, 1);
-            if (quant) {
-                codes64(&qm, mq + j, sm, a->m_codes + q0 + j, 1);
-                codes64(&qv, vq + j, sv, a->v_codes + q0 + j, 0);
-            }
+            if (quant) redo_m |= (uint64_t)fast64(&qm, mq + j, sm, a->m_codes + q0 + j, 1) << (j / 64);
+        }
+        for (int64_t j = 0; j < bs; j += 64) {
+            if (redo_m >> (j / 64) & 1) codes64(&qm, mq + j, sm, a->m_codes + q0 + j, 1);
+            if (redo_v >> (j / 64) & 1) codes64(&qv, vq + j, sv, a->v_codes + q0 + j, 0);
         }
         if (up) {
             absmax_of(&c, a->m_absmax + b, a->v_absmax + b);
@@ -754,7 +784,7 @@ int lora_lab_adam8bit_step(void *param, int param_dtype, const void *grad, int g
     float *m = scratch + 1, *v = scratch + bs + 17;
     int64_t n_blocks = (n + bs - 1) / bs, b = 0;
 #ifdef LORA_LAB_X86
-    if (path == 3 && bs % 64 == 0) {
+    if (path == 3 && bs % 64 == 0 && bs <= 64 * 64) { /* blocks_avx512's masks: a bit per 64 values */
         b = n / bs; /* the whole blocks; scratch: 4 (bs + 16) floats */
         blocks_avx512(&h, &a, &tm, &tv, b, bs, scratch);
     }
