@@ -8,8 +8,9 @@ as the step quantizes it) and blockwise.py's: base[top16(y)] + (y > threshold[to
 fp32 (its tables' rule, exact for every finite y), an infinity the end of its sign (the nearest entry), a NaN
 by its sign (255, or 0 when set). s = 1: y = x, the search alone; s = 0.37: 1 / s inexact, the
 AVX-512 body's y = x * (1 / s) and its redo by x / s near a midpoint. Prints the number of codes that
-differ (0 expected) and, for the AVX-512 body's line search (fast16 in cpu_adam8bit.c), how far the fp32
-midpoints lie from the positions it assumes, against its margin. About 5 minutes of CPU a body on one thread.
+differ (0 expected) and, for the AVX-512 body's search (codes16 in cpu_adam8bit.c), how far the fp32
+midpoints lie from integer line positions: below 0.5, the position rounded is the count of midpoints below y
+or one less, and one compare decides. About 5 minutes of CPU a body on one thread.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import torch
 
 from lora_lab.functional.blockwise import _midpoints, rounding_tables
 from lora_lab.kernels import cpu_adam8bit as native
-
-FAST_MARGIN = 2.0**-10  # cpu_adam8bit.c's
-
 
 def reference(x: torch.Tensor, scale: float, signed: bool) -> torch.Tensor:
     """blockwise.py's codes of x / scale (quantize_blocks' rounding, keep_nonzero for the unsigned map); the
@@ -38,8 +36,8 @@ def reference(x: torch.Tensor, scale: float, signed: bool) -> torch.Tensor:
 
 
 def line_offsets(signed: bool) -> float:
-    """The largest distance of an fp32 midpoint's line position T(mid_k) from where fast16 puts it (k + d_k,
-    d_k in fp32 as make_qlines rounds it), in units of k."""
+    """The largest distance of an fp32 midpoint's line position T(mid_k) (the least of the decades' lines,
+    in float64) from its index k: codes16 rounds y's position to k and needs this below 0.5."""
     mid = _midpoints(signed, torch.device("cpu")).double()
     if signed:
         mid = mid[127:]
@@ -49,11 +47,7 @@ def line_offsets(signed: bool) -> float:
         c = n - 1.0 if signed else n - 2.0
         lines.append(n / (0.9 * 10.0 ** (i - 6)) * mid + c - n / 9.0)
     t = torch.stack(lines).amin(0)
-    k = torch.arange(mid.numel(), dtype=torch.float64)
-    kp = k.long() + (1 if signed else 2)
-    special = (kp & (kp - 1)) == 0
-    d = torch.where(special, (t - k).float().double(), 0.0)
-    return float((t - k - d).abs().max())
+    return float((t - torch.arange(mid.numel(), dtype=torch.float64)).abs().max())
 
 
 def main(argv=None) -> int:
@@ -66,7 +60,7 @@ def main(argv=None) -> int:
     print(f"body {native.chosen_path(args.path)}, scales {args.scales}")
     for signed in (True, False):
         print(f"{'signed' if signed else 'unsigned'} map: the midpoints' line positions within "
-              f"{line_offsets(signed):.2e} of fast16's (its margin {FAST_MARGIN:.2e})")
+              f"{line_offsets(signed):.3f} of their index (codes16 needs < 0.5)")
     step, wrong, t0 = 1 << args.chunk_bits, 0, time.perf_counter()
     for scale in args.scales:
         for signed in (True, False):

@@ -21,11 +21,9 @@
  *   base + (low 16 bits of r, reversed for a negative y > t): the bucket's one midpoint compared within the
  *   bucket, as blockwise.py's base[top16] + (y > threshold[top16]).
  * - AVX-512, without gathers (on Zen 5 a 16-lane gather costs as much as the rest of the step): y's
- *   position t among the midpoints from the decades' lines (the map is linear within a decade and 5x finer
- *   a decade below: a concave function of y, the least of 7 lines). fast16 takes the code from t alone
- *   where t is further than FAST_MARGIN from the midpoint it is compared with (proof there; >99% of the
- *   vectors); the others take codes16: t from the 2 lines of y's binade, rounded to k, then one exact
- *   compare with mid[k], fetched from registers by permutes (make_qlines). y is x * (1 / absmax), a
+ *   position t among the midpoints from the 2 lines of its binade (the map is linear within a decade and
+ *   5x finer a decade below: a concave function of y), rounded to k, then one exact compare with mid[k]
+ *   (codes16), fetched for 64 values at once by permutes of bytes (exact64, mids64). y is x * (1 / absmax), a
  *   multiply where x / absmax would take the divider the update needs; vectors with a lane within 8 ulps
  *   of its midpoint are done again by x / absmax, so the codes are those of the quotient (quant_block).
  *   Whole blocks run in loops that update or dequantize a block while they quantize the one before
@@ -80,24 +78,20 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
 /* The AVX-512 body's nearest code (see codes16): y's position among the map's midpoints, approximated as the
  * least of one line a decade (the map is linear within a decade, finer below: a concave function of y; of
  * the 7, those of the decades at the two ends of y's binade), then one exact compare with the midpoint
- * nearest that position. For a signed map, k counts the midpoints
- * above 0 (mid[k]: the bits of the k-th, 128 of them), for an unsigned map all 255 (mid[255]: +inf). */
+ * nearest that position. For a signed map, k counts the midpoints above 0 (mid[k]: the bits of the k-th,
+ * 128 of them), for an unsigned map all 255 (mid[255]: +inf). */
 typedef struct qlines {
-    float a[7], b[7];           /* the line of each decade */
     float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
     int32_t mid[256];           /* the bits of each midpoint, - 8 */
-    float top, d[16];           /* fast16: the last k; the midpoints' offsets off the integers */
+    uint8_t planes[4][256];     /* mid as 4 planes of bytes (plane q: byte q of each), for exact64 */
 } qlines;
 
-/* fast16's margin, in units of k: a lane whose line position t lies further than this from the midpoint
- * it is compared with is decided by t alone (the proof at fast16). */
-#define FAST_MARGIN 0x1p-10f
-
 static void make_qlines(qlines *q, const float *map, int sgn) {
+    float a[7], b[7]; /* the line of each decade */
     for (int i = 0; i < 7; i++) {
         double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
-        q->a[i] = (float)(n / (0.9 * pow(10.0, i - 6)));
-        q->b[i] = (float)(c - n / 9.0);
+        a[i] = (float)(n / (0.9 * pow(10.0, i - 6)));
+        b[i] = (float)(c - n / 9.0);
     }
     for (int e = 0; e < 32; e++) {
         int be = e < 7 ? e + 128 : e + 96; /* slot e of exponent be; codes16 takes those in [103, 127] */
@@ -105,30 +99,16 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
             double y = be > 127 ? 0.0 : ldexp(end && be < 127 ? 2.0 - 0x1p-23 : 1.0, be - 127);
             int d = 0;
             while (d < 6 && y >= pow(10.0, d - 6)) d++;
-            q->la[end][e] = q->a[d];
-            q->lb[end][e] = q->b[d];
+            q->la[end][e] = a[d];
+            q->lb[end][e] = b[d];
         }
     }
     int first = sgn ? 127 : 0, count = sgn ? 128 : 255;
     for (int k = 0; k < 256; k++)
         q->mid[k] = (k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000)
                     - 8;
-    /* fast16's offsets: midpoint k sits at t = k (in exact arithmetic, the lines' t of the ideal map), but
-     * for those that are not on a line: mid[0] (0 is no decade's), the last (1 is none's) and those between
-     * two decades, at t = k + d (0.194 or 0.139, -0.25, 0.2): exactly those k where k + 1 (signed) or k + 2
-     * (unsigned) is a power of two, so d is found by its leading zeros. Here d from the fp32 midpoints. */
-    q->top = (float)(count - 1);
-    memset(q->d, 0, sizeof q->d);
-    for (int k = 0; k < count; k++) {
-        unsigned kp = (unsigned)k + (sgn ? 1u : 2u);
-        if (kp & (kp - 1u)) continue;
-        double y = (double)((map[first + k] + map[first + k + 1]) / 2.0f), t = INFINITY;
-        for (int i = 0; i < 7; i++) {
-            double n = sgn ? (double)(1 << i) : (double)(2 << i), c = sgn ? n - 1.0 : n - 2.0;
-            t = fmin(t, n / (0.9 * pow(10.0, i - 6)) * y + c - n / 9.0);
-        }
-        q->d[__builtin_clz(kp) & 15] = (float)(t - k);
-    }
+    for (int k = 0; k < 256; k++)
+        for (int p = 0; p < 4; p++) q->planes[p][k] = (uint8_t)((uint32_t)q->mid[k] >> (8 * p));
 }
 
 static void make_lookup(lookup *l, const float *map) {
@@ -284,9 +264,10 @@ AVX2 static inline __m256 dequant8(const table *t, const uint8_t *codes, __m256 
     return _mm256_mul_ps(_mm256_i32gather_ps(t->map, c, 4), absmax);
 }
 
-/* The codes of x[0, len) / s. (Tried on Zen 5 and slower: fast16's line method on 8 lanes with codes8 for
- * the vectors it does not decide, ~35 instructions against one gather; blocks_avx512's loop of one block's
- * update with the codes of the one before.) */
+/* The codes of x[0, len) / s. (Tried on Zen 5 and slower: a line method on 8 lanes, the code from the 7
+ * decades' lines where that position is far from a midpoint and codes8 for the vectors it does not decide,
+ * ~35 instructions against one gather; blocks_avx512's loop of one block's update with the codes of the
+ * one before.) */
 AVX2 static void codes_avx2(const table *t, const float *x, float s, uint8_t *codes, int64_t len) {
     const __m256 sv = _mm256_set1_ps(s);
     int64_t j = 0, vec_end = len - len % 8;
@@ -410,29 +391,28 @@ AVX512 static inline __m512i mid_of(const __m512i *mid, __m512i k, int regs) {
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(k, _mm512_set1_epi32(128)), r[0], r[1]);
 }
 
-typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16]; __m512 a[7], b[7], top, d; } qregs; /* qlines */
+/* qlines in registers: the lines, mid (for mid_of), mid's planes in 64-byte quarters and exact64's pick. */
+typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16], planes[4][4], pick; } qregs;
 
 AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
-    for (int i = 0; i < 7; i++) {
-        r->a[i] = _mm512_set1_ps(q->a[i]);
-        r->b[i] = _mm512_set1_ps(q->b[i]);
-    }
-    r->top = _mm512_set1_ps(q->top);
-    r->d = _mm512_loadu_ps(q->d);
     for (int i = 0; i < 16; i++) r->mid[i] = _mm512_loadu_si512(q->mid + 16 * i);
+    for (int p = 0; p < 4; p++)
+        for (int h = 0; h < 4; h++) r->planes[p][h] = _mm512_loadu_si512(q->planes[p] + 64 * h);
     for (int end = 0; end < 2; end++)
         for (int h = 0; h < 2; h++) {
             r->la[end][h] = _mm512_loadu_ps(q->la[end] + 16 * h);
             r->lb[end][h] = _mm512_loadu_ps(q->lb[end] + 16 * h);
         }
+    uint8_t pick[64]; /* byte 16 l + 4 r + i <- byte 0 of lane 4 l + i of vector r (of r & 1 of a pair) */
+    for (int b = 0; b < 64; b++) pick[b] = (uint8_t)((b >> 2 & 1) << 6 | (b >> 4) << 4 | (b & 3) << 2);
+    r->pick = _mm512_loadu_si512(pick);
 }
 
-/* The codes of 16 values y (x * (1 / s) or x / s: see quant_block); near: lanes within 8 ulps of the midpoint
- * they are compared with. */
-AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask16 *near) {
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    /* |y| clamped to [2^-24, 1] (NaN, inf to 1: mid[k]'s compare gives their codes); its binade's 2 lines */
+/* y's position among the midpoints, rounded: k, the count of midpoints below y or one less (see codes16).
+ * The position is the least of the 2 lines of |y|'s binade, |y| clamped to [2^-24, 1] (NaN, inf to 1).
+ * An unsigned map clamps y's bits as they are: a negative y's code is 0 whatever its k. */
+AVX512 static inline __m512i position16(const qregs *q, __m512 y, int sgn) {
+    __m512i u = _mm512_castps_si512(y), mag = sgn ? _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)) : u;
     __m512i cb = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(103 << 23)),
                                   _mm512_set1_epi32(127 << 23));
     __m512 yc = _mm512_castsi512_ps(cb);
@@ -441,11 +421,17 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
                                 _mm512_permutex2var_ps(q->lb[0][0], e, q->lb[0][1]));
     __m512 t2 = _mm512_fmadd_ps(_mm512_permutex2var_ps(q->la[1][0], e, q->la[1][1]), yc,
                                 _mm512_permutex2var_ps(q->lb[1][0], e, q->lb[1][1]));
-    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m512i k = _mm512_cvt_roundps_epi32(_mm512_min_ps(t1, t2), nearest);
-    __m512i mk = mid_of(q->mid, k, sgn ? 8 : 16); /* mid[k] - 8 */
-    __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    __m512i magp = sgn ? _mm512_mask_add_epi32(mag, neg, mag, one) : mag; /* y < 0: |y| >= mid counts */
+    return _mm512_cvt_roundps_epi32(_mm512_min_ps(t1, t2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* y's code from its k and mk = mid[k] - 8 (bits): k + 1 where |y| lies above mid[k] (for a negative y of
+ * a signed map, at or above: the tie's code is the one nearer 0), then by y's sign; near: lanes within 8
+ * ulps of mid[k]. */
+AVX512 static inline __m512i count16(__m512 y, __m512i k, __m512i mk, int sgn, __mmask16 *near) {
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i u = _mm512_castps_si512(y), mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    __mmask16 neg = _mm512_movepi32_mask(u);
+    __m512i magp = sgn ? _mm512_mask_add_epi32(mag, neg, mag, one) : mag;
     __m512i d = _mm512_sub_epi32(magp, mk);
     *near |= _mm512_cmplt_epu32_mask(d, _mm512_set1_epi32(17));
     __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmpgt_epi32_mask(d, _mm512_set1_epi32(8)), k, one);
@@ -457,39 +443,37 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
     return _mm512_maskz_max_epu32(~neg, cnt, _mm512_min_epu32(mag, one)); /* keep_nonzero; y < 0: 0 */
 }
 
-/* The codes of 16 values y without a lookup, and in far the lanes it decided (the others: codes16).
- * t = the least of the 7 lines at |y|, capped at top (NaN, inf, |y| > 1: above every midpoint). The lines'
- * slopes fall 5x a decade and adjacent lines meet at the decade's bottom, so with exact a, b their least,
- * T(|y|), is line i on decade i: strictly increasing, T(mid_k) = k + d_k (d_k = 0 but at the midpoints
- * that are on no line, see make_qlines: |d| <= 0.25). k = t rounded to nearest, h = t - k - d_k; code count
- * = k + (h > 0) where |h| > FAST_MARGIN. Exact because |t - T(|y|)| + |T(mid_k) - k - d_k| < 2^-13 <
- * FAST_MARGIN: a, b rounded to fp32 and the fma's rounding: <= 2^-24 (a |y| + |b| + |t|) < 2^-14 (a |y| <=
- * t + 2/9 <= 256, |b| < 112); y = x * (1 / s) within 2^-23 relative of x / s (or x / s itself): T within
- * 256 * 2^-23 = 2^-15 (a subnormal y is far below mid[0]); the fp32 midpoints within 2^-17 of k + d_k
- * (benchmarks/check_adam8bit_codes.py prints the largest: ~7e-6); h's rounding 2^-25. So h > FAST_MARGIN
- * gives T(|y|) > T(mid_k), |y| > mid_k, and h < -FAST_MARGIN |y| < mid_k; every other midpoint lies 0.25 or
- * more beyond t's half-unit around k. Ties are never far: the sign's rule for them (codes16) is not needed. */
-AVX512 static inline __m512i fast16(const qregs *q, __m512 y, int sgn, __mmask16 *far) {
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512 ay = _mm512_abs_ps(y), l[7];
-    for (int i = 0; i < 7; i++) l[i] = _mm512_fmadd_ps(q->a[i], ay, q->b[i]);
-    __m512 t = _mm512_min_ps(_mm512_min_ps(_mm512_min_ps(l[0], l[1]), _mm512_min_ps(l[2], l[3])),
-                             _mm512_min_ps(_mm512_min_ps(l[4], l[5]), l[6]));
-    t = _mm512_min_ps(t, q->top); /* NaN: top (vminps gives its second operand) */
-    __m512i k = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 h = _mm512_sub_ps(t, _mm512_cvtepi32_ps(k));
-    __m512i kp = _mm512_add_epi32(k, _mm512_set1_epi32(sgn ? 1 : 2));
-    __mmask16 off = _mm512_testn_epi32_mask(kp, _mm512_sub_epi32(kp, one)); /* kp a power of two */
-    h = _mm512_sub_ps(h, _mm512_maskz_permutexvar_ps(off, _mm512_lzcnt_epi32(kp), q->d));
-    *far = _mm512_cmp_ps_mask(_mm512_abs_ps(h), _mm512_set1_ps(FAST_MARGIN), _CMP_GT_OQ);
-    __m512i cnt = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(h, _mm512_setzero_ps(), _CMP_GT_OQ), k, one);
-    __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(y));
-    if (sgn) {
-        const __m512i zc = _mm512_set1_epi32(127);
-        __m512i c = _mm512_mask_sub_epi32(_mm512_add_epi32(zc, cnt), neg, zc, cnt);
-        return _mm512_max_epi32(c, _mm512_setzero_si512());
+/* The codes of 16 values y (x * (1 / s) or x / s: see quant_block); near: lanes within 8 ulps of the
+ * midpoint they are compared with. The position t from the binade's 2 lines (the map is linear within a
+ * decade and 5x finer a decade below, so the least of the lines of the decades at the binade's two ends
+ * is the line of y's decade) lies within 0.25 + rounding of the midpoints' count below |y| as a continuous
+ * position (the midpoints off every line, between two decades and at the ends, sit up to 0.25 from an
+ * integer), so k = t rounded is that count or one less, and one exact compare with mid[k] decides. */
+AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask16 *near) {
+    __m512i k = position16(q, y, sgn);
+    return count16(y, k, mid_of(q->mid, k, sgn ? 8 : 16), sgn, near);
+}
+
+/* mid[k] - 8 of 64 lanes (k[r], lane i: value 16 r + i): the k packed to bytes in the order whose planes
+ * unpack to the lanes' order (as dequant64's), one permute of bytes a plane for 128 entries (2 and a
+ * blend for 256), where mid_of takes 4 (8) permutes of dwords and their blends for each 16. */
+AVX512 static inline void mids64(const qregs *q, const __m512i *k, __m512i *mk, int sgn) {
+    __m512i c = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(k[0], q->pick, k[1]),
+                                       _mm512_permutex2var_epi8(k[2], q->pick, k[3]));
+    __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int p = 0; p < 4; p++) {
+        b[p] = _mm512_permutex2var_epi8(q->planes[p][0], c, q->planes[p][1]);
+        if (!sgn)
+            b[p] = _mm512_mask_blend_epi8(high, b[p],
+                                          _mm512_permutex2var_epi8(q->planes[p][2], c, q->planes[p][3]));
     }
-    return _mm512_maskz_max_epu32(~neg, cnt, _mm512_min_epu32(_mm512_castps_si512(ay), one)); /* keep_nonzero */
+    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    mk[0] = _mm512_unpacklo_epi16(w01l, w23l);
+    mk[1] = _mm512_unpackhi_epi16(w01l, w23l);
+    mk[2] = _mm512_unpacklo_epi16(w01h, w23h);
+    mk[3] = _mm512_unpackhi_epi16(w01h, w23h);
 }
 
 AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
@@ -518,20 +502,13 @@ AVX512 static inline void update16(const hyper *h, const tensors *a, consts16 *c
     c->vx = _mm512_mask_max_ps(c->vx, k, c->vx, vj);
 }
 
-/* codes16's codes of x / s (the rare vectors fast16 does not decide: out of line, as the hot loops are long) */
-AVX512 static __attribute__((noinline)) __m512i slow16(const qregs *q, __m512 x, __m512 y, __m512 sv,
+/* The codes of 16 values x / s (see quant_block): codes16's of the product, and where a lane lies within 8
+ * ulps of its midpoint, of the quotient (out of line: the rare vectors exact64 leaves, and blocks' tails). */
+AVX512 static __attribute__((noinline)) __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv,
                                                         int product, int sgn) {
     __mmask16 near = 0;
-    __m512i c = codes16(q, y, sgn, &near);
+    __m512i c = codes16(q, product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv), sgn, &near);
     return near && product ? codes16(q, _mm512_div_ps(x, sv), sgn, &near) : c;
-}
-
-/* The codes of 16 values x / s (see quant_block): fast16's where it decides every lane, else codes16's. */
-AVX512 static inline __m512i code16(const qregs *q, __m512 x, __m512 sv, __m512 rv, int product, int sgn) {
-    __mmask16 far;
-    __m512 y = product ? _mm512_mul_ps(x, rv) : _mm512_div_ps(x, sv);
-    __m512i c = fast16(q, y, sgn, &far);
-    return far == 0xFFFF ? c : slow16(q, x, y, sv, product, sgn);
 }
 
 typedef struct { __m512 sv, rv; int product; } qscale; /* a block's s, 1 / s and whether y = x * (1 / s) */
@@ -559,20 +536,23 @@ AVX512 static inline void codes64(const qregs *q, const float *x, qscale s, uint
     store64(codes, c);
 }
 
-/* fast16's codes of x[0, 64) / s; returns 1 where it left a lane undecided: the caller then takes codes64's
- * after its loop. No call inside (codes64's rare slow16 is one): around a call every vector register is
- * lost, so a loop that holds one keeps its constants in memory and loads them again for each vector. */
-AVX512 static inline int fast64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
-    __m512i c[4];
-    __mmask16 all = 0xFFFF;
-    for (int g = 0; g < 4; g++) {
-        __mmask16 far;
-        __m512 xg = _mm512_loadu_ps(x + 16 * g);
-        c[g] = fast16(q, s.product ? _mm512_mul_ps(xg, s.rv) : _mm512_div_ps(xg, s.sv), sgn, &far);
-        all &= far;
+/* The codes of x[0, 64) / s as codes16 gives them for y = x * (1 / s) (or x / s, see quant_block), with
+ * mids64's lookup; returns 1 where a lane lies within 8 ulps of its midpoint: the caller then takes
+ * codes64's after its loop. No call inside: around a call every vector register is lost, so a loop that
+ * holds one keeps its constants in memory and loads them again for each vector. */
+AVX512 static inline int exact64(const qregs *q, const float *x, qscale s, uint8_t *codes, int sgn) {
+    __m512 y[4];
+    __m512i k[4], mk[4], c[4];
+    for (int r = 0; r < 4; r++) {
+        __m512 xr = _mm512_loadu_ps(x + 16 * r);
+        y[r] = s.product ? _mm512_mul_ps(xr, s.rv) : _mm512_div_ps(xr, s.sv);
+        k[r] = position16(q, y[r], sgn);
     }
+    mids64(q, k, mk, sgn);
+    __mmask16 near = 0;
+    for (int r = 0; r < 4; r++) c[r] = count16(y[r], k[r], mk[r], sgn, &near);
     store64(codes, c);
-    return all != 0xFFFF;
+    return near != 0;
 }
 
 /* The codes of x[0, len) / s. For s in [2^-120, 1] by x * (1 / s), a multiply where a divide would take the
@@ -585,7 +565,8 @@ AVX512 static void quant_block(const qlines *ql, const float *x, float s, uint8_
     load_qregs(&q, ql);
     const qscale sc = scale_of(s);
     int64_t j = 0;
-    for (; j + 64 <= len; j += 64) codes64(&q, x + j, sc, codes + j, sgn);
+    for (; j + 64 <= len; j += 64)
+        if (exact64(&q, x + j, sc, codes + j, sgn)) codes64(&q, x + j, sc, codes + j, sgn);
     for (; j < len; j += 16)
         store_codes16(codes + j, code16(&q, _mm512_loadu_ps(x + j), sc.sv, sc.rv, sc.product, sgn),
                       j < whole ? (__mmask16)0xFFFF : rest, j < whole);
@@ -606,11 +587,12 @@ AVX512 static inline void absmax_of(const consts16 *c, float *am, float *av) {
 }
 
 /* Whole blocks [0, nb) of bs values (a multiple of 64, at most 64 x 64), two loops a block, each pairing
- * work on different units: block b's dequantization (permutes) with block b - 1's v codes, then block b's
- * update (it waits on the divider: two divides and a square root a vector) with block b - 1's m codes
- * (b - 1's absmax is known by then). In one loop the core runs both halves at once, in turn it waits; and one
- * map's search a loop keeps its constants in registers (both maps' in one loop spilled them: 10-20% slower,
- * measured). Lanes fast16 leaves undecided are coded again by codes64 after the loops. buf: 4 bs floats,
+ * work on different units: block b's dequantization with block b - 1's m codes, then block b's update (it
+ * waits on the divider: two divides and a square root a vector) with block b - 1's v codes (b - 1's absmax
+ * is known by then; v's search, with twice the midpoints, takes more permutes, which the dequantization
+ * also needs). In one loop the core runs both halves at once, in turn it waits; and one map's search a loop
+ * keeps its constants in registers (both maps' in one loop: 8% slower, measured). Groups with a lane near its midpoint (exact64) are coded again by codes64 after the loops,
+ * which keeps the call out of the hot loops. buf: 4 bs floats,
  * two blocks' m and v by turns. */
 AVX512 static void blocks_avx512(const hyper *h, const tensors *a, const table *tm, const table *tv,
                                  int64_t nb, int64_t bs, float *buf) {
@@ -623,18 +605,18 @@ AVX512 static void blocks_avx512(const hyper *h, const tensors *a, const table *
     for (int64_t b = 0; b <= nb; b++) {
         float *mu = m[b & 1], *vu = v[b & 1], *mq = m[~b & 1], *vq = v[~b & 1];
         int64_t i0 = b * bs, q0 = i0 - bs, up = b < nb, quant = b > 0;
-        uint64_t redo_m = 0, redo_v = 0; /* bit j / 64: the groups fast64 left to codes64 */
+        uint64_t redo_m = 0, redo_v = 0; /* bit j / 64: the groups exact64 left to codes64 */
         for (int64_t j = 0; j < bs; j += 64) {
             if (up) {
                 dequant64(tm->look, a->m_codes + i0 + j, a->m_absmax[b], mu + j);
                 dequant64(tv->look, a->v_codes + i0 + j, a->v_absmax[b], vu + j);
             }
-            if (quant) redo_v |= (uint64_t)fast64(&qv, vq + j, sv, a->v_codes + q0 + j, 0) << (j / 64);
+            if (quant) redo_m |= (uint64_t)exact64(&qm, mq + j, sm, a->m_codes + q0 + j, 1) << (j / 64);
         }
         c.mx = c.vx = _mm512_setzero_ps();
         for (int64_t j = 0; j < bs; j += 64) {
             for (int g = 0; up && g < 64; g += 16) update16(h, a, &c, i0, j + g, mu, vu, 0xFFFF, 1);
-            if (quant) redo_m |= (uint64_t)fast64(&qm, mq + j, sm, a->m_codes + q0 + j, 1) << (j / 64);
+            if (quant) redo_v |= (uint64_t)exact64(&qv, vq + j, sv, a->v_codes + q0 + j, 0) << (j / 64);
         }
         for (int64_t j = 0; j < bs; j += 64) {
             if (redo_m >> (j / 64) & 1) codes64(&qm, mq + j, sm, a->m_codes + q0 + j, 1);
