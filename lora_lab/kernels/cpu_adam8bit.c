@@ -43,8 +43,8 @@ typedef struct {
     int small, adamw, l2;
 } hyper;
 
-/* Per map, for the AVX-512 body: the map's 256 floats as 4 planes of bytes (plane q: byte q of each), for
- * lookups of 64 codes by vpermi2b. */
+/* For the AVX-512 body: 256 words (a map's floats, or its midpoints' bits) as 4 planes of bytes (plane q:
+ * byte q of each), for lookups of 64 indexes at once by vpermi2b (lookup64). */
 typedef struct {
     uint8_t planes[4][256];
 } lookup;
@@ -83,8 +83,16 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
 typedef struct qlines {
     float la[2][32], lb[2][32]; /* by binade (exponent & 31): the lines of the decades of its two ends */
     int32_t mid[256];           /* the bits of each midpoint, - 8 */
-    uint8_t planes[4][256];     /* mid as 4 planes of bytes (plane q: byte q of each), for exact64 */
+    lookup mids;                /* mid's planes, for exact64 */
 } qlines;
+
+static void make_lookup(lookup *l, const void *words) {
+    for (int i = 0; i < 256; i++) {
+        uint32_t u;
+        memcpy(&u, (const uint8_t *)words + 4 * i, 4);
+        for (int q = 0; q < 4; q++) l->planes[q][i] = (uint8_t)(u >> (8 * q));
+    }
+}
 
 static void make_qlines(qlines *q, const float *map, int sgn) {
     float a[7], b[7]; /* the line of each decade */
@@ -107,15 +115,7 @@ static void make_qlines(qlines *q, const float *map, int sgn) {
     for (int k = 0; k < 256; k++)
         q->mid[k] = (k < count ? (int32_t)f32_bits((map[first + k] + map[first + k + 1]) / 2.0f) : 0x7F800000)
                     - 8;
-    for (int k = 0; k < 256; k++)
-        for (int p = 0; p < 4; p++) q->planes[p][k] = (uint8_t)((uint32_t)q->mid[k] >> (8 * p));
-}
-
-static void make_lookup(lookup *l, const float *map) {
-    for (int i = 0; i < 256; i++) {
-        uint32_t u = f32_bits(map[i]);
-        for (int q = 0; q < 4; q++) l->planes[q][i] = (uint8_t)(u >> (8 * q));
-    }
+    make_lookup(&q->mids, q->mid);
 }
 
 /* ------------------------------------------------------------------------------- plain C (one value) */
@@ -349,6 +349,29 @@ AVX512 static inline void store_codes16(uint8_t *at, __m512i c, __mmask16 k, int
     else _mm_mask_storeu_epi8(at, k, b);
 }
 
+/* A lookup's planes in 16 vectors: plane q's 64-byte quarter h in p[4 q + h]. */
+AVX512 static inline void load_planes(const lookup *l, __m512i *p) {
+    for (int i = 0; i < 16; i++) p[i] = _mm512_loadu_si512(l->planes[i / 4] + 64 * (i % 4));
+}
+
+/* The words of planes p (load_planes) at 64 byte indexes c, as 4 vectors of 16 (c in the order whose
+ * planes unpack to the lanes' order: byte 16 l + 4 r + i holds the index of lane 4 l + i of vector r);
+ * half: only the first 128 words are indexed (bit 7 of c ignored). */
+AVX512 static inline void lookup64(const __m512i *p, __m512i c, int half, __m512i *w) {
+    __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int q = 0; q < 4; q++) {
+        b[q] = _mm512_permutex2var_epi8(p[4 * q], c, p[4 * q + 1]);
+        if (!half)
+            b[q] = _mm512_mask_blend_epi8(high, b[q], _mm512_permutex2var_epi8(p[4 * q + 2], c, p[4 * q + 3]));
+    }
+    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    w[0] = _mm512_unpacklo_epi16(w01l, w23l);
+    w[1] = _mm512_unpackhi_epi16(w01l, w23l);
+    w[2] = _mm512_unpacklo_epi16(w01h, w23h);
+    w[3] = _mm512_unpackhi_epi16(w01h, w23h);
+}
 
 /* map[codes[0, 64)] * absmax into out[0, 64). */
 AVX512 static inline void dequant64(const lookup *l, const uint8_t *codes, float absmax, float *out) {
@@ -356,22 +379,11 @@ AVX512 static inline void dequant64(const lookup *l, const uint8_t *codes, float
         0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23,
         36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
         12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
-    __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes));
-    __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i b[4];
-    for (int q = 0; q < 4; q++) {
-        const uint8_t *t = l->planes[q];
-        __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t + 64));
-        __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), c, _mm512_loadu_si512(t + 192));
-        b[q] = _mm512_mask_blend_epi8(high, lo, hi);
-    }
-    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
-    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    __m512i p[16], w[4];
+    load_planes(l, p);
+    lookup64(p, _mm512_permutexvar_epi8(_mm512_loadu_si512(order), _mm512_loadu_si512(codes)), 0, w);
     __m512 s = _mm512_set1_ps(absmax);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), s));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), s));
-    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), s));
-    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), s));
+    for (int r = 0; r < 4; r++) _mm512_storeu_ps(out + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(w[r]), s));
 }
 
 /* mid[k] for k in [0, 128) (regs 8) or [0, 256) (regs 16): 32 entries a permute, blended by k's bits. */
@@ -391,13 +403,12 @@ AVX512 static inline __m512i mid_of(const __m512i *mid, __m512i k, int regs) {
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(k, _mm512_set1_epi32(128)), r[0], r[1]);
 }
 
-/* qlines in registers: the lines, mid (for mid_of), mid's planes in 64-byte quarters and exact64's pick. */
-typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16], planes[4][4], pick; } qregs;
+/* qlines in registers: the lines, mid (for mid_of), mid's planes (load_planes) and exact64's pick. */
+typedef struct { __m512 la[2][2], lb[2][2]; __m512i mid[16], planes[16], pick; } qregs;
 
 AVX512 static inline void load_qregs(qregs *r, const qlines *q) {
     for (int i = 0; i < 16; i++) r->mid[i] = _mm512_loadu_si512(q->mid + 16 * i);
-    for (int p = 0; p < 4; p++)
-        for (int h = 0; h < 4; h++) r->planes[p][h] = _mm512_loadu_si512(q->planes[p] + 64 * h);
+    load_planes(&q->mids, r->planes);
     for (int end = 0; end < 2; end++)
         for (int h = 0; h < 2; h++) {
             r->la[end][h] = _mm512_loadu_ps(q->la[end] + 16 * h);
@@ -454,26 +465,13 @@ AVX512 static inline __m512i codes16(const qregs *q, __m512 y, int sgn, __mmask1
     return count16(y, k, mid_of(q->mid, k, sgn ? 8 : 16), sgn, near);
 }
 
-/* mid[k] - 8 of 64 lanes (k[r], lane i: value 16 r + i): the k packed to bytes in the order whose planes
- * unpack to the lanes' order (as dequant64's), one permute of bytes a plane for 128 entries (2 and a
- * blend for 256), where mid_of takes 4 (8) permutes of dwords and their blends for each 16. */
+/* mid[k] - 8 of 64 lanes (k[r], lane i: value 16 r + i): the k packed to bytes in lookup64's order, one
+ * permute of bytes a plane for 128 midpoints (2 and a blend for 255), where mid_of takes 4 (8) permutes of
+ * dwords and their blends for each 16. */
 AVX512 static inline void mids64(const qregs *q, const __m512i *k, __m512i *mk, int sgn) {
     __m512i c = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(k[0], q->pick, k[1]),
                                        _mm512_permutex2var_epi8(k[2], q->pick, k[3]));
-    __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i b[4];
-    for (int p = 0; p < 4; p++) {
-        b[p] = _mm512_permutex2var_epi8(q->planes[p][0], c, q->planes[p][1]);
-        if (!sgn)
-            b[p] = _mm512_mask_blend_epi8(high, b[p],
-                                          _mm512_permutex2var_epi8(q->planes[p][2], c, q->planes[p][3]));
-    }
-    __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
-    __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
-    mk[0] = _mm512_unpacklo_epi16(w01l, w23l);
-    mk[1] = _mm512_unpackhi_epi16(w01l, w23l);
-    mk[2] = _mm512_unpacklo_epi16(w01h, w23h);
-    mk[3] = _mm512_unpackhi_epi16(w01h, w23h);
+    lookup64(q->planes, c, sgn, mk);
 }
 
 AVX512 static inline __m512 dequant16(const table *t, const uint8_t *codes, __m512 absmax, __mmask16 k) {
