@@ -23,6 +23,7 @@ import torch
 from lora_lab.functional.blockwise import _midpoints, rounding_tables
 from lora_lab.kernels import cpu_adam8bit as native
 
+
 def reference(x: torch.Tensor, scale: float, signed: bool) -> torch.Tensor:
     """blockwise.py's codes of x / scale (quantize_blocks' rounding, keep_nonzero for the unsigned map); the
     non-finite by their sign."""
